@@ -1,0 +1,1 @@
+"""ETT service."""
