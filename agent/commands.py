@@ -1,0 +1,83 @@
+"""The commands a heartbeat answer carries (docs/architecture.md, "Heartbeat").
+
+Unknown fields are ignored rather than refused: a newer service may add fields an older agent
+does not need, and a refused command would leave an attempt waiting for nothing.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from agent.settings import NAME_PATTERN
+
+JobId = Annotated[str, Field(pattern=NAME_PATTERN.pattern)]  # used in paths: no "/" or ".."
+
+
+class Incoming(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Fault(Incoming):
+    attempt: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    at_step: int = Field(ge=1)
+    action: Literal["kill", "hang", "exit"]
+    code: int = Field(1, ge=0, le=255)
+
+
+class TrainerSpec(Incoming):
+    preset: str
+    overrides: dict[str, Any] = {}
+
+
+class CheckpointSpec(Incoming):
+    interval_steps: int | Literal["auto"] = 50
+    keep: int = Field(3, ge=1)
+    dir: str | None = None
+    local_dir: str | None = None
+    resume_from: str | None = None
+
+
+class LaunchCommand(Incoming):
+    type: Literal["launch"]
+    job_id: JobId
+    attempt: int = Field(ge=0)
+    node_rank: int = Field(ge=0)
+    nnodes: int = Field(ge=1)
+    nproc_per_node: int = Field(ge=1)
+    master_addr: str
+    master_port: int = Field(ge=1, le=65535)
+    trainer: TrainerSpec | None = None
+    entrypoint: list[str] | None = Field(None, min_length=1)
+    env: dict[str, str] = {}
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    hang_timeout_seconds: float = Field(120.0, gt=0)
+    init_timeout_seconds: float = Field(600.0, gt=0)
+    faults: list[Fault] = []
+
+    @model_validator(mode="after")
+    def _one_program(self) -> "LaunchCommand":
+        if (self.trainer is None) == (self.entrypoint is None):
+            raise ValueError("a launch names exactly one of trainer and entrypoint")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
+        return self
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)
+
+
+class StopCommand(Incoming):
+    type: Literal["stop"]
+    job_id: JobId
+    attempt: int = Field(ge=0)
+    reason: str = ""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)
+
+
+Command = Annotated[LaunchCommand | StopCommand, Field(discriminator="type")]
+command_adapter: TypeAdapter[LaunchCommand | StopCommand] = TypeAdapter(Command)

@@ -1,0 +1,69 @@
+"""The torchrun command line and environment of an attempt, built as lists: no shell anywhere."""
+
+import json
+import os
+import sys
+from typing import Any
+
+from agent.commands import LaunchCommand
+from agent.spool import AttemptPaths
+
+# Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
+GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
+
+
+def override_value(value: Any) -> str:
+    """Trainer overrides as the trainer's CLI reads them: strings as they are, the rest as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def trainer_argv(command: LaunchCommand) -> list[str]:
+    assert command.trainer is not None
+    argv = [sys.executable, "-m", "trainer.train", "--preset", command.trainer.preset]
+    for name, value in command.trainer.overrides.items():
+        argv += [f"--{name}", override_value(value)]
+    ckpt = command.checkpoint
+    if ckpt.dir is not None:
+        argv += ["--checkpoint.dir", ckpt.dir]
+    argv += ["--checkpoint.interval_steps", str(ckpt.interval_steps), "--checkpoint.keep", str(ckpt.keep)]
+    # The service chose the resume point; "none" keeps the trainer from guessing one of its own.
+    argv += ["--checkpoint.resume_from", ckpt.resume_from or "none"]
+    return argv
+
+
+def rank_argv(command: LaunchCommand) -> list[str]:
+    return list(command.entrypoint) if command.entrypoint is not None else trainer_argv(command)
+
+
+def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, stop_grace_seconds: float) -> list[str]:
+    """torchrun runs each rank through agent.rank_runner, which records its exit code or signal."""
+    return [
+        sys.executable, "-m", "agent.guard", str(os.getpid()), "--",
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(command.nnodes),
+        "--node-rank", str(command.node_rank),
+        "--nproc-per-node", str(command.nproc_per_node),
+        "--master-addr", command.master_addr,
+        "--master-port", str(command.master_port),
+        "--max-restarts", "0",
+        "--shutdown-timeout", str(max(1, round(stop_grace_seconds))),
+        "--no-python",
+        sys.executable, "-m", "agent.rank_runner",
+        "--ranks-file", str(paths.ranks_file),
+        "--control-dir", str(paths.control_dir),
+        "--", *rank_argv(command),
+    ]  # fmt: skip
+
+
+def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str) -> dict[str, str]:
+    # The agent's own settings (its token among them) are no business of the job.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")}
+    env.update(command.env)
+    env.update({
+        "ETT_EVENT_DIR": str(paths.events_dir),
+        "ETT_JOB_ID": command.job_id,
+        "ETT_ATTEMPT": str(command.attempt),
+        GROUP_MARKER_ENV: marker,
+        "PYTHONUNBUFFERED": "1",
+    })  # fmt: skip
+    return env

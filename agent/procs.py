@@ -1,0 +1,45 @@
+"""Finding and signalling every process of a worker group, wherever torchrun put it.
+
+torchrun starts each rank in a session of its own, so no single process group holds a worker
+group. Every process inherits the group's marker variable instead, and /proc tells us who has it.
+"""
+
+import os
+import signal
+from pathlib import Path
+
+
+def marked_pids(name: str, value: str) -> list[int]:
+    """Our user's live processes whose environment holds name=value."""
+    needle = f"{name}={value}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue  # gone, or not ours
+        if not zombie and needle in environ.split(b"\0"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def signal_marked(name: str, value: str, signum: int) -> int:
+    """Sends signum to every marked process; the number signalled."""
+    sent = 0
+    for pid in marked_pids(name, value):
+        try:
+            os.kill(pid, signum)
+            sent += 1
+        except ProcessLookupError:
+            pass
+    return sent
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass

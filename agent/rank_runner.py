@@ -1,0 +1,80 @@
+"""Runs one rank under torchrun and records how it ended, which torchrun itself does not tell.
+
+    torchrun --no-python python -m agent.rank_runner --ranks-file F --control-dir D -- ARGV...
+
+Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts and `{"rank", "exit_code"}` or
+`{"rank", "signal"}` when it ends. Stop signals are passed on to the rank (with SIGCONT, so a
+stopped rank can act on them). SIGUSR1 is the agent's "exit" fault: the runner kills the rank and
+exits with the code written in D/rank-R.exit, so torchrun and the agent see a real non-zero exit.
+The rank lives in its own process group, so torchrun's signals reach it once, through here.
+"""
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from agent.guard import set_parent_death_signal
+from agent.spool import append_json_line
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def fault_exit_file(control_dir: Path, rank: int) -> Path:
+    return control_dir / f"rank-{rank}.exit"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="agent.rank_runner")
+    parser.add_argument("--ranks-file", type=Path, required=True)
+    parser.add_argument("--control-dir", type=Path, required=True)
+    parser.add_argument("argv", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    rank_argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not rank_argv:
+        parser.error("no rank command after --")
+    rank = int(os.environ["RANK"])
+
+    set_parent_death_signal()  # torchrun gone: we go, and our rank goes with us (below)
+    if os.getppid() == 1:
+        return 1  # torchrun died before the request above took hold
+    try:
+        child = subprocess.Popen(rank_argv, process_group=0, preexec_fn=set_parent_death_signal)
+    except OSError as exc:
+        append_json_line(args.ranks_file, {"rank": rank, "exit_code": 127, "error": str(exc)})
+        return 127
+    append_json_line(args.ranks_file, {"rank": rank, "pid": child.pid, "runner_pid": os.getpid()})
+
+    fault_code: int | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+        child.send_signal(signal.SIGCONT)
+
+    def fault_exit(_signum: int, _frame: object) -> None:
+        nonlocal fault_code
+        try:
+            fault_code = int(fault_exit_file(args.control_dir, rank).read_text())
+        except (OSError, ValueError):
+            fault_code = 1
+        child.kill()
+
+    for signum in FORWARDED_SIGNALS:
+        signal.signal(signum, forward)
+    signal.signal(signal.SIGUSR1, fault_exit)
+
+    returncode = child.wait()
+    if fault_code is not None:
+        append_json_line(args.ranks_file, {"rank": rank, "exit_code": fault_code, "fault": "exit"})
+        return fault_code
+    if returncode < 0:
+        append_json_line(args.ranks_file, {"rank": rank, "signal": signal.Signals(-returncode).name})
+        return 128 - returncode
+    append_json_line(args.ranks_file, {"rank": rank, "exit_code": returncode})
+    return returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

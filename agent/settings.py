@@ -1,0 +1,61 @@
+"""The agent's one validated configuration, read from ETT_AGENT_* environment variables.
+
+The prefix is ETT_AGENT_ rather than ETT_ so an agent and a service can share a machine (and a
+shell) without one reading the other's ETT_DATA_DIR or ETT_PORT.
+"""
+
+import re
+import socket
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ETT_AGENT_", extra="forbid")
+
+    service_url: str = "http://127.0.0.1:8000"
+    token: str = Field("", repr=False)
+    name: str = Field(default_factory=socket.gethostname)
+    # Address the other nodes of a job reach this one on (used as torchrun's master address).
+    address: str = "127.0.0.1"
+    slots: int = Field(1, ge=1)
+    data_dir: Path = Path("agent-data")
+
+    heartbeat_interval_seconds: float = Field(3.0, gt=0)
+    # A heartbeat long-polls this long for commands; at most the service's own limit is used.
+    heartbeat_wait_seconds: float = Field(3.0, ge=0)
+    request_timeout_seconds: float = Field(10.0, gt=0)
+    # SIGTERM first, SIGKILL after this many seconds (stop, hang, end of a failed group).
+    stop_grace_seconds: float = Field(10.0, ge=0)
+    monitor_interval_seconds: float = Field(0.1, gt=0)
+
+    batch_max_events: int = Field(500, ge=1)
+    batch_max_age_seconds: float = Field(0.5, ge=0)
+    retry_base_seconds: float = Field(0.5, gt=0)
+    retry_max_seconds: float = Field(30.0, gt=0)
+    # Spools of ended, fully forwarded attempts are deleted; past this size the agent warns.
+    spool_max_bytes: int = Field(1 << 30, ge=1)
+    # The agent's own /metrics; 0 turns the endpoint off.
+    metrics_port: int = Field(0, ge=0, le=65535)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not NAME_PATTERN.match(name):
+            raise ValueError("ETT_AGENT_NAME must be 1-128 characters of [A-Za-z0-9._-]")
+        return name
+
+    @field_validator("service_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("ETT_AGENT_SERVICE_URL must start with http:// or https://")
+        return url.rstrip("/")
+
+    @property
+    def spool_root(self) -> Path:
+        return self.data_dir / "spool"

@@ -1,0 +1,121 @@
+"""The on-disk layout of an attempt on this node, and reading/appending JSONL files safely.
+
+    DATA_DIR/spool/JOB_ID/ATTEMPT/
+        events/rank-R.jsonl     written by the ranks (ETT_EVENT_DIR), forwarded to the service
+        events/node-NAME.jsonl  the agent's own events for this attempt, forwarded the same way
+        ranks.jsonl             rank runner records: start (pids) and end (exit code or signal)
+        control/                fault-injection requests read by the rank runners
+        torchrun.log            torchrun's and the ranks' stdout and stderr
+        ended                   written when the group is over: the spool may go once forwarded
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AttemptPaths:
+    root: Path
+
+    @classmethod
+    def of(cls, spool_root: Path, job_id: str, attempt: int) -> "AttemptPaths":
+        return cls(spool_root / job_id / str(attempt))
+
+    @property
+    def events_dir(self) -> Path:
+        return self.root / "events"
+
+    @property
+    def ranks_file(self) -> Path:
+        return self.root / "ranks.jsonl"
+
+    @property
+    def control_dir(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "torchrun.log"
+
+    @property
+    def ended_marker(self) -> Path:
+        return self.root / "ended"
+
+    def create(self) -> None:
+        self.events_dir.mkdir(parents=True, exist_ok=True)
+        self.control_dir.mkdir(exist_ok=True)
+
+
+def append_json_line(path: Path, record: dict[str, Any]) -> None:
+    """One write on an O_APPEND descriptor: concurrent writers never interleave inside a line."""
+    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tuple[list[tuple[bytes, int]], int]:
+    """Lines after `offset` that end in a newline, each with the offset just past it.
+
+    A line still being written (no newline yet) is left for the next call.
+    """
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read(max_bytes)
+    except FileNotFoundError:
+        return [], offset
+    lines = []
+    position = offset
+    start = 0
+    while (end := chunk.find(b"\n", start)) != -1:
+        position = offset + end + 1
+        lines.append((chunk[start:end], position))
+        start = end + 1
+    return lines, position
+
+
+class SpoolReader:
+    """Follows the JSONL files of one folder (or one file) from where it last stopped, in memory."""
+
+    def __init__(self) -> None:
+        self.offsets: dict[Path, int] = {}
+
+    def read(self, path: Path) -> list[dict[str, Any]]:
+        lines, self.offsets[path] = read_complete_lines(path, self.offsets.get(path, 0))
+        records = []
+        for raw, _ in lines:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue  # the forwarder sets bad lines aside; the monitor only needs good ones
+            if isinstance(record, dict):
+                records.append(record)
+        return records
+
+
+class NodeEventLog:
+    """The agent's schema-v1 events about one attempt, with seq carried on across agent restarts."""
+
+    def __init__(self, path: Path, node_name: str, attempt: int) -> None:
+        self.path = path
+        self.source = f"node:{node_name}"
+        self.attempt = attempt
+        self.seq = self._last_seq() + 1
+
+    def _last_seq(self) -> int:
+        lines, _ = read_complete_lines(self.path, 0, max_bytes=1 << 30)
+        seqs = [json.loads(raw).get("seq", -1) for raw, _ in lines if raw.strip()]
+        return max(seqs, default=-1)
+
+    def emit(self, kind: str, data: dict[str, Any], step: int | None = None) -> None:
+        event = {"kind": kind, "ts": time.time(), "attempt": self.attempt, "source": self.source,
+                 "seq": self.seq, "step": step, "data": data}
+        append_json_line(self.path, event)
+        self.seq += 1

@@ -1,0 +1,111 @@
+"""All worker groups of this node, and the attempt reports the heartbeats carry to the service."""
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.commands import LaunchCommand, StopCommand
+from agent.spool import AttemptPaths
+from agent.workers import GroupEnd, WorkerGroup, WorkerState
+
+log = logging.getLogger(__name__)
+AttemptKey = tuple[str, int]
+
+
+class ReportBook:
+    """The latest report of each attempt, shared by the monitor loop and the heartbeat threads.
+
+    An ended attempt stays in every heartbeat until one carrying its final report is answered 200.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reports: dict[AttemptKey, dict[str, Any]] = {}
+
+    def set(self, key: AttemptKey, report: dict[str, Any]) -> None:
+        with self._lock:
+            self._reports[key] = report
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._reports.values())
+
+    def acknowledge(self, sent: list[dict[str, Any]]) -> None:
+        with self._lock:
+            for report in sent:
+                key = (report["job_id"], report["attempt"])
+                if report["state"] != "running" and self._reports.get(key) is report:
+                    del self._reports[key]
+
+
+def attempt_report(job_id: str, attempt: int, state: WorkerState, end: GroupEnd | None) -> dict[str, Any]:
+    return {"job_id": job_id, "attempt": attempt, "state": state.reported,
+            "cause": end.cause if end else None, "detail": end.detail if end else "",
+            "exit_code": end.exit_code if end else None}
+
+
+class Supervisor:
+    def __init__(self, spool_root: Path, node_name: str, stop_grace_seconds: float) -> None:
+        self.spool_root = spool_root
+        self.node_name = node_name
+        self.stop_grace_seconds = stop_grace_seconds
+        self.groups: dict[AttemptKey, WorkerGroup] = {}
+        self.reports = ReportBook()
+
+    @property
+    def live_ranks(self) -> int:
+        return sum(group.live_ranks for group in self.groups.values())
+
+    def launch(self, command: LaunchCommand) -> None:
+        if command.key in self.groups:
+            log.info("attempt %s/%d already launched here; ignored", *command.key)
+            return
+        paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
+        group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds)
+        self.groups[command.key] = group
+        try:
+            group.start()
+        except OSError as exc:  # torchrun could not even be started
+            group.end, group.state = GroupEnd(WorkerState.FAILED, "exit", f"launch failed: {exc}"), WorkerState.FAILED
+        self._report(group)
+
+    def stop(self, command: StopCommand) -> None:
+        group = self.groups.get(command.key)
+        if group is None:
+            log.info("stop for attempt %s/%d, which does not run here; ignored", *command.key)
+            return
+        group.stop(command.reason)
+        self._report(group)
+
+    def poll(self) -> bool:
+        """Polls every group once; True when an attempt's reported state changed."""
+        changed = False
+        for key, group in list(self.groups.items()):
+            before = group.state.reported
+            group.poll()
+            if group.state.reported != before:
+                self._report(group)
+                changed = True
+            if group.state.is_terminal:
+                del self.groups[key]
+        return changed
+
+    def shutdown(self) -> None:
+        """Stops every group (SIGTERM, then SIGKILL after the grace) and waits for them to go."""
+        for group in self.groups.values():
+            group.stop("agent shutting down")
+        deadline = time.monotonic() + self.stop_grace_seconds + 5.0
+        while self.groups and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.05)
+        for group in self.groups.values():
+            group.kill()
+        while self.groups and time.monotonic() < deadline + 5.0:
+            self.poll()
+            time.sleep(0.05)
+
+    def _report(self, group: WorkerGroup) -> None:
+        command = group.command
+        self.reports.set(command.key, attempt_report(command.job_id, command.attempt, group.state, group.end))

@@ -1,0 +1,219 @@
+"""One attempt's worker group on this node: its state machine and its non-blocking poll.
+
+    LAUNCHING --all local ranks started--> RUNNING --torchrun exits--> SUCCEEDED | FAILED
+        |                                     |
+        +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
+
+A rank that fails makes torchrun tear the others down; the first failure recorded by a rank runner
+is the attempt's cause. A hang is torn down at once with SIGKILL: the group is broken and its
+last committed checkpoint is all that counts. A stop gets SIGTERM, then SIGKILL after a grace.
+Whatever happens, every process carrying the group's marker is SIGKILLed at the end.
+"""
+
+import enum
+import logging
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from signal import SIGKILL, SIGTERM
+from typing import Any
+
+from agent.commands import LaunchCommand
+from agent.faults import FaultInjector
+from agent.launch import GROUP_MARKER_ENV, rank_argv, torchrun_argv, worker_env
+from agent.procs import signal_group, signal_marked
+from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
+
+log = logging.getLogger(__name__)
+
+# What a rank runner's exit record passes on in a worker_exited event.
+WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error")
+
+
+class WorkerState(enum.StrEnum):
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.STOPPED)
+
+    @property
+    def reported(self) -> str:
+        """The attempt state the service knows (docs/architecture.md, Heartbeat)."""
+        return self.value if self.is_terminal else "running"
+
+
+@dataclass(frozen=True)
+class GroupEnd:
+    state: WorkerState
+    cause: str | None = None  # exit | signal | hang
+    detail: str = ""
+    exit_code: int | None = None
+
+
+def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
+    """The failure a rank runner's exit record describes, or None for a clean exit."""
+    rank = record["rank"]
+    if "signal" in record:
+        return GroupEnd(WorkerState.FAILED, "signal", f"rank {rank} killed by {record['signal']}")
+    code = record.get("exit_code")
+    if code == 0:
+        return None
+    note = " (injected fault)" if record.get("fault") else ""
+    return GroupEnd(WorkerState.FAILED, "exit", f"rank {rank} exit code {code}{note}", code)
+
+
+class WorkerGroup:
+    def __init__(self, command: LaunchCommand, paths: AttemptPaths, node_name: str, stop_grace_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.command = command
+        self.paths = paths
+        self.stop_grace_seconds = stop_grace_seconds
+        self.clock = clock
+        self.state = WorkerState.LAUNCHING
+        self.end: GroupEnd | None = None
+        self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
+        paths.create()
+        self.events = NodeEventLog(paths.events_dir / f"node-{node_name}.jsonl", node_name, command.attempt)
+        self.rank_pids: dict[int, int] = {}
+        self.runner_pids: dict[int, int] = {}
+        self.exited: dict[int, dict[str, Any]] = {}
+        self._faults = FaultInjector(command.faults, paths.control_dir)
+        self._ranks = SpoolReader()
+        self._spool = SpoolReader()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._launched_at = self._last_progress = clock()
+        self._last_step: int | None = None
+        self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
+        self._kill_at: float | None = None
+
+    @property
+    def live_ranks(self) -> int:
+        return 0 if self.state.is_terminal else len(self.rank_pids) - len(self.exited)
+
+    @property
+    def _all_exited(self) -> bool:
+        return len(self.exited) == self.command.nproc_per_node
+
+    def start(self) -> None:
+        with open(self.paths.log_file, "ab") as log_file:
+            self._proc = subprocess.Popen(
+                torchrun_argv(self.command, self.paths, self.stop_grace_seconds),
+                env=worker_env(self.command, self.paths, self.marker),
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self._launched_at = self._last_progress = self.clock()
+        self.events.emit("workers_launched", {
+            "node_rank": self.command.node_rank, "nproc_per_node": self.command.nproc_per_node,
+            "pid": self._proc.pid, "argv": rank_argv(self.command),
+        })  # fmt: skip
+        log.info("attempt %s/%d launched (torchrun pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
+
+    def stop(self, reason: str) -> None:
+        if self.state.is_terminal or self._ending is not None or self._proc is None:
+            return  # already ending: the first cause stands
+        self._ending = GroupEnd(WorkerState.STOPPED, None, f"stopped: {reason}" if reason else "stopped")
+        self.state = WorkerState.STOPPING
+        signal_group(self._proc.pid, SIGTERM)  # torchrun passes it on to the ranks
+        self._kill_at = self.clock() + self.stop_grace_seconds
+
+    def poll(self) -> bool:
+        """Looks at the group once without blocking; True when its state changed."""
+        if self.state.is_terminal or self._proc is None:
+            return False
+        before = self.state
+        now = self.clock()
+        self._read_rank_records(now)
+        self._read_progress(now)
+        if self._proc.poll() is not None:
+            self._finish()
+        elif self._kill_at is not None and now >= self._kill_at:
+            self.kill()
+        elif self._ending is None and not self._all_exited:
+            self._check_hang(now)
+        return self.state != before
+
+    def kill(self) -> None:
+        """SIGKILL to every process of the group; poll() then sees torchrun gone."""
+        self._kill_at = None
+        if self._proc is not None:
+            signal_group(self._proc.pid, SIGKILL)
+        signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
+
+    def _read_rank_records(self, now: float) -> None:
+        for record in self._ranks.read(self.paths.ranks_file):
+            rank = record.get("rank")
+            if not isinstance(rank, int):
+                continue
+            if "pid" in record:
+                self.rank_pids[rank], self.runner_pids[rank] = record["pid"], record["runner_pid"]
+                continue
+            self.exited[rank] = record
+            self.events.emit("worker_exited", {k: v for k, v in record.items() if k in WORKER_EXITED_FIELDS})
+            failure = end_of_rank(record)
+            if failure is not None and self._ending is None:
+                log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, failure.detail)
+                self._ending = failure
+                self._kill_at = now + self.stop_grace_seconds  # torchrun tears the rest down itself first
+        if self.state == WorkerState.LAUNCHING and len(self.rank_pids) == self.command.nproc_per_node:
+            self.state = WorkerState.RUNNING
+        if self._all_exited and self._kill_at is None:
+            self._kill_at = now + self.stop_grace_seconds  # torchrun should follow its ranks out
+
+    def _read_progress(self, now: float) -> None:
+        for path in sorted(self.paths.events_dir.glob("rank-*.jsonl")):
+            records = self._spool.read(path)
+            if records:
+                self._last_progress = now
+            for record in records:
+                if record.get("kind") == "step" and record.get("source") == "rank:0":
+                    step = record.get("step")
+                    if isinstance(step, int):
+                        self._last_step = max(step, self._last_step or 0)
+        if self._last_step is not None and self._faults.pending and self._ending is None:
+            self._faults.on_step(self._last_step, self.rank_pids, self.runner_pids)
+
+    def _check_hang(self, now: float) -> None:
+        if self._last_step is None:
+            waited, limit, phase = now - self._launched_at, self.command.init_timeout_seconds, "init"
+            detail = f"no first step within the init timeout of {limit:g}s"
+        else:
+            waited, limit, phase = now - self._last_progress, self.command.hang_timeout_seconds, "train"
+            detail = f"no progress for {waited:.1f}s after step {self._last_step} (hang timeout {limit:g}s)"
+        if waited < limit:
+            return
+        log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, detail)
+        self.events.emit("hang_detected", {"phase": phase, "seconds_without_progress": round(waited, 3),
+                                           "timeout_seconds": limit}, step=self._last_step)
+        self._ending = GroupEnd(WorkerState.FAILED, "hang", detail)
+        self.state = WorkerState.STOPPING
+        self.kill()
+
+    def _finish(self) -> None:
+        assert self._proc is not None
+        self._read_rank_records(self.clock())
+        leftovers = signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
+        if leftovers:
+            log.warning("attempt %s/%d: killed %d leftover processes", self.command.job_id, self.command.attempt,
+                        leftovers)
+        code = self._proc.returncode
+        if self._ending is not None:
+            self.end = self._ending
+        elif code == 0 or (self._all_exited and all(end_of_rank(r) is None for r in self.exited.values())):
+            # Every rank here succeeded: torchrun's own end (its exit barrier across nodes) is not ours.
+            self.end = GroupEnd(WorkerState.SUCCEEDED)
+        else:
+            self.end = GroupEnd(WorkerState.FAILED, "exit", f"torchrun exit code {code} (see {self.paths.log_file})",
+                                code)
+        self.state = self.end.state
+        self.paths.ended_marker.write_text(self.state.value)
+        log.info("attempt %s/%d %s %s", self.command.job_id, self.command.attempt, self.state, self.end.detail)
+

@@ -1,0 +1,9 @@
+"""All routers of API v1, collected in one place."""
+
+from fastapi import APIRouter
+
+from service.api import agents, jobs
+
+api_router = APIRouter(prefix="/api/v1")
+api_router.include_router(jobs.router)
+api_router.include_router(agents.router)

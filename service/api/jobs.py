@@ -1,0 +1,67 @@
+"""Jobs: submit, list, get, cancel."""
+
+import uuid
+
+from fastapi import APIRouter, Query, status
+from sqlalchemy import func, select
+
+from service import commands
+from service.api.deps import UserDep, VisibleJobDep
+from service.db import SessionDep
+from service.models import Job, JobState, Role
+from service.schemas.jobs import AttemptOut, JobList, JobOut, JobSpec
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+def job_out(job: Job) -> JobOut:
+    attempts = [
+        AttemptOut(
+            number=a.number, state=a.state, allocated_at=a.allocated_at, ended_at=a.ended_at, cause=a.cause,
+            detail=a.detail, resume_from=a.resume_from, nodes=[n.node.name for n in a.nodes],
+        )
+        for a in job.attempts
+    ]
+    return JobOut(
+        id=job.id, name=job.name, owner=job.owner, state=job.state, spec=JobSpec.model_validate(job.spec),
+        submitted_at=job.submitted_at, finished_at=job.finished_at, restarts=job.restarts, reason=job.reason,
+        attempts=attempts,
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep) -> JobOut:
+    job = Job(id=uuid.uuid4().hex, name=spec.name, owner=caller.subject, spec=spec.model_dump(mode="json"))
+    session.add(job)
+    session.commit()
+    return job_out(job)
+
+
+@router.get("")
+def list_jobs(
+    session: SessionDep,
+    caller: UserDep,
+    state: JobState | None = None,
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0),
+) -> JobList:
+    query = select(Job)
+    if caller.role != Role.admin:
+        query = query.where(Job.owner == caller.subject)
+    if state is not None:
+        query = query.where(Job.state == state)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    jobs = session.scalars(query.order_by(Job.submitted_at.desc(), Job.id).limit(limit).offset(offset)).all()
+    return JobList(items=[job_out(j) for j in jobs], total=total)
+
+
+@router.get("/{job_id}")
+def get_job(job: VisibleJobDep) -> JobOut:
+    return job_out(job)
+
+
+@router.post("/{job_id}/cancel")
+def cancel_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
+    commands.cancel_job(session, job)
+    session.commit()
+    return job_out(job)

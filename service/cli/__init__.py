@@ -1,0 +1,1 @@
+"""The `ett` command line."""

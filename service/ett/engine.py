@@ -1,0 +1,255 @@
+"""The ETT engine: DESIGN.md's accounting table as a fold over events.
+
+No database and no HTTP. A job's state (`JobAccount`) is bounded: one `AttemptSummary` per
+attempt, whatever the number of steps, so a report costs O(attempts). Every field is folded
+with min, max or a sum, so the state does not depend on the order events arrive in. Two things
+need more than a summary, and are injected:
+
+- the checkpoints (a start is paired with its staged/committed by (attempt, step)): a
+  `CheckpointRecord` per checkpoint, kept by the caller (a dict here, a table in the service);
+- a rollback discovered late (a restore arriving after the steps it rolls back): the sum of an
+  attempt's step durations above a step, from a `StepLookup` (an in-memory index here, an
+  indexed SQL SUM in the service). `JobAccount.settle` asks for it only when an attempt's
+  rollback point changes.
+
+Deduplication on (attempt, source, seq) is the caller's job: `apply` must see each event once.
+`MemoryJob` bundles all of it for tests, benchmarks and tools.
+"""
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+SERVICE_KINDS = frozenset({"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished"})
+AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
+TRAINER_KINDS = frozenset(
+    {
+        "init_start", "init_end", "restore_start", "restore_end", "step",
+        "ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed", "train_end",
+    }
+)  # fmt: skip
+EVENT_KINDS = SERVICE_KINDS | AGENT_KINDS | TRAINER_KINDS
+CHECKPOINT_KINDS = frozenset({"ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed"})
+CATEGORIES = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
+TIMING_SOURCE = "rank:0"  # timings come from rank 0; allocation, failure and finish from the service
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: str
+    ts: float
+    attempt: int
+    source: str
+    seq: int
+    step: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        return (self.attempt, self.source, self.seq)
+
+
+class StepLookup(Protocol):
+    def steps_above(self, attempt: int, step: int) -> tuple[int, float]:
+        """(count, summed duration) of `attempt`'s step events whose number is above `step`."""
+        ...
+
+
+@dataclass(slots=True)
+class CheckpointRecord:
+    attempt: int
+    step: int
+    started_at: float | None = None
+    staged_at: float | None = None
+    committed_at: float | None = None
+    failed_at: float | None = None
+    path: str | None = None
+    bytes: int | None = None
+
+    def blocking_seconds(self) -> float | None:
+        if self.started_at is None or self.staged_at is None:
+            return None
+        return max(0.0, self.staged_at - self.started_at)
+
+    def commit_seconds(self) -> float | None:
+        if self.started_at is None or self.committed_at is None:
+            return None
+        return max(0.0, self.committed_at - self.started_at)
+
+
+def _min(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+@dataclass
+class AttemptSummary:
+    attempt: int
+    allocated_at: float | None = None
+    first_seen_at: float | None = None  # stands in for allocated_at until that event arrives
+    failed_at: float | None = None
+    failure_cause: str | None = None
+    stopped_at: float | None = None
+    last_init_end: float | None = None
+    restore_started_at: float | None = None
+    restore_ended_at: float | None = None
+    restored_step: int | None = None
+    first_step_start: float | None = None
+    last_step_end: float | None = None
+    last_step: int | None = None
+    last_staged_at: float | None = None
+    steps: int = 0
+    step_seconds: float = 0.0
+    # Steps above `rolled_back_to` were rolled back by a later attempt (None: nothing was).
+    rolled_back_to: int | None = None
+    wasted_steps: int = 0
+    wasted_seconds: float = 0.0
+    blocking_count: int = 0
+    blocking_seconds: float = 0.0
+    commit_count: int = 0
+    commit_seconds: float = 0.0
+    committed: int = 0
+    last_committed_step: int | None = None
+
+    @property
+    def start(self) -> float | None:
+        return self.allocated_at if self.allocated_at is not None else self.first_seen_at
+
+    @property
+    def restore_seconds(self) -> float:
+        if self.restore_started_at is None or self.restore_ended_at is None:
+            return 0.0
+        return max(0.0, self.restore_ended_at - self.restore_started_at)
+
+    @property
+    def restore_point(self) -> int | None:
+        """The step this attempt went back to: its restore, 0 if it stepped without one."""
+        if self.restored_step is not None:
+            return self.restored_step
+        return 0 if self.steps else None
+
+    @property
+    def last_activity(self) -> float | None:
+        """End of the last completed activity (a background commit is not one)."""
+        ends = (self.last_step_end, self.last_staged_at, self.restore_ended_at, self.last_init_end)
+        return max((t for t in ends if t is not None), default=None)
+
+
+@dataclass
+class JobAccount:
+    """The bounded, order-independent state of one job's accounting."""
+
+    attempts: dict[int, AttemptSummary] = field(default_factory=dict)
+    finished_at: float | None = None
+    finished_state: str | None = None
+    last_event_at: float | None = None
+
+    def attempt(self, number: int) -> AttemptSummary:
+        if number not in self.attempts:
+            self.attempts[number] = AttemptSummary(number)
+        return self.attempts[number]
+
+    def apply(self, e: Event, checkpoint: CheckpointRecord | None = None) -> None:
+        """Fold one (new, deduplicated) event. Checkpoint events need their record."""
+        a = self.attempt(e.attempt)
+        self.last_event_at = _max(self.last_event_at, e.ts)
+        a.first_seen_at = _min(a.first_seen_at, e.ts)
+        if e.source == "service":
+            self._apply_service(a, e)
+        elif e.source == TIMING_SOURCE:
+            if e.kind in CHECKPOINT_KINDS:
+                if checkpoint is None:
+                    raise ValueError(f"{e.kind} needs its checkpoint record")
+                self._apply_checkpoint(a, e, checkpoint)
+            else:
+                self._apply_rank0(a, e)
+
+    def _apply_service(self, a: AttemptSummary, e: Event) -> None:
+        if e.kind == "attempt_allocated":
+            a.allocated_at = _min(a.allocated_at, e.ts)
+        elif e.kind == "attempt_failed":
+            # The earliest report wins; ties broken on the cause so any order agrees.
+            if a.failed_at is None or (e.ts, str(e.data.get("cause"))) < (a.failed_at, str(a.failure_cause)):
+                a.failed_at, a.failure_cause = e.ts, e.data.get("cause")
+        elif e.kind == "attempt_stopped":
+            a.stopped_at = _min(a.stopped_at, e.ts)
+        elif e.kind == "job_finished" and (self.finished_at is None or e.ts < self.finished_at):
+            self.finished_at, self.finished_state = e.ts, e.data.get("state")
+
+    def _apply_rank0(self, a: AttemptSummary, e: Event) -> None:
+        if e.kind == "init_end":
+            a.last_init_end = _max(a.last_init_end, e.ts)
+        elif e.kind == "restore_start":
+            a.restore_started_at = _min(a.restore_started_at, e.ts)
+        elif e.kind == "restore_end":
+            # The last restore is the state training went on from (ties: the older step).
+            if a.restore_ended_at is None or (e.ts, -(e.step or 0)) > (a.restore_ended_at, -(a.restored_step or 0)):
+                a.restore_ended_at, a.restored_step = e.ts, e.step or 0
+        elif e.kind == "step":
+            duration = float(e.data.get("duration", 0.0))
+            a.steps += 1
+            a.step_seconds += duration
+            a.first_step_start = _min(a.first_step_start, e.ts - duration)
+            a.last_step_end = _max(a.last_step_end, e.ts)
+            a.last_step = max(a.last_step or 0, e.step or 0)
+            if a.rolled_back_to is not None and (e.step or 0) > a.rolled_back_to:
+                a.wasted_steps += 1
+                a.wasted_seconds += duration
+
+    @staticmethod
+    def _apply_checkpoint(a: AttemptSummary, e: Event, c: CheckpointRecord) -> None:
+        blocking_before, commit_before = c.blocking_seconds(), c.commit_seconds()
+        was_committed = c.committed_at is not None
+        if e.kind == "ckpt_start":
+            c.started_at = _min(c.started_at, e.ts)
+        elif e.kind == "ckpt_staged":
+            c.staged_at = _min(c.staged_at, e.ts)
+            a.last_staged_at = _max(a.last_staged_at, e.ts)
+        elif e.kind == "ckpt_committed":
+            c.committed_at = _min(c.committed_at, e.ts)
+            c.path = c.path or e.data.get("path")
+            c.bytes = c.bytes if c.bytes is not None else e.data.get("bytes")
+        else:
+            c.failed_at = _min(c.failed_at, e.ts)
+        # A record's contribution to the sums is replaced, so repeats and any order agree.
+        for before, after, name in (
+            (blocking_before, c.blocking_seconds(), "blocking"),
+            (commit_before, c.commit_seconds(), "commit"),
+        ):
+            if before != after:
+                count, seconds = f"{name}_count", f"{name}_seconds"
+                setattr(a, count, getattr(a, count) + (after is not None) - (before is not None))
+                setattr(a, seconds, getattr(a, seconds) + (after or 0.0) - (before or 0.0))
+        if c.committed_at is not None and not was_committed:
+            a.committed += 1
+            a.last_committed_step = _max(a.last_committed_step, c.step)
+
+    def settle(self, steps: StepLookup) -> None:
+        """Bring the rolled-back totals up to date: step s of attempt a is wasted iff a later
+        attempt went back to a step below s. Call after each batch of `apply`."""
+        rollback: int | None = None  # lowest restore point of the attempts after this one
+        for number in sorted(self.attempts, reverse=True):
+            a = self.attempts[number]
+            if rollback != a.rolled_back_to:
+                a.rolled_back_to = rollback
+                a.wasted_steps, a.wasted_seconds = (0, 0.0) if rollback is None else steps.steps_above(number, rollback)
+            point = a.restore_point
+            if point is not None:
+                rollback = point
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "finished_at": self.finished_at,
+            "finished_state": self.finished_state,
+            "last_event_at": self.last_event_at,
+            "attempts": [asdict(a) for _, a in sorted(self.attempts.items())],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "JobAccount":
+        attempts = {a["attempt"]: AttemptSummary(**a) for a in d.get("attempts", [])}
+        return cls(attempts, d.get("finished_at"), d.get("finished_state"), d.get("last_event_at"))

@@ -1,0 +1,162 @@
+"""A job's ETT report (the shape of DESIGN.md) from its settled `JobAccount`, in O(attempts).
+
+Each attempt owns the span from its allocation to the next attempt's allocation (the last one:
+to `job_finished`, or now). Inside it, by DESIGN.md's table:
+
+    init        allocation -> first step start, less the restore (no step: to the last
+                init_end/restore_end if the attempt ended, to now if it is still starting)
+    restore     restore_start -> restore_end
+    productive  kept steps;  wasted: rolled-back steps (see JobAccount.settle)
+    checkpoint  ckpt_start -> ckpt_staged
+    recovery    a failed attempt's last completed activity -> the next allocation
+                (to now while the job waits for it; nothing once the job has finished)
+    idle        the rest of the span
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from service.ett.engine import CATEGORIES, AttemptSummary, JobAccount
+
+
+@dataclass(frozen=True)
+class AttemptSpan:
+    summary: AttemptSummary
+    start: float
+    end: float
+    next: AttemptSummary | None
+    ongoing: bool  # the job's current attempt, not ended yet
+
+
+def attempt_spans(account: JobAccount, window_end: float) -> list[AttemptSpan]:
+    ordered = [a for _, a in sorted(account.attempts.items()) if a.start is not None]
+    spans = []
+    for i, a in enumerate(ordered):
+        nxt = ordered[i + 1] if i + 1 < len(ordered) else None
+        end = nxt.start if nxt is not None else window_end
+        ended = nxt is not None or account.finished_at is not None or a.failed_at is not None or a.stopped_at is not None
+        spans.append(AttemptSpan(a, a.start, max(a.start, end), nxt, not ended))
+    return spans
+
+
+def attempt_seconds(span: AttemptSpan, job_finished: bool) -> dict[str, float]:
+    """Seconds by category inside one attempt's span (idle is what is left)."""
+    a = span.summary
+    restore = a.restore_seconds
+    if a.first_step_start is not None:
+        init = a.first_step_start - span.start - restore
+    elif span.ongoing:
+        init = span.end - span.start - restore
+    else:
+        ready = max((t for t in (a.last_init_end, a.restore_ended_at) if t is not None), default=None)
+        init = ready - span.start - restore if ready is not None else 0.0
+    recovery = 0.0
+    if a.failed_at is not None and (span.next is not None or not job_finished):
+        recovery = span.end - max(span.start, a.last_activity or span.start)
+    seconds = {
+        "productive": a.step_seconds - a.wasted_seconds,
+        "wasted": a.wasted_seconds,
+        "checkpoint_save": a.blocking_seconds,
+        "restore": restore,
+        "init": init,
+        "recovery": recovery,
+    }
+    seconds = {k: max(0.0, v) for k, v in seconds.items()}
+    seconds["idle"] = max(0.0, (span.end - span.start) - sum(seconds.values()))
+    return seconds
+
+
+def window_of(account: JobAccount, now: float) -> tuple[float, float] | None:
+    starts = [a.start for a in account.attempts.values() if a.start is not None]
+    if not starts:
+        return None
+    start = min(starts)
+    if account.finished_at is not None:
+        end = account.finished_at
+    else:  # a clock slightly ahead must not make the window shorter than its events
+        end = max(now, account.last_event_at or now)
+    return start, max(start, end)
+
+
+def _failures(spans: list[AttemptSpan]) -> list[dict[str, Any]]:
+    failures = []
+    progress = 0  # the step the model was at when each attempt ended
+    for span in spans:
+        a, nxt = span.summary, span.next
+        if a.steps:
+            progress = a.last_step or 0
+        elif a.restored_step is not None:
+            progress = a.restored_step
+        if a.failed_at is None:
+            continue
+        ttr = None
+        if nxt is not None and nxt.first_step_start is not None:
+            since = a.last_step_end if a.last_step_end is not None else (a.last_activity or span.start)
+            ttr = max(0.0, nxt.first_step_start - since)
+        went_back_to = nxt.restore_point if nxt is not None else None
+        lost = max(0, progress - went_back_to) if went_back_to is not None else 0
+        failures.append(
+            {"attempt": a.attempt, "cause": a.failure_cause, "at": a.failed_at,
+             "time_to_recover_seconds": ttr, "lost_steps": lost}
+        )  # fmt: skip
+    return failures
+
+
+def young_interval(blocking_seconds: float | None, mtbf_seconds: float | None) -> float | None:
+    """Young's optimal checkpoint interval: sqrt(2 * checkpoint cost * MTBF)."""
+    if blocking_seconds is None or mtbf_seconds is None:
+        return None
+    return math.sqrt(2.0 * blocking_seconds * mtbf_seconds)
+
+
+def build_report(
+    account: JobAccount,
+    *,
+    job_id: str,
+    state: str,
+    now: float,
+    submitted_at: float | None = None,
+    fleet_mtbf_seconds: float | None = None,
+) -> dict[str, Any]:
+    window = window_of(account, now)
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    spans: list[AttemptSpan] = []
+    wall = 0.0
+    if window is not None:
+        wall = window[1] - window[0]
+        spans = attempt_spans(account, window[1])
+        for span in spans:
+            for k, v in attempt_seconds(span, account.finished_at is not None).items():
+                seconds[k] += v
+    queue_end = window[0] if window is not None else now
+    failures = _failures(spans)
+    attempts = [s.summary for s in spans]
+    first_steps = [a.first_step_start for a in attempts if a.first_step_start is not None]
+    blocking_count = sum(a.blocking_count for a in attempts)
+    commit_count = sum(a.commit_count for a in attempts)
+    mean_blocking = sum(a.blocking_seconds for a in attempts) / blocking_count if blocking_count else None
+    mtbf = wall / len(failures) if failures else None
+    return {
+        "job_id": job_id,
+        "state": state,
+        "wall_seconds": wall,
+        "queued_seconds": max(0.0, queue_end - submitted_at) if submitted_at is not None else 0.0,
+        "ett_percent": 100.0 * seconds["productive"] / wall if wall > 0 else 0.0,
+        "seconds": seconds,
+        "time_to_start_seconds": min(first_steps) - window[0] if first_steps and window else None,
+        "failures": failures,
+        "restarts": max(0, len(attempts) - 1),
+        "mtbf_seconds": mtbf,
+        "checkpoints": {
+            "committed": sum(a.committed for a in attempts),
+            "last_committed_step": max(
+                (a.last_committed_step for a in attempts if a.last_committed_step is not None), default=None
+            ),
+            "mean_blocking_seconds": mean_blocking,
+            "mean_commit_seconds": sum(a.commit_seconds for a in attempts) / commit_count if commit_count else None,
+        },
+        "recommended_checkpoint_interval_seconds": young_interval(
+            mean_blocking, mtbf if mtbf is not None else fleet_mtbf_seconds
+        ),
+    }

@@ -1,0 +1,92 @@
+"""The FastAPI application: settings, database, routers, error shapes, request limits."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api import api_router
+from service.api.health import router as health_router
+from service.commands import CommandBell
+from service.db import make_engine, make_session_factory
+from service.migrate import check_at_head
+from service.settings import Settings, get_settings
+
+
+class BodySizeLimit:
+    """Answers 413 to bodies over the limit, declared or streamed, before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen, rejected = 0, False
+
+        async def counting_receive() -> Message:
+            nonlocal seen, rejected
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes and not rejected:
+                # Answer now and tell the app the client left, so it stops reading and its reply is dropped.
+                rejected = True
+                await self._too_large(scope, receive, send)
+            return {"type": "http.disconnect"} if rejected else message
+
+        async def guarded_send(message: Message) -> None:
+            if not rejected:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        detail = f"request body over the limit of {self.max_bytes} bytes"
+        await JSONResponse({"detail": detail}, status.HTTP_413_CONTENT_TOO_LARGE)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def field_path(loc: tuple | list) -> str:
+    # ("body", "events", 3, "ts") -> "events.3.ts": the path a person finds in the JSON they sent.
+    parts = [str(p) for p in loc]
+    return ".".join(parts[1:] if parts and parts[0] in ("body", "query", "path") else parts) or "body"
+
+
+async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = [{"field": field_path(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+    # The input is not echoed back: it may hold secrets (env values of a job spec).
+    return JSONResponse({"detail": errors}, status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = make_engine(settings.resolved_database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        check_at_head(engine)
+        app.state.bell.bind(asyncio.get_running_loop())
+        yield
+        engine.dispose()
+
+    app = FastAPI(title="ETT", version="1", lifespan=lifespan, docs_url="/docs")
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessions = make_session_factory(engine)
+    app.state.bell = CommandBell()
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.include_router(health_router)
+    app.include_router(api_router)
+    return app

@@ -1,0 +1,174 @@
+"""SQLAlchemy 2.0 typed models: the service's whole state."""
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Enum, ForeignKey, Integer, MetaData, String, TypeDecorator, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Stores UTC and always hands back an aware datetime (SQLite forgets the zone)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given; use UTC-aware datetimes")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime}
+
+
+class Role(enum.StrEnum):
+    admin = "admin"
+    user = "user"
+    agent = "agent"
+
+
+class JobState(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class AttemptState(enum.StrEnum):
+    allocated = "allocated"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    stopped = "stopped"
+
+
+class NodeState(enum.StrEnum):
+    idle = "idle"
+    busy = "busy"
+    lost = "lost"
+
+
+def _enum(cls: type[enum.Enum]) -> Enum:
+    # Stored as plain strings: adding a state needs no ALTER TYPE on PostgreSQL.
+    return Enum(cls, native_enum=False, length=16, validate_strings=True)
+
+
+class Token(Base):
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    subject: Mapped[str] = mapped_column(String(128))
+    role: Mapped[Role] = mapped_column(_enum(Role))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked: Mapped[bool] = mapped_column(default=False)
+
+
+class Node(Base):
+    """An agent: one per machine."""
+
+    __tablename__ = "nodes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    slots: Mapped[int] = mapped_column(Integer)
+    state: Mapped[NodeState] = mapped_column(_enum(NodeState), default=NodeState.idle, index=True)
+    token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id"))
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Service clock minus agent clock, measured at the last heartbeat.
+    clock_offset_seconds: Mapped[float] = mapped_column(default=0.0)
+    clock_skew_flagged: Mapped[bool] = mapped_column(default=False)
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.queued, index=True)
+    spec: Mapped[dict[str, Any]]
+    submitted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+    restarts: Mapped[int] = mapped_column(default=0)
+    # Why a job ended in failed or cancelled, for people.
+    reason: Mapped[str | None] = mapped_column(String(512))
+
+    attempts: Mapped[list["Attempt"]] = relationship(
+        back_populates="job", order_by="Attempt.number", cascade="all, delete-orphan"
+    )
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    number: Mapped[int]
+    state: Mapped[AttemptState] = mapped_column(_enum(AttemptState), default=AttemptState.allocated)
+    allocated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
+    cause: Mapped[str | None] = mapped_column(String(16))
+    detail: Mapped[str | None] = mapped_column(String(512))
+    master_addr: Mapped[str] = mapped_column(String(255))
+    master_port: Mapped[int]
+    resume_from: Mapped[str | None] = mapped_column(String(1024))
+
+    job: Mapped[Job] = relationship(back_populates="attempts")
+    nodes: Mapped[list["AttemptNode"]] = relationship(
+        back_populates="attempt", order_by="AttemptNode.node_rank", cascade="all, delete-orphan"
+    )
+
+
+class AttemptNode(Base):
+    """One node's share of an attempt: its node rank and what its agent last reported."""
+
+    __tablename__ = "attempt_nodes"
+    __table_args__ = (UniqueConstraint("attempt_id", "node_rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
+    node_rank: Mapped[int]
+    state: Mapped[AttemptState] = mapped_column(_enum(AttemptState), default=AttemptState.allocated)
+
+    attempt: Mapped[Attempt] = relationship(back_populates="nodes")
+    node: Mapped[Node] = relationship()
+
+
+class AgentCommand(Base):
+    """A command waiting for (or already handed to) one agent."""
+
+    __tablename__ = "agent_commands"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
+    payload: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(index=True)

@@ -1,0 +1,89 @@
+"""The job spec of DESIGN.md and the job views the API returns."""
+
+from datetime import datetime
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+
+from service.models import AttemptState, JobState
+from service.schemas import Strict
+
+JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+OverrideValue = str | int | float | bool
+
+
+class TrainerSpec(Strict):
+    preset: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "cpu-demo"
+    overrides: dict[Annotated[str, StringConstraints(pattern=r"^[a-z_]+(\.[a-z_]+)+$")], OverrideValue] = {}
+
+
+class CheckpointSpec(Strict):
+    interval_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
+    keep: Annotated[int, Field(ge=1, le=1000)] = 3
+    dir: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")] | None = None
+
+
+class FaultSpec(Strict):
+    attempt: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    at_step: Annotated[int, Field(ge=1)]
+    action: Literal["kill", "hang", "exit"]
+    code: Annotated[int, Field(ge=1, le=255)] | None = None
+
+    @model_validator(mode="after")
+    def _code_only_for_exit(self) -> Self:
+        if (self.action == "exit") != (self.code is not None):
+            raise ValueError("code is required for action 'exit' and only for it")
+        return self
+
+
+class JobSpec(Strict):
+    name: JobName
+    nodes: Annotated[int, Field(ge=1, le=4096)] = 1
+    procs_per_node: Annotated[int, Field(ge=1, le=64)] = 1
+    trainer: TrainerSpec = TrainerSpec()
+    entrypoint: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | None = None
+    max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 120
+    faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
+    env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_target_real_ranks(cls, faults: list[FaultSpec], info: ValidationInfo) -> list[FaultSpec]:
+        world = info.data.get("nodes", 1) * info.data.get("procs_per_node", 1)
+        for index, fault in enumerate(faults):
+            if fault.rank >= world:
+                raise ValueError(f"faults.{index}.rank: rank {fault.rank} does not exist in a job of {world} ranks")
+        return faults
+
+
+class AttemptOut(BaseModel):
+    number: int
+    state: AttemptState
+    allocated_at: datetime
+    ended_at: datetime | None
+    cause: str | None
+    detail: str | None
+    resume_from: str | None
+    nodes: list[str]
+
+
+class JobOut(BaseModel):
+    id: str
+    name: str
+    owner: str
+    state: JobState
+    spec: JobSpec
+    submitted_at: datetime
+    finished_at: datetime | None
+    restarts: int
+    reason: str | None
+    attempts: list[AttemptOut]
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    total: int

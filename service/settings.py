@@ -1,0 +1,47 @@
+"""The service's one validated configuration, read from ETT_* environment variables."""
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ETT_", extra="ignore")
+
+    data_dir: Path = Path("data")
+    # Empty means a SQLite file in data_dir; PostgreSQL is given by URL
+    # (postgresql+psycopg://user:pass@host/db).
+    database_url: str = ""
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Agents whose heartbeats stop for this long are declared lost.
+    heartbeat_timeout_seconds: float = Field(15.0, gt=0)
+    # Longest a heartbeat may wait for a command (long-poll).
+    max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
+    # An agent clock further off than this is flagged in the node's state.
+    max_clock_skew_seconds: float = Field(5.0, gt=0)
+    # Checkpoints of jobs go under this folder unless the job names its own.
+    checkpoint_root: Path | None = None
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_backend(cls, url: str) -> str:
+        if url and not url.startswith(("sqlite", "postgresql")):
+            raise ValueError("ETT_DATABASE_URL must be a sqlite:// or postgresql+psycopg:// URL")
+        return url
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir.resolve() / 'ett.db'}"
+
+    @property
+    def resolved_checkpoint_root(self) -> Path:
+        return (self.checkpoint_root or self.data_dir / "checkpoints").resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

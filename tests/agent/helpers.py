@@ -1,0 +1,68 @@
+"""Helpers shared by the agent tests: launch commands for the fake rank, waiting, the process table."""
+
+import json
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agent.commands import LaunchCommand, command_adapter
+from agent.supervisor import Supervisor
+
+FAKE_RANK = Path(__file__).parent / "scripts" / "fake_rank.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(*fake_args: str, nproc: int = 2, **fields: Any) -> LaunchCommand:
+    command = {
+        "type": "launch", "job_id": uuid.uuid4().hex, "attempt": 0, "node_rank": 0, "nnodes": 1,
+        "nproc_per_node": nproc, "master_addr": "127.0.0.1", "master_port": free_port(),
+        "entrypoint": [sys.executable, str(FAKE_RANK), *fake_args],
+        "hang_timeout_seconds": 30, "init_timeout_seconds": 60,
+    } | fields  # fmt: skip
+    return command_adapter.validate_python(command)
+
+
+def run_to_end(supervisor: Supervisor, timeout: float = 30.0) -> dict[str, Any]:
+    """Polls like the daemon's monitor loop until the only attempt ends; its final report."""
+    [key] = supervisor.groups
+    deadline = time.monotonic() + timeout
+    while supervisor.groups:
+        assert time.monotonic() < deadline, f"attempt still {supervisor.groups[key].state} after {timeout}s"
+        supervisor.poll()
+        time.sleep(0.05)
+    [report] = supervisor.reports.snapshot()
+    return report
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(interval)
+    return result
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Live (non-zombie) processes whose environment has name=value, read straight from /proc."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and f"{name}={value}".encode() in environ:
+            found.append(int(proc.name))
+    return found
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,68 @@
+"""A stand-in for a trainer rank: writes schema-v1 events to the spool and steps, no torch.
+
+Behaviour is chosen by flags so each agent test can ask for one way of ending.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--step-seconds", type=float, default=0.05)
+parser.add_argument("--exit-code", type=int, default=0, help="exit code after the last step")
+parser.add_argument("--fail-rank", type=int, default=None, help="rank that fails (default: every rank)")
+parser.add_argument("--fail-at-step", type=int, default=None)
+parser.add_argument("--fail-code", type=int, default=1)
+parser.add_argument("--fail-signal", default=None, help="kill itself with this signal instead of exiting")
+parser.add_argument("--hang-at-step", type=int, default=None, help="0: hang before the first step")
+parser.add_argument("--ignore-sigterm", action="store_true")
+parser.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild")
+args = parser.parse_args()
+
+rank = int(os.environ["RANK"])
+attempt = int(os.environ.get("ETT_ATTEMPT", "0"))
+spool = os.path.join(os.environ["ETT_EVENT_DIR"], f"rank-{rank}.jsonl")
+seq = 0
+
+
+def emit(kind: str, step: int | None = None, **data: object) -> None:
+    global seq
+    event = {"kind": kind, "ts": time.time(), "attempt": attempt, "source": f"rank:{rank}", "seq": seq,
+             "step": step, "data": data}
+    with open(spool, "a") as f:
+        f.write(json.dumps(event) + "\n")
+    seq += 1
+
+
+def hang() -> None:
+    while True:
+        time.sleep(60)
+
+
+if args.ignore_sigterm:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if args.spawn_child:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+emit("init_start", pid=os.getpid())
+emit("init_end")
+if args.hang_at_step == 0:
+    hang()
+fails_here = args.fail_rank is None or args.fail_rank == rank
+for step in range(1, args.steps + 1):
+    time.sleep(args.step_seconds)
+    if rank == 0:
+        emit("step", step, duration=args.step_seconds, tokens=64, loss=1.0 / step)
+    if step == args.hang_at_step and fails_here:
+        hang()
+    if step == args.fail_at_step and fails_here:
+        if args.fail_signal:
+            os.kill(os.getpid(), signal.Signals[args.fail_signal])
+        sys.exit(args.fail_code)
+emit("train_end")
+sys.exit(args.exit_code)

@@ -1,0 +1,84 @@
+"""Shared fixtures: databases (SQLite and a real PostgreSQL), a live service, tokens."""
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from service.migrate import upgrade
+from service.models import Base
+from service.settings import Settings
+from tests.support.live import LiveService, live_service
+from tests.support.postgres import postgres_server
+
+BACKENDS = ["sqlite", "postgresql"]
+_database_numbers = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> Iterator[str]:
+    """One PostgreSQL server for the whole run; tests get their own databases on it."""
+    with postgres_server(database="ett_admin") as url:
+        yield url
+
+
+@pytest.fixture
+def new_database_url(request, tmp_path: Path):
+    """Makes an empty database of the given backend and returns its URL."""
+
+    def make(backend: str) -> str:
+        if backend == "sqlite":
+            return f"sqlite:///{tmp_path / f'ett-{next(_database_numbers)}.db'}"
+        admin_url = request.getfixturevalue("postgres_admin_url")
+        name = f"ett_{next(_database_numbers)}"
+        engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+        with engine.connect() as conn:
+            conn.execute(sa.text(f"CREATE DATABASE {name}"))
+        engine.dispose()
+        return admin_url.rsplit("/", 1)[0] + f"/{name}"
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def _migrated_urls(tmp_path_factory) -> dict[str, str]:
+    return {}
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request, tmp_path_factory, _migrated_urls: dict[str, str]) -> Iterator[str]:
+    """A database at head, one per backend for the session, emptied after each test."""
+    backend = request.param
+    if backend not in _migrated_urls:
+        if backend == "sqlite":
+            url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'ett.db'}"
+        else:
+            admin_url = request.getfixturevalue("postgres_admin_url")
+            url = admin_url.rsplit("/", 1)[0] + "/ett_api"
+            engine = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                conn.execute(sa.text("CREATE DATABASE ett_api"))
+            engine.dispose()
+        upgrade(url)
+        _migrated_urls[backend] = url
+    url = _migrated_urls[backend]
+    yield url
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        for table in reversed(Base.metadata.sorted_tables):
+            conn.execute(table.delete())
+    engine.dispose()
+
+
+@pytest.fixture
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    return Settings(database_url=database_url, data_dir=tmp_path / "data")
+
+
+@pytest.fixture
+def service(settings: Settings) -> Iterator[LiveService]:
+    """The real service on loopback, over the parametrized database."""
+    with live_service(settings) as live:
+        yield live

@@ -1,0 +1,34 @@
+"""Small factories for request bodies and rows used across the service tests."""
+
+from typing import Any
+
+import httpx
+
+
+def job_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "moe-test",
+        "nodes": 2,
+        "procs_per_node": 2,
+        "trainer": {"preset": "tiny", "overrides": {"moe.num_experts": 4, "parallel.zero": 3}},
+        "max_restarts": 2,
+        "checkpoint": {"interval_steps": 5, "keep": 2, "dir": None},
+        "hang_timeout_seconds": 30,
+        "faults": [],
+        "env": {},
+        "entrypoint": None,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def submit(client: httpx.Client, **overrides: Any) -> dict[str, Any]:
+    response = client.post("/api/v1/jobs", json=job_spec(**overrides))
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def register_agent(client: httpx.Client, name: str = "node-a", slots: int = 2) -> dict[str, Any]:
+    response = client.post("/api/v1/agents/register", json={"name": name, "address": "127.0.0.1", "slots": slots})
+    assert response.status_code == 200, response.text
+    return response.json()
