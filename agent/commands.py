@@ -22,7 +22,7 @@ class Fault(Incoming):
     rank: int = Field(ge=0)
     at_step: int = Field(ge=1)
     action: Literal["kill", "hang", "exit"]
-    code: int = Field(1, ge=0, le=255)
+    code: int | None = Field(None, ge=0, le=255)  # only for exit; 1 when not given
 
 
 class TrainerSpec(Incoming):
@@ -57,8 +57,8 @@ class LaunchCommand(Incoming):
 
     @model_validator(mode="after")
     def _one_program(self) -> "LaunchCommand":
-        if (self.trainer is None) == (self.entrypoint is None):
-            raise ValueError("a launch names exactly one of trainer and entrypoint")
+        if self.trainer is None and self.entrypoint is None:
+            raise ValueError("a launch names a trainer or an entrypoint (which wins when both are given)")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
         return self

@@ -43,7 +43,7 @@ class FaultInjector:
             elif fault.action == "hang":
                 os.kill(pid, signal.SIGSTOP)
             else:
-                fault_exit_file(self.control_dir, fault.rank).write_text(str(fault.code))
+                fault_exit_file(self.control_dir, fault.rank).write_text(str(1 if fault.code is None else fault.code))
                 os.kill(runner_pid, signal.SIGUSR1)
         except ProcessLookupError:
             log.warning("fault injection: rank %d already gone", fault.rank)

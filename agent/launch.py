@@ -5,7 +5,7 @@ import os
 import sys
 from typing import Any
 
-from agent.commands import LaunchCommand
+from agent.commands import CheckpointSpec, LaunchCommand, TrainerSpec
 from agent.spool import AttemptPaths
 
 # Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
@@ -17,12 +17,10 @@ def override_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def trainer_argv(command: LaunchCommand) -> list[str]:
-    assert command.trainer is not None
-    argv = [sys.executable, "-m", "trainer.train", "--preset", command.trainer.preset]
-    for name, value in command.trainer.overrides.items():
+def trainer_argv(trainer: TrainerSpec, ckpt: CheckpointSpec) -> list[str]:
+    argv = [sys.executable, "-m", "trainer.train", "--preset", trainer.preset]
+    for name, value in trainer.overrides.items():
         argv += [f"--{name}", override_value(value)]
-    ckpt = command.checkpoint
     if ckpt.dir is not None:
         argv += ["--checkpoint.dir", ckpt.dir]
     argv += ["--checkpoint.interval_steps", str(ckpt.interval_steps), "--checkpoint.keep", str(ckpt.keep)]
@@ -32,7 +30,11 @@ def trainer_argv(command: LaunchCommand) -> list[str]:
 
 
 def rank_argv(command: LaunchCommand) -> list[str]:
-    return list(command.entrypoint) if command.entrypoint is not None else trainer_argv(command)
+    """The job's own argv when it has one, else the trainer's."""
+    if command.entrypoint is not None:
+        return list(command.entrypoint)
+    assert command.trainer is not None  # LaunchCommand validates one of the two
+    return trainer_argv(command.trainer, command.checkpoint)
 
 
 def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, stop_grace_seconds: float) -> list[str]:

@@ -18,7 +18,7 @@ class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ETT_AGENT_", extra="forbid")
 
     service_url: str = "http://127.0.0.1:8000"
-    token: str = Field("", repr=False)
+    token: str = Field(min_length=1, repr=False)
     name: str = Field(default_factory=socket.gethostname)
     # Address the other nodes of a job reach this one on (used as torchrun's master address).
     address: str = "127.0.0.1"

@@ -42,7 +42,7 @@ class ReportBook:
 
 def attempt_report(job_id: str, attempt: int, state: WorkerState, end: GroupEnd | None) -> dict[str, Any]:
     return {"job_id": job_id, "attempt": attempt, "state": state.reported,
-            "cause": end.cause if end else None, "detail": end.detail if end else "",
+            "cause": end.cause if end else None, "detail": end.detail[:512] if end else "",
             "exit_code": end.exit_code if end else None}
 
 
@@ -57,6 +57,18 @@ class Supervisor:
     @property
     def live_ranks(self) -> int:
         return sum(group.live_ranks for group in self.groups.values())
+
+    def recover(self) -> None:
+        """Reports the attempts a previous agent run left unfinished: their groups died with it."""
+        for attempt_dir in sorted(self.spool_root.glob("*/*")):
+            paths = AttemptPaths(attempt_dir)
+            if not attempt_dir.name.isdigit() or paths.ended_marker.exists():
+                continue
+            end = GroupEnd(WorkerState.FAILED, "signal", "the agent restarted; its worker group was killed with it")
+            paths.ended_marker.write_text(end.state.value)
+            job_id, attempt = attempt_dir.parent.name, int(attempt_dir.name)
+            self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state, end))
+            log.warning("attempt %s/%d: %s", job_id, attempt, end.detail)
 
     def launch(self, command: LaunchCommand) -> None:
         if command.key in self.groups:

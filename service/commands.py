@@ -4,10 +4,10 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import event, select, update
+from sqlalchemy.orm import Session, sessionmaker
 
-from service.models import AgentCommand, AttemptState, Job, JobState, Node, utcnow
+from service.models import AgentCommand, Node, utcnow
 
 
 class CommandBell:
@@ -40,6 +40,19 @@ class CommandBell:
 
 def enqueue(session: Session, node: Node, payload: dict[str, Any]) -> None:
     session.add(AgentCommand(node_id=node.id, payload=payload))
+    # Rung after the commit (ring_on_commit), when the command is visible to the waiting heartbeat.
+    session.info.setdefault("nodes_to_wake", set()).add(node.id)
+
+
+def ring_on_commit(sessions: sessionmaker[Session], bell: CommandBell) -> None:
+    @event.listens_for(sessions, "after_commit")
+    def _ring(session: Session) -> None:
+        for node_id in session.info.pop("nodes_to_wake", ()):
+            bell.ring(node_id)
+
+    @event.listens_for(sessions, "after_rollback")
+    def _forget(session: Session) -> None:
+        session.info.pop("nodes_to_wake", None)
 
 
 def take_pending(session: Session, node_id: int) -> list[dict[str, Any]]:
@@ -56,16 +69,3 @@ def take_pending(session: Session, node_id: int) -> list[dict[str, Any]]:
 def has_pending(session: Session, node_id: int) -> bool:
     query = select(AgentCommand.id).where(AgentCommand.node_id == node_id, AgentCommand.delivered_at.is_(None))
     return session.scalar(query.limit(1)) is not None
-
-
-def cancel_job(session: Session, job: Job) -> None:
-    if job.state not in (JobState.queued, JobState.running):
-        return
-    job.state = JobState.cancelled
-    job.finished_at = utcnow()
-    job.reason = "cancelled"
-    for attempt in job.attempts:
-        if attempt.state in (AttemptState.allocated, AttemptState.running):
-            for share in attempt.nodes:
-                enqueue(session, share.node, {"type": "stop", "job_id": job.id, "attempt": attempt.number,
-                                              "reason": "cancelled"})

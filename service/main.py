@@ -1,20 +1,26 @@
 """The FastAPI application: settings, database, routers, error shapes, request limits."""
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import api_router
 from service.api.health import router as health_router
-from service.commands import CommandBell
+from service import scheduler
+from service.commands import CommandBell, ring_on_commit
 from service.db import make_engine, make_session_factory
 from service.migrate import check_at_head
 from service.settings import Settings, get_settings
+
+log = logging.getLogger("ett.service")
 
 
 class BodySizeLimit:
@@ -68,6 +74,25 @@ async def validation_error(_request: Request, exc: RequestValidationError) -> JS
     return JSONResponse({"detail": errors}, status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
+async def run_scheduler(app: FastAPI, wake: asyncio.Event, stop: asyncio.Event) -> None:
+    """Ticks the scheduler when woken (a submit, an attempt report) or every period at the latest."""
+    settings: Settings = app.state.settings
+
+    def tick_once() -> None:
+        with app.state.sessions() as session:
+            scheduler.tick(session, settings)
+            session.commit()
+
+    while not stop.is_set():
+        try:
+            await run_in_threadpool(tick_once)
+        except Exception:
+            log.exception("scheduler tick failed; retrying next period")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), settings.scheduler_period_seconds)
+        wake.clear()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -76,8 +101,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_at_head(engine)
-        app.state.bell.bind(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        app.state.bell.bind(loop)
+        wake = asyncio.Event()
+        app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
+        stop = asyncio.Event()
+        task = asyncio.create_task(run_scheduler(app, wake, stop))
         yield
+        stop.set()
+        wake.set()
+        await task  # lets a tick in flight finish: no transaction outlives the app
         engine.dispose()
 
     app = FastAPI(title="ETT", version="1", lifespan=lifespan, docs_url="/docs")
@@ -85,6 +118,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = make_session_factory(engine)
     app.state.bell = CommandBell()
+    app.state.wake_scheduler = lambda: None  # replaced once the event loop runs
+    ring_on_commit(app.state.sessions, app.state.bell)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.include_router(health_router)

@@ -4,7 +4,9 @@ import enum
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Enum, ForeignKey, Integer, MetaData, String, TypeDecorator, UniqueConstraint
+from sqlalchemy import (
+    JSON, BigInteger, DateTime, Enum, ForeignKey, Index, Integer, MetaData, String, TypeDecorator, UniqueConstraint,
+)  # fmt: skip
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 NAMING_CONVENTION = {
@@ -139,6 +141,8 @@ class Attempt(Base):
     master_addr: Mapped[str] = mapped_column(String(255))
     master_port: Mapped[int]
     resume_from: Mapped[str | None] = mapped_column(String(1024))
+    # Sequence number of the last event the service emitted for this attempt.
+    service_seq: Mapped[int] = mapped_column(default=0)
 
     job: Mapped[Job] = relationship(back_populates="attempts")
     nodes: Mapped[list["AttemptNode"]] = relationship(
@@ -172,3 +176,64 @@ class AgentCommand(Base):
     payload: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column(index=True)
+
+
+# ---- ETT: events, checkpoints and per-job accounting (service/ingest.py, service/ett/) ----
+# Times here are unix seconds on the service's clock (UTC), as in the events themselves.
+
+
+class JobEvent(Base):
+    """One schema-v1 event, kept once per (job, attempt, source, seq)."""
+
+    __tablename__ = "events"
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "source", "seq"),
+        # Rolled-back step time is summed over (job, attempt, step) ranges.
+        Index("ix_events_job_id_kind_attempt_step", "job_id", "kind", "attempt", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    source: Mapped[str] = mapped_column(String(160))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    kind: Mapped[str] = mapped_column(String(32))
+    ts: Mapped[float]
+    # Added to the emitter's ts to get `ts`: the node's measured clock offset (0 for replays).
+    clock_offset_seconds: Mapped[float] = mapped_column(default=0.0)
+    step: Mapped[int | None]
+    duration: Mapped[float | None]  # data.duration of `step` events, summed by the rollback lookup
+    data: Mapped[dict[str, Any]]
+
+
+class Checkpoint(Base):
+    """A checkpoint's life (ckpt_start, _staged, _committed, _failed); committed ones are the
+    catalog the scheduler resumes from."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    step: Mapped[int]
+    started_at: Mapped[float | None]
+    staged_at: Mapped[float | None]
+    committed_at: Mapped[float | None]
+    failed_at: Mapped[float | None]
+    path: Mapped[str | None] = mapped_column(String(1024))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class JobAccountRow(Base):
+    """A job's ETT accounting state (service.ett.engine.JobAccount), kept up to date by ingestion
+    so a report reads one row. The columns beside it serve fleet-wide queries."""
+
+    __tablename__ = "ett_accounts"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    account: Mapped[dict[str, Any]]
+    window_start: Mapped[float | None]
+    finished_at: Mapped[float | None]
+    failures: Mapped[int] = mapped_column(default=0)
+    events: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -1,22 +1,233 @@
-"""Scheduling decisions: what the service does with the attempt states agents report."""
+"""Gang scheduling and restart decisions.
 
+Every function here works inside the caller's transaction, which the caller commits. Allocation
+locks the job and the nodes it takes (FOR UPDATE SKIP LOCKED on PostgreSQL), so several service
+processes never hand one node two attempts; SQLite has a single writer and one process.
+"""
+
+import time
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.models import Attempt, AttemptNode, AttemptState, Node
+from service import commands
+from service.models import Attempt, AttemptNode, AttemptState, Job, JobState, Node, NodeState
 from service.schemas.agents import AttemptReport
+from service.settings import Settings
+from service.timeline import emit
+
+ACTIVE = (AttemptState.allocated, AttemptState.running)
+# The trainer's exit code for a bad configuration: retrying cannot help (trainer/config.py).
+CONFIG_ERROR_EXIT_CODE = 3
 
 
-def on_reports(session: Session, node: Node, reports: Sequence[AttemptReport]) -> None:
-    """Records each reported attempt state on the node's share of that attempt."""
+def _at(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def on_reports(session: Session, node: Node, reports: Sequence[AttemptReport], now: float) -> None:
+    """Applies the attempt states an agent reports for its share of each attempt."""
     for report in reports:
         share = session.scalar(
-            select(AttemptNode)
-            .join(Attempt)
+            select(AttemptNode).join(Attempt)
             .where(Attempt.job_id == report.job_id, Attempt.number == report.attempt, AttemptNode.node_id == node.id)
-        )
-        if share is not None:
-            share.state = AttemptState(report.state)
+        )  # fmt: skip
+        if share is None or share.state not in ACTIVE:
+            continue
+        share.state = AttemptState(report.state)
+        attempt = share.attempt
+        if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
+            attempt.state = AttemptState.running
+        elif share.state == AttemptState.failed:
+            detail = report.detail or f"{report.cause} on {node.name}"
+            fail_attempt(session, attempt, report.cause or "exit", detail, now, exit_code=report.exit_code)
+        elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
+            # The agent stopped it without being told to (an agent restart): the attempt is lost.
+            fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
+        elif share.state == AttemptState.succeeded and all(s.state == AttemptState.succeeded for s in attempt.nodes):
+            attempt.state, attempt.ended_at = AttemptState.succeeded, _at(now)
+            finish_job(session, attempt.job, JobState.succeeded, None, now)
+        if share.state not in ACTIVE:
+            _release(share.node)
 
+
+def _release(node: Node) -> None:
+    if node.state == NodeState.busy:
+        node.state = NodeState.idle
+
+
+def fail_attempt(
+    session: Session, attempt: Attempt, cause: str, detail: str, now: float, exit_code: int | None = None
+) -> None:
+    """Ends an attempt as failed, stops its other nodes, and fails the job if it may not restart."""
+    if attempt.state not in ACTIVE:
+        return
+    attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, _at(now)
+    emit(session, attempt.job_id, attempt.number, "attempt_failed", now, {"cause": cause, "detail": detail})
+    _stop_shares(session, attempt, "attempt failed")
+    job = attempt.job
+    if job.state != JobState.running:
+        return
+    if exit_code == CONFIG_ERROR_EXIT_CODE:
+        finish_job(session, job, JobState.failed, f"configuration error (exit code {exit_code}), not retried: {detail}",
+                   now)
+    elif job.restarts >= job.spec["max_restarts"]:
+        finish_job(session, job, JobState.failed, f"failed after {job.restarts} restarts: {detail}", now)
+
+
+def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:
+    for share in attempt.nodes:
+        if share.state in ACTIVE:
+            stop = {"type": "stop", "job_id": attempt.job_id, "attempt": attempt.number, "reason": reason}
+            commands.enqueue(session, share.node, stop)
+
+
+def finish_job(session: Session, job: Job, state: JobState, reason: str | None, now: float) -> None:
+    job.state, job.reason, job.finished_at = state, reason, _at(now)
+    last = job.attempts[-1].number if job.attempts else 0
+    emit(session, job.id, last, "job_finished", now, {"state": state.value})
+
+
+def cancel_job(session: Session, job: Job, now: float) -> None:
+    if job.state not in (JobState.queued, JobState.running):
+        return
+    for attempt in job.attempts:
+        if attempt.state in ACTIVE:
+            attempt.state, attempt.ended_at = AttemptState.stopped, _at(now)
+            emit(session, job.id, attempt.number, "attempt_stopped", now, {"reason": "cancelled"})
+            _stop_shares(session, attempt, "cancelled")
+    if job.state == JobState.running:
+        finish_job(session, job, JobState.cancelled, "cancelled", now)
+    else:  # never allocated: no window, so no job_finished event
+        job.state, job.reason, job.finished_at = JobState.cancelled, "cancelled", _at(now)
+
+
+def tick(session: Session, settings: Settings, now: float | None = None) -> None:
+    """One pass of the scheduler: lost nodes, stragglers, then allocation."""
+    now = time.time() if now is None else now
+    _declare_lost_nodes(session, settings, now)
+    _give_up_stragglers(session, settings, now)
+    _allocate(session, settings, now)
+
+
+def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> None:
+    deadline = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    silent = session.scalars(
+        select(Node).where(Node.state != NodeState.lost, Node.last_heartbeat_at < deadline)
+        .with_for_update(skip_locked=True)
+    ).all()  # fmt: skip
+    for node in silent:
+        node.state = NodeState.lost
+        shares = session.scalars(select(AttemptNode).where(AttemptNode.node_id == node.id,
+                                                           AttemptNode.state.in_(ACTIVE))).all()
+        for share in shares:
+            share.state = AttemptState.failed
+            detail = f"agent {node.name} sent no heartbeat for {settings.heartbeat_timeout_seconds:g} s"
+            fail_attempt(session, share.attempt, "node_lost", detail, now)
+
+
+def _give_up_stragglers(session: Session, settings: Settings, now: float) -> None:
+    """Shares of ended attempts whose agent never confirmed the stop stop holding their node."""
+    deadline = _at(now) - timedelta(seconds=settings.stop_grace_seconds)
+    stragglers = session.scalars(
+        select(AttemptNode).join(Attempt)
+        .where(AttemptNode.state.in_(ACTIVE), Attempt.state.not_in(ACTIVE), Attempt.ended_at < deadline)
+    ).all()  # fmt: skip
+    for share in stragglers:
+        share.state = AttemptState.stopped
+        _release(share.node)
+
+
+def _needs_attempt(job: Job, settings: Settings, now: float) -> bool:
+    if job.state == JobState.queued:
+        return True
+    if job.state != JobState.running or not job.attempts:
+        return False
+    last = job.attempts[-1]
+    if last.state in ACTIVE or last.ended_at is None:
+        return False
+    backoff_over = now >= last.ended_at.timestamp() + settings.restart_backoff_seconds
+    # Wait for the survivors to stop, so they can be reused and hold no stale ranks.
+    return backoff_over and all(s.state not in ACTIVE for s in last.nodes)
+
+
+def _allocate(session: Session, settings: Settings, now: float) -> None:
+    candidates = session.scalars(
+        select(Job).where(Job.state.in_((JobState.queued, JobState.running)))
+        .order_by(Job.state.desc(), Job.submitted_at)  # restarts ("running") before new jobs
+        .with_for_update(skip_locked=True)
+    ).all()  # fmt: skip
+    fresh = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    for job in candidates:
+        if not _needs_attempt(job, settings, now):
+            continue
+        spec = job.spec
+        idle = session.scalars(
+            select(Node).where(Node.state == NodeState.idle, Node.slots >= spec["procs_per_node"],
+                               Node.last_heartbeat_at >= fresh)
+            .order_by(Node.name).with_for_update(skip_locked=True)
+        ).all()  # fmt: skip
+        if len(idle) < spec["nodes"]:
+            continue  # gang: all nodes or none; smaller jobs behind may still fit
+        nodes = _prefer_previous_nodes(job, idle)[: spec["nodes"]]
+        _start_attempt(session, settings, job, nodes, now)
+
+
+def _prefer_previous_nodes(job: Job, idle: Sequence[Node]) -> list[Node]:
+    """Nodes of the last attempt first, in their old rank order: their local checkpoints are warm."""
+    previous = {s.node_id: s.node_rank for s in job.attempts[-1].nodes} if job.attempts else {}
+    return sorted(idle, key=lambda n: (previous.get(n.id, len(previous)), n.name))
+
+
+def _free_port(session: Session, settings: Settings, address: str, job: Job) -> int:
+    used = set(session.scalars(
+        select(Attempt.master_port).where(Attempt.master_addr == address, Attempt.state.in_(ACTIVE))
+    ))  # fmt: skip
+    # Step away from the previous attempt's port: its rendezvous store may not be closed yet.
+    start = (sum(job.id.encode()) + 7 * len(job.attempts)) % settings.master_port_count
+    for i in range(settings.master_port_count):
+        port = settings.master_port_first + (start + i) % settings.master_port_count
+        if port not in used:
+            return port
+    raise RuntimeError(f"no free rendezvous port on {address}")
+
+
+def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float) -> None:
+    from service.checkpoints import checkpoint_interval_steps, newest_checkpoint
+
+    number = len(job.attempts)
+    attempt = Attempt(
+        job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,
+        master_port=_free_port(session, settings, nodes[0].address, job),
+        resume_from=newest_checkpoint(session, job.id),
+    )  # fmt: skip
+    for rank, node in enumerate(nodes):
+        attempt.nodes.append(AttemptNode(node=node, node_rank=rank))
+        node.state = NodeState.busy
+    job.state, job.restarts = JobState.running, number
+    session.add(attempt)
+    session.flush()
+    emit(session, job.id, number, "attempt_allocated", now, {"nodes": [n.name for n in nodes]})
+    interval = checkpoint_interval_steps(session, job)
+    for share in attempt.nodes:
+        commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval))
+
+
+def launch_command(settings: Settings, job: Job, attempt: Attempt, share: AttemptNode, interval: int) -> dict[str, Any]:
+    spec = job.spec
+    per_node = spec["procs_per_node"]
+    first, last = share.node_rank * per_node, (share.node_rank + 1) * per_node
+    checkpoint_dir = spec["checkpoint"]["dir"] or str(settings.resolved_checkpoint_root / job.id)
+    return {
+        "type": "launch", "job_id": job.id, "attempt": attempt.number,
+        "node_rank": share.node_rank, "nnodes": spec["nodes"], "nproc_per_node": per_node,
+        "master_addr": attempt.master_addr, "master_port": attempt.master_port,
+        "trainer": spec["trainer"], "entrypoint": spec["entrypoint"], "env": spec["env"],
+        "checkpoint": {"interval_steps": interval, "keep": spec["checkpoint"]["keep"], "dir": checkpoint_dir,
+                       "resume_from": attempt.resume_from},
+        "hang_timeout_seconds": spec["hang_timeout_seconds"], "init_timeout_seconds": settings.init_timeout_seconds,
+        "faults": [f for f in spec["faults"] if f["attempt"] == attempt.number and first <= f["rank"] < last],
+    }  # fmt: skip

@@ -23,6 +23,23 @@ class Settings(BaseSettings):
     max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
     # An agent clock further off than this is flagged in the node's state.
     max_clock_skew_seconds: float = Field(5.0, gt=0)
+    # How often the scheduler looks for work it has not been woken for (lost nodes, backoffs).
+    scheduler_period_seconds: float = Field(0.5, gt=0)
+    # Pause between a failed attempt and the next one, so a crash loop does not spin.
+    restart_backoff_seconds: float = Field(1.0, ge=0)
+    # How long the surviving nodes of a failed attempt get to stop before their share is given up.
+    stop_grace_seconds: float = Field(30.0, gt=0)
+    # Limit for a rank's start-up (before its first step) given to agents for hang detection.
+    init_timeout_seconds: float = Field(600.0, gt=0)
+    # torchrun rendezvous ports are chosen from this range, unused by live attempts on the master node.
+    master_port_first: int = Field(29500, ge=1024, le=65000)
+    master_port_count: int = Field(500, ge=1, le=10000)
+    # Events: an event's `data` over this many bytes (as JSON) is refused, and so is an event
+    # dated further than this ahead of the service's clock (after the node's skew correction).
+    max_event_data_bytes: int = Field(16 * 1024, ge=256)
+    max_event_future_seconds: float = Field(300.0, ge=0)
+    # /metrics exports per-job series for running jobs and jobs finished this recently.
+    metrics_recent_seconds: float = Field(3600.0, ge=0)
     # Checkpoints of jobs go under this folder unless the job names its own.
     checkpoint_root: Path | None = None
 

@@ -44,6 +44,11 @@ class MoEConfig:
                 raise ValueError(f"moe.{name} must be >= 0, got {getattr(self, name)}")
 
 
+def expert_capacity(cfg: MoEConfig, num_tokens: int) -> int:
+    """Assignments an expert keeps from one rank's batch: capacity_factor x its fair share."""
+    return max(1, int(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts))
+
+
 @dataclass
 class Routing:
     weights_TK: torch.Tensor  # fp32 gate weight of each chosen expert
@@ -88,10 +93,26 @@ class GroupedExperts(nn.Module):
         self.w2_EFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where supported
+        self.grad_scale = 1.0  # 1/ep under expert parallelism, see trainer.parallel.parallelize
 
     def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EDF, self.w2_EFD, self.w3_EDF))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         return grouped_swiglu(x_SD, w1, w2, w3, counts_E, self.use_grouped_mm)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` on the way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 class FeedForward(nn.Module):
@@ -153,8 +174,7 @@ class MoE(nn.Module):
         self, order_S: torch.Tensor, counts_E: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the first `capacity` assignments of each expert in token order (the sort is stable)."""
-        cfg = self.cfg
-        capacity = max(1, int(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts))
+        capacity = expert_capacity(self.cfg, num_tokens)
         starts_E = counts_E.cumsum(0) - counts_E
         rank_in_expert_S = torch.arange(order_S.numel(), device=order_S.device) - starts_E.repeat_interleave(counts_E)
         return order_S[rank_in_expert_S < capacity], counts_E.clamp(max=capacity)

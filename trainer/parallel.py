@@ -48,8 +48,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> nn
     """Shard a model that holds full, identical weights on every rank (after init_weights).
 
     Expert gradients are summed over the EP group by the all-to-all backward (each rank's
-    tokens reach every expert), then reduced over "efsdp": dividing by the whole data-parallel
-    size, not the efsdp size, gives the same mean over all ranks' tokens as dense gradients.
+    tokens reach every expert), then averaged over "efsdp"; the experts scale their gradient
+    by 1/ep (GroupedExperts.grad_scale) so the result is the mean over all ranks, like dense
+    gradients. (FSDP2's set_gradient_divide_factor would do the same but needs PREMUL_SUM,
+    which gloo lacks, and gave wrong expert gradients with ZeRO-2 on a one-rank efsdp mesh.)
     """
     dp_mesh = mesh._flatten("dp")  # all ranks
     for moe in model.moe_layers():
@@ -64,15 +66,13 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> nn
         shard = dict(reshard_after_forward=cfg.zero == 3, mp_policy=mp_policy)
         for block in model.layers:
             if isinstance(block.feed_forward, MoE):
-                experts = fully_shard(block.feed_forward.experts, mesh=mesh["efsdp"], shard_placement_fn=expert_placement, **shard)
-                experts.set_gradient_divide_factor(dp_mesh.size())
+                fully_shard(block.feed_forward.experts, mesh=mesh["efsdp"], shard_placement_fn=expert_placement, **shard)
             fully_shard(block, mesh=dp_mesh, **shard)
         fully_shard(model, mesh=dp_mesh, **shard)
     else:
         for block in model.layers:
             if isinstance(block.feed_forward, MoE):
-                experts = replicate(block.feed_forward.experts, mesh=mesh["efsdp"], mp_policy=mp_policy)
-                experts.set_gradient_divide_factor(dp_mesh.size())
+                replicate(block.feed_forward.experts, mesh=mesh["efsdp"], mp_policy=mp_policy)
             replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
     return model
@@ -86,6 +86,7 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
         # DTensor, so checkpoints know each rank holds different experts.
         sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
         moe.experts.register_parameter(name, nn.Parameter(sharded))
+    moe.experts.grad_scale = 1 / ep
     moe.ep_group = ep_mesh.get_group()
 
 

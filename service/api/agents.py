@@ -59,7 +59,7 @@ def record_heartbeat(session: Session, settings: Settings, node: Node, beat: Hea
     node.stats = dict(beat.stats)
     if node.state == NodeState.lost:
         node.state = NodeState.idle
-    scheduler.on_reports(session, node, beat.attempts)
+    scheduler.on_reports(session, node, beat.attempts, received)
     session.commit()
 
 
@@ -90,6 +90,8 @@ async def heartbeat(
             return taken
 
     node_id = await run_in_threadpool(record)
+    if beat.attempts:
+        request.app.state.wake_scheduler()
     deadline = time.monotonic() + wait
     pending = await run_in_threadpool(take, node_id)
     while not pending and time.monotonic() < deadline:

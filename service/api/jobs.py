@@ -1,11 +1,12 @@
 """Jobs: submit, list, get, cancel."""
 
+import time
 import uuid
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Query, Request, status
 from sqlalchemy import func, select
 
-from service import commands
+from service import scheduler
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
 from service.models import Job, JobState, Role
@@ -30,10 +31,11 @@ def job_out(job: Job) -> JobOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep) -> JobOut:
+def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobOut:
     job = Job(id=uuid.uuid4().hex, name=spec.name, owner=caller.subject, spec=spec.model_dump(mode="json"))
     session.add(job)
     session.commit()
+    request.app.state.wake_scheduler()
     return job_out(job)
 
 
@@ -62,6 +64,6 @@ def get_job(job: VisibleJobDep) -> JobOut:
 
 @router.post("/{job_id}/cancel")
 def cancel_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
-    commands.cancel_job(session, job)
+    scheduler.cancel_job(session, job, time.time())
     session.commit()
     return job_out(job)

@@ -16,8 +16,6 @@ Deduplication on (attempt, source, seq) is the caller's job: `apply` must see ea
 `MemoryJob` bundles all of it for tests, benchmarks and tools.
 """
 
-import math
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -239,7 +237,7 @@ class JobAccount:
                 a.wasted_steps, a.wasted_seconds = (0, 0.0) if rollback is None else steps.steps_above(number, rollback)
             point = a.restore_point
             if point is not None:
-                rollback = point
+                rollback = point if rollback is None else min(rollback, point)
 
     def to_dict(self) -> dict[str, Any]:
         return {

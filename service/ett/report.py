@@ -40,30 +40,65 @@ def attempt_spans(account: JobAccount, window_end: float) -> list[AttemptSpan]:
     return spans
 
 
-def attempt_seconds(span: AttemptSpan, job_finished: bool) -> dict[str, float]:
-    """Seconds by category inside one attempt's span (idle is what is left)."""
-    a = span.summary
-    restore = a.restore_seconds
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of time [lo, hi) and its seconds by category, spread evenly over it."""
+
+    lo: float
+    hi: float
+    seconds: dict[str, float]
+
+    def clipped(self, since: float, until: float) -> dict[str, float]:
+        lo, hi = max(self.lo, since), min(self.hi, until)
+        if hi <= lo or self.hi <= self.lo:
+            return {}
+        share = 1.0 if (lo, hi) == (self.lo, self.hi) else (hi - lo) / (self.hi - self.lo)
+        return {k: v * share for k, v in self.seconds.items()}
+
+
+def _with_idle(lo: float, hi: float, seconds: dict[str, float]) -> Piece:
+    seconds = {k: max(0.0, v) for k, v in seconds.items() if v}
+    rest = max(0.0, (hi - lo) - sum(seconds.values()))
+    return Piece(lo, hi, seconds | {"idle": seconds.get("idle", 0.0) + rest})
+
+
+def attempt_pieces(span: AttemptSpan, job_finished: bool) -> list[Piece]:
+    """An attempt's span cut in three: start-up (init, restore), training (steps, saves, idle)
+    and the tail after its last activity (recovery if it failed, idle otherwise). Every piece
+    is exact; only a window cutting through the training piece spreads it evenly."""
+    a, start, end = span.summary, span.start, span.end
+    clamp = lambda t: min(max(t, start), end)  # noqa: E731
     if a.first_step_start is not None:
-        init = a.first_step_start - span.start - restore
+        head_end = clamp(a.first_step_start)
     elif span.ongoing:
-        init = span.end - span.start - restore
+        head_end = end
+    else:  # ended before its first step: start-up lasted until it was last ready
+        head_end = clamp(max((t for t in (a.last_init_end, a.restore_ended_at) if t is not None), default=start))
+    restore = a.restore_seconds
+    head: list[Piece] = []
+    lo, hi = a.restore_started_at, a.restore_ended_at
+    if restore and lo is not None and hi is not None and start <= lo and hi <= head_end:
+        head = [_with_idle(start, lo, {"init": lo - start}), _with_idle(lo, hi, {"restore": restore}),
+                _with_idle(hi, head_end, {"init": head_end - hi})]  # fmt: skip
     else:
-        ready = max((t for t in (a.last_init_end, a.restore_ended_at) if t is not None), default=None)
-        init = ready - span.start - restore if ready is not None else 0.0
-    recovery = 0.0
-    if a.failed_at is not None and (span.next is not None or not job_finished):
-        recovery = span.end - max(span.start, a.last_activity or span.start)
-    seconds = {
+        head = [_with_idle(start, head_end, {"init": head_end - start - restore, "restore": restore})]
+    tail_start = clamp(max(head_end, a.last_activity or head_end))
+    training = {
         "productive": a.step_seconds - a.wasted_seconds,
         "wasted": a.wasted_seconds,
         "checkpoint_save": a.blocking_seconds,
-        "restore": restore,
-        "init": init,
-        "recovery": recovery,
     }
-    seconds = {k: max(0.0, v) for k, v in seconds.items()}
-    seconds["idle"] = max(0.0, (span.end - span.start) - sum(seconds.values()))
+    recovering = a.failed_at is not None and (span.next is not None or not job_finished)
+    tail = {"recovery" if recovering else "idle": end - tail_start}
+    return [*head, _with_idle(head_end, tail_start, training), _with_idle(tail_start, end, tail)]
+
+
+def attempt_seconds(span: AttemptSpan, job_finished: bool) -> dict[str, float]:
+    """Seconds by category inside one attempt's span."""
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    for piece in attempt_pieces(span, job_finished):
+        for k, v in piece.seconds.items():
+            seconds[k] += v
     return seconds
 
 
@@ -79,7 +114,7 @@ def window_of(account: JobAccount, now: float) -> tuple[float, float] | None:
     return start, max(start, end)
 
 
-def _failures(spans: list[AttemptSpan]) -> list[dict[str, Any]]:
+def failures_of(spans: list[AttemptSpan]) -> list[dict[str, Any]]:
     failures = []
     progress = 0  # the step the model was at when each attempt ended
     for span in spans:
@@ -130,7 +165,7 @@ def build_report(
             for k, v in attempt_seconds(span, account.finished_at is not None).items():
                 seconds[k] += v
     queue_end = window[0] if window is not None else now
-    failures = _failures(spans)
+    failures = failures_of(spans)
     attempts = [s.summary for s in spans]
     first_steps = [a.first_step_start for a in attempts if a.first_step_start is not None]
     blocking_count = sum(a.blocking_count for a in attempts)

@@ -59,6 +59,7 @@ def upgrade() -> None:
     sa.Column('master_addr', sa.String(length=255), nullable=False),
     sa.Column('master_port', sa.Integer(), nullable=False),
     sa.Column('resume_from', sa.String(length=1024), nullable=True),
+    sa.Column('service_seq', sa.Integer(), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_attempts_job_id_jobs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_attempts')),
     sa.UniqueConstraint('job_id', 'number', name=op.f('uq_attempts_job_id'))

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.ett.engine import CATEGORIES
+from service.ett.fleet import FleetJob, fleet_report
 from service.ett.memory import MemoryJob
 from tests.service.ett.timelines import T0, Timeline
 
@@ -144,3 +145,23 @@ def test_order_batches_and_repeats_do_not_change_the_report(case, rng: random.Ra
         job.ingest(events[lo:hi])
     job.ingest(tl.events)  # and the whole timeline once more
     assert job.report(T0 + now * TICK, fleet_mtbf_seconds=100.0) == expected
+
+
+@PROPERTY_SETTINGS
+@given(timelines(), st.integers(0, 400))
+def test_fleet_windows_add_up_to_the_whole(case, cut):
+    """Two windows that meet at any instant hold the job's whole time between them."""
+    tl, now, expected = case
+    job = MemoryJob("j")
+    job.ingest(tl.events)
+    at, stop = T0 + cut * TICK / 4, T0 + now * TICK
+    jobs = [FleetJob("moe", job.account)]
+    whole = fleet_report(jobs, now=stop)
+    before = fleet_report(jobs, now=stop, until=at)
+    after = fleet_report(jobs, now=stop, since=at)
+    assert whole["seconds"] == pytest.approx(expected, abs=1e-9)
+    for category in CATEGORIES:
+        parts = before["seconds"][category] + after["seconds"][category]
+        assert parts == pytest.approx(expected[category], abs=1e-6), category
+    assert before["failures"] + after["failures"] == whole["failures"] == len(job.report(stop)["failures"])
+    assert whole["by_name"]["moe"]["seconds"] == whole["seconds"]

@@ -4,7 +4,6 @@
 2. one optimizer step gives the same parameters as the single-rank AdamW;
 3. model + optimizer saved with DCP (get_state_dict) and loaded into a differently initialised
    model give back the same parameters and optimizer state.
-Prints "OK <check> zero=Z" on rank 0 per passed check; raises on the first mismatch.
 """
 
 import argparse
@@ -45,17 +44,18 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-    if not torch.allclose(actual, expected, rtol=1e-4, atol=1e-6):
-        raise AssertionError(f"{name}: max abs diff {(actual - expected).abs().max().item():.3g}")
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6) -> None:
+    if not torch.allclose(actual, expected, rtol=1e-4, atol=atol):
+        raise AssertionError(f"{name}: max abs diff {(actual - expected).abs().max().item():.3g} ratio {(actual.norm() / expected.norm()).item():.4g}")
 
 
-def report(check: str, zero: int) -> None:
+def report(check: str, ep: int, zero: int) -> None:
     if dist.get_rank() == 0:
-        print(f"OK {check} zero={zero}", flush=True)
+        print(f"OK {check} ep={ep} zero={zero}", flush=True)
 
 
 def check_stage(zero: int, ep: int, ckpt_dir: str) -> None:
+    """Raises on the first mismatch; prints "OK <check> ep=E zero=Z" on rank 0 per passed check."""
     world = dist.get_world_size()
     reference = build_model(seed=0)
     ref_loss = sum(loss_of(reference, batch(r)) for r in range(world)) / world
@@ -74,14 +74,16 @@ def check_stage(zero: int, ep: int, ckpt_dir: str) -> None:
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert_close(f"grad {name}", full(p.grad), ref_params[name].grad)
-    report("gradients", zero)
+    report("gradients", ep, zero)
 
     optim.step()
+    # Adam's first step is g / (|g| + eps): gradients of ~1e-8 differing in the last bits
+    # move a weight by up to ~1e-5 with lr 1e-2; a wrong update would be of the order of lr.
     for name, p in model.named_parameters():
-        assert_close(f"param {name}", full(p.detach()), ref_params[name].detach())
-    report("optimizer-step", zero)
+        assert_close(f"param {name}", full(p.detach()), ref_params[name].detach(), atol=2e-5)
+    report("optimizer-step", ep, zero)
 
-    path = f"{ckpt_dir}/zero{zero}"
+    path = f"{ckpt_dir}/ep{ep}-zero{zero}"
     model_sd, optim_sd = get_state_dict(model, optim)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     restored = parallelize(build_model(seed=1), build_mesh(cfg, world, "cpu"), cfg)
@@ -96,20 +98,21 @@ def check_stage(zero: int, ep: int, ckpt_dir: str) -> None:
     for name in sorted(set(saved) | set(loaded)):
         for key in ("exp_avg", "exp_avg_sq"):
             assert_close(f"restored {key} {name}", full(loaded[name][key]), full(saved[name][key]))
-    report("dcp-roundtrip", zero)
+    report("dcp-roundtrip", ep, zero)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ep", type=int, required=True)
+    parser.add_argument("--ep", type=int, nargs="+", required=True)
     parser.add_argument("--zero", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--ckpt-dir", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        for zero in args.zero:
-            check_stage(zero, args.ep, args.ckpt_dir)
+        for ep in args.ep:
+            for zero in args.zero:
+                check_stage(zero, ep, args.ckpt_dir)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,36 @@
+"""The service's agent endpoints (docs/architecture.md, "Service REST"), over one httpx client."""
+
+from typing import Any
+
+import httpx
+
+from agent.settings import AgentSettings
+
+
+class ServiceClient:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.name = settings.name
+        self.timeout = settings.request_timeout_seconds
+        self._http = httpx.Client(
+            base_url=f"{settings.service_url}/api/v1",
+            headers={"Authorization": f"Bearer {settings.token}"},
+            timeout=settings.request_timeout_seconds,
+        )
+
+    def register(self, address: str, slots: int) -> dict[str, Any]:
+        response = self._http.post("/agents/register", json={"name": self.name, "address": address, "slots": slots})
+        response.raise_for_status()
+        return response.json()
+
+    def heartbeat(self, body: dict[str, Any], wait: float) -> dict[str, Any]:
+        response = self._http.post(f"/agents/{self.name}/heartbeat", params={"wait": wait}, json=body,
+                                   timeout=self.timeout + wait)
+        response.raise_for_status()
+        return response.json()
+
+    def post_events(self, events: list[dict[str, Any]]) -> httpx.Response:
+        """The raw answer: the forwarder tells a refused event (422) from an unavailable service."""
+        return self._http.post(f"/agents/{self.name}/events", json={"events": events})
+
+    def close(self) -> None:
+        self._http.close()

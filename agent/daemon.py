@@ -1,0 +1,153 @@
+"""The agent daemon: registers, heartbeats, carries out commands, watches groups, forwards events.
+
+Threads, and why each exists:
+- main: the monitor loop. It alone starts and signals processes (the kernel ties a child's
+  parent-death signal to the thread that forked it, so that thread must live as long as we do);
+  it never blocks: commands arrive through a queue, reports leave through the ReportBook.
+- long-poll: heartbeats with ?wait=S, so commands arrive the moment the service queues them.
+- reporter: a heartbeat at once whenever an attempt's state changes, not at the next period.
+- forwarder: posts spooled events, and may sit in backoff while the service is down.
+"""
+
+import logging
+import queue
+import random
+import threading
+import time
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from agent.client import ServiceClient
+from agent.commands import LaunchCommand, command_adapter
+from agent.forward import ForwardConfig, Forwarder
+from agent.metrics import AgentStats, serve_metrics
+from agent.settings import AgentSettings
+from agent.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.stats = AgentStats()
+        self.client = ServiceClient(settings)
+        self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds)
+        self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
+                                   ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
+                                                 settings.retry_base_seconds, settings.retry_max_seconds,
+                                                 settings.spool_max_bytes))  # fmt: skip
+        self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.stopping = threading.Event()  # set by a signal: wind down
+        self._report_now = threading.Event()
+        self._heartbeats_done = threading.Event()
+        self._forwarding_done = threading.Event()
+
+    def run(self) -> None:
+        self.settings.spool_root.mkdir(parents=True, exist_ok=True)
+        if self.settings.metrics_port:
+            serve_metrics(self.stats, self.settings.metrics_port)
+        self.supervisor.recover()
+        if not self._register():
+            return
+        threads = [
+            threading.Thread(target=self._long_poll, name="long-poll", daemon=True),
+            threading.Thread(target=self._report_changes, name="reporter", daemon=True),
+            threading.Thread(target=self.forwarder.run, args=(self._forwarding_done,), name="forwarder"),
+        ]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        try:
+            self._monitor()
+        finally:
+            self.supervisor.shutdown()
+            self._heartbeats_done.set()
+            self._report_now.set()
+            self._send_heartbeat(wait=0)  # the stopped attempts, said once more on the way out
+            self._forwarding_done.set()
+            threads[2].join(timeout=self.settings.request_timeout_seconds + 1)
+            self.client.close()
+            log.info("agent %s stopped", self.settings.name)
+
+    def _monitor(self) -> None:
+        while not self.stopping.is_set():
+            while not self.commands.empty():
+                self._carry_out(self.commands.get_nowait())
+            if self.supervisor.poll():
+                self._report_now.set()
+            self.stats.processes = self.supervisor.live_ranks
+            self.stopping.wait(self.settings.monitor_interval_seconds)
+
+    def _carry_out(self, payload: dict[str, Any]) -> None:
+        try:
+            command = command_adapter.validate_python(payload)
+        except ValidationError as exc:
+            log.error("command refused: %s: %s", payload.get("type"), exc)
+            return
+        if isinstance(command, LaunchCommand):
+            self.supervisor.launch(command)
+        else:
+            self.supervisor.stop(command)
+        self._report_now.set()
+
+    def _register(self) -> bool:
+        """Registers, retrying while the service is unreachable; False when told to stop first."""
+        failures = 0
+        while not self.stopping.is_set():
+            try:
+                self.client.register(self.settings.address, self.settings.slots)
+                log.info("agent %s registered with %s", self.settings.name, self.settings.service_url)
+                return True
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code in (401, 403, 422):
+                    raise SystemExit(f"ett agent: registration refused: {exc.response.text}") from exc
+                log.warning("registration failed: %s", exc)
+            except httpx.HTTPError as exc:
+                log.warning("registration failed: %s", exc)
+            failures += 1
+            self.stopping.wait(self._backoff(failures))
+        return False
+
+    def _long_poll(self) -> None:
+        while not self._heartbeats_done.is_set():
+            started = time.monotonic()
+            self._send_heartbeat(wait=self.settings.heartbeat_wait_seconds)
+            rest = self.settings.heartbeat_interval_seconds - (time.monotonic() - started)
+            if rest > 0:
+                self._heartbeats_done.wait(rest)
+
+    def _report_changes(self) -> None:
+        while True:
+            self._report_now.wait()
+            self._report_now.clear()
+            if self._heartbeats_done.is_set():
+                return
+            self._send_heartbeat(wait=0)
+
+    def _send_heartbeat(self, wait: float) -> bool:
+        attempts = self.supervisor.reports.snapshot()
+        body = {"clock": time.time(), "attempts": attempts, "stats": self.stats.heartbeat_figures()}
+        try:
+            answer = self.client.heartbeat(body, wait)
+        except httpx.HTTPStatusError as exc:
+            self.stats.heartbeat_failures += 1
+            log.warning("heartbeat refused: %s %s", exc.response.status_code, exc.response.text[:200])
+            if exc.response.status_code == 404:  # the service forgot us (a new database): say hello again
+                self._register()
+            return False
+        except httpx.HTTPError as exc:
+            self.stats.heartbeat_failures += 1
+            log.warning("heartbeat failed: %s", exc)
+            self._heartbeats_done.wait(min(self._backoff(self.stats.heartbeat_failures), 5.0))
+            return False
+        self.stats.last_heartbeat = time.time()
+        self.supervisor.reports.acknowledge(attempts)
+        for command in answer.get("commands", []):
+            self.commands.put(command)
+        return True
+
+    def _backoff(self, failures: int) -> float:
+        limit = min(self.settings.retry_max_seconds, self.settings.retry_base_seconds * 2 ** min(failures, 16))
+        return limit / 2 + random.uniform(0, limit / 2)

@@ -1,0 +1,225 @@
+"""Forwards the attempts' JSONL spools to the service: batched, idempotent, never lost.
+
+- The spool files are the on-disk buffer: a line counts as sent only once the service accepted
+  it, and only then does its file's read position move on (persisted atomically), so an agent
+  restart resends at most one batch, which the service drops by its idempotency key.
+- While the service is down or failing, the same batch is retried with exponential backoff and
+  jitter; the ranks keep appending meanwhile.
+- A batch refused with 422 is not retried as it is: the events the answer names
+  (`events.<index>...`) go to a dead-letter file and the rest is sent again. An answer naming
+  none is bisected until the bad events stand alone.
+- The spool of an ended attempt is deleted once all of it is forwarded; the spool's size is
+  counted and a warning is logged while it is above its bound.
+"""
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agent.metrics import AgentStats
+from agent.spool import AttemptPaths, append_json_line, read_complete_lines
+
+log = logging.getLogger(__name__)
+REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")
+Send = Callable[[list[dict[str, Any]]], httpx.Response]
+
+
+@dataclass
+class Spooled:
+    """One line of a spool file, on its way to the service."""
+
+    file: str  # relative to the spool root: JOB_ID/ATTEMPT/events/NAME.jsonl
+    end: int  # the file offset just past the line
+    raw: bytes
+    event: dict[str, Any] | None  # None: the line is not a JSON object
+    read_at: float
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class ForwardConfig:
+    batch_max_events: int = 500
+    batch_max_age_seconds: float = 0.5
+    retry_base_seconds: float = 0.5
+    retry_max_seconds: float = 30.0
+    spool_max_bytes: int = 1 << 30
+
+
+def rejected_indices(body: Any) -> set[int]:
+    """Event indices a 422 answer names, from FastAPI's `loc` lists or `events.N.field` text."""
+    detail = body.get("detail") if isinstance(body, dict) else body
+    found = {int(n) for n in REJECTED_INDEX.findall(json.dumps(detail))}
+    for error in detail if isinstance(detail, list) else []:
+        loc = error.get("loc", []) if isinstance(error, dict) else []
+        found |= {b for a, b in zip(loc, loc[1:]) if a == "events" and isinstance(b, int)}
+    return found
+
+
+class Forwarder:
+    def __init__(self, spool_root: Path, state_dir: Path, send: Send, stats: AgentStats,
+                 config: ForwardConfig = ForwardConfig()) -> None:
+        self.spool_root = spool_root
+        self.send = send
+        self.stats = stats
+        self.config = config
+        self.offsets_file = state_dir / "forward-offsets.json"
+        self.dead_letter_file = state_dir / "dead-letters.jsonl"
+        self.acked: dict[str, int] = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
+        self.read_to: dict[str, int] = dict(self.acked)
+        self.pending: list[Spooled] = []
+        self.failures = 0
+        if self.dead_letter_file.exists():
+            self.stats.dead_letters = len(self.dead_letter_file.read_bytes().splitlines())
+
+    def run(self, stop: threading.Event, poll_seconds: float = 0.1) -> None:
+        """The forwarding thread: until `stop`, then one last try to send what is read."""
+        while not stop.is_set():
+            if not self.forward_once(flush=False):
+                stop.wait(self._backoff())
+            else:
+                stop.wait(poll_seconds)
+        self.forward_once(flush=True)
+
+    def forward_once(self, flush: bool) -> bool:
+        """Reads new lines and sends a batch when one is due; False when the service failed us."""
+        self._read_spools()
+        while self.pending and (flush or self._batch_due()):
+            batch = self.pending[: self.config.batch_max_events]
+            if not self._deliver([item for item in batch if not item.done]):
+                self.failures += 1
+                self.stats.forward_failures += 1
+                return False
+            self.failures = 0
+            self._commit(batch)
+        self._tidy_spools()
+        return True
+
+    def _batch_due(self) -> bool:
+        return (len(self.pending) >= self.config.batch_max_events
+                or time.monotonic() - self.pending[0].read_at >= self.config.batch_max_age_seconds)
+
+    def _backoff(self) -> float:
+        limit = min(self.config.retry_max_seconds, self.config.retry_base_seconds * 2 ** (self.failures - 1))
+        return limit / 2 + random.uniform(0, limit / 2)  # jitter: agents do not retry in step
+
+    def _spool_files(self) -> list[Path]:
+        return sorted(self.spool_root.glob("*/*/events/*.jsonl"))
+
+    def _read_spools(self) -> None:
+        room = 4 * self.config.batch_max_events - len(self.pending)
+        now = time.monotonic()
+        for path in self._spool_files():
+            if room <= 0:
+                break
+            name = str(path.relative_to(self.spool_root))
+            lines, self.read_to[name] = read_complete_lines(path, self.read_to.get(name, 0), max_bytes=256 * 1024)
+            for raw, end in lines[:room]:
+                self.pending.append(Spooled(name, end, raw, parse_event(raw), now))
+            if len(lines) > room:
+                self.read_to[name] = lines[room - 1][1]
+            room -= len(lines)
+        self.stats.events_buffered = len(self.pending)
+
+    def _deliver(self, items: list[Spooled]) -> bool:
+        """Sends items (marking each done); False when the service is unreachable or failing."""
+        for item in items:
+            if item.event is None:
+                self._dead_letter(item, "not a JSON object")
+        items = [item for item in items if not item.done]
+        if not items:
+            return True
+        events = [item.event | {"job_id": item.file.split("/", 1)[0]} for item in items]
+        try:
+            response = self.send(events)
+        except httpx.HTTPError as exc:
+            log.warning("forwarding %d events failed: %s", len(items), exc)
+            return False
+        if response.status_code == 200:
+            for item in items:
+                item.done = True
+            self.stats.events_forwarded += len(items)
+            return True
+        if response.status_code not in (413, 422):
+            log.warning("forwarding %d events: service answered %d %s", len(items), response.status_code,
+                        response.text[:200])
+            return False
+        detail = response.json() if response.status_code == 422 else None
+        named = {i for i in rejected_indices(detail) if i < len(items)}
+        for i in named:
+            self._dead_letter(items[i], detail)
+        rest = [item for item in items if not item.done]
+        if named or not rest:
+            return self._deliver(rest)
+        if len(rest) == 1:
+            self._dead_letter(rest[0], detail)
+            return True
+        half = len(rest) // 2
+        return self._deliver(rest[:half]) and self._deliver(rest[half:])
+
+    def _dead_letter(self, item: Spooled, error: Any) -> None:
+        log.error("event set aside in %s: %s: %s", self.dead_letter_file, item.file, error)
+        append_json_line(self.dead_letter_file, {"file": item.file, "end_offset": item.end,
+                                                 "line": item.raw.decode(errors="replace"), "error": error})
+        item.done = True
+        self.stats.dead_letters += 1
+
+    def _commit(self, batch: list[Spooled]) -> None:
+        for item in batch:
+            self.acked[item.file] = item.end
+        self.pending = self.pending[len(batch):]
+        self.stats.events_buffered = len(self.pending)
+        self._save_offsets()
+
+    def _save_offsets(self) -> None:
+        temporary = self.offsets_file.with_suffix(".tmp")
+        with open(temporary, "w") as f:
+            json.dump(self.acked, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, self.offsets_file)
+
+    def _tidy_spools(self) -> None:
+        """Deletes the spools of ended attempts once forwarded; counts the disk the rest use."""
+        sizes: dict[Path, int] = {}
+        forwarded: dict[Path, bool] = {}
+        backlog = 0
+        for path in self._spool_files():
+            size = path.stat().st_size
+            acked = self.acked.get(str(path.relative_to(self.spool_root)), 0)
+            attempt_dir = path.parent.parent
+            sizes[attempt_dir] = sizes.get(attempt_dir, 0) + size
+            forwarded[attempt_dir] = forwarded.get(attempt_dir, True) and acked == size
+            backlog += size - acked
+        for attempt_dir, done in forwarded.items():
+            if done and AttemptPaths(attempt_dir).ended_marker.exists():
+                self._forget(attempt_dir)
+                del sizes[attempt_dir]
+        total = sum(sizes.values())
+        if total > self.config.spool_max_bytes >= self.stats.spool_bytes:
+            log.warning("event spools use %d bytes, above their bound of %d", total, self.config.spool_max_bytes)
+        self.stats.spool_bytes, self.stats.backlog_bytes = total, backlog
+
+    def _forget(self, attempt_dir: Path) -> None:
+        shutil.rmtree(AttemptPaths(attempt_dir).events_dir)
+        prefix = f"{attempt_dir.relative_to(self.spool_root)}/"
+        self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
+        self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}
+        self._save_offsets()
+
+def parse_event(raw: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(raw)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None

@@ -1,0 +1,48 @@
+"""Event ingestion's two doors: the agents' batches and the admin's replay of a timeline."""
+
+from fastapi import APIRouter, HTTPException, Request, status
+from sqlalchemy.orm import Session
+
+from service.api.agents import OwnNode
+from service.api.deps import AdminDep
+from service.db import SessionDep
+from service.ingest import EventRejected, ingest
+from service.models import Job
+from service.schemas.events import AgentEventBatch, EventBatch, EventIn, IngestOut
+from service.settings import Settings
+
+router = APIRouter(tags=["events"])
+
+
+def _store(
+    session: Session, batch: list[tuple[str, EventIn]], settings: Settings, clock_offset: float = 0.0
+) -> IngestOut:
+    try:
+        result = ingest(session, batch, clock_offset=clock_offset, settings=settings)
+        session.commit()
+    except EventRejected as rejected:
+        session.rollback()  # nothing of the batch is kept
+        detail = [{"field": rejected.field, "msg": rejected.msg, "type": "value_error"}]
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
+    return IngestOut(accepted=result.accepted, duplicates=result.duplicates)
+
+
+@router.post("/agents/{name}/events")
+def agent_events(body: AgentEventBatch, node: OwnNode, session: SessionDep, request: Request) -> IngestOut:
+    """An agent's batch: its ranks' and its own events, each naming its job. Their times are
+    moved onto the service's clock by the node's offset measured at heartbeat, recorded per event."""
+    for i, e in enumerate(body.events):
+        if not (e.source.startswith("rank:") or e.source == f"node:{node.name}"):
+            detail = [{"field": f"events.{i}.source", "msg": f"agent {node.name} may send only its ranks' "
+                       f"events and node:{node.name}'s, not {e.source}'s", "type": "value_error"}]  # fmt: skip
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+    batch = [(e.job_id, e) for e in body.events]
+    return _store(session, batch, request.app.state.settings, node.clock_offset_seconds)
+
+
+@router.post("/jobs/{job_id}/events")
+def replay_events(job_id: str, body: EventBatch, session: SessionDep, _caller: AdminDep, request: Request) -> IngestOut:
+    """An admin's replay of (part of) a job's timeline, on the service's clock as given."""
+    if session.get(Job, job_id) is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    return _store(session, [(job_id, e) for e in body.events], request.app.state.settings)

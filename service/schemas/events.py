@@ -1,0 +1,129 @@
+"""Schema-v1 events (DESIGN.md "Events") as request bodies, and the ETT reports as answers."""
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StringConstraints, ValidationInfo, field_validator
+
+from service.ett.engine import AGENT_KINDS, CATEGORIES, EVENT_KINDS, SERVICE_KINDS
+from service.schemas import Strict
+
+EventKind = Literal[tuple(sorted(EVENT_KINDS))]  # type: ignore[valid-type]
+Source = Annotated[str, StringConstraints(pattern=r"^(rank:\d{1,6}|node:[A-Za-z0-9._-]{1,128}|service)$")]
+# Kinds that are about one training step, so they must name it.
+STEP_KINDS = frozenset({"step", "restore_end", "ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed"})
+MAX_BATCH = 20_000
+
+
+def _source_prefix(kind: str) -> str:
+    if kind in SERVICE_KINDS:
+        return "service"
+    return "node:" if kind in AGENT_KINDS else "rank:"
+
+
+class EventIn(Strict):
+    kind: EventKind
+    ts: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    attempt: Annotated[int, Field(ge=0, le=1_000_000)]
+    source: Source
+    seq: Annotated[int, Field(ge=0, lt=2**62)]
+    step: Annotated[int, Field(ge=0, lt=2**31)] | None = Field(None, validate_default=True)
+    data: dict[str, Any] = Field({}, validate_default=True)
+
+    @field_validator("source")
+    @classmethod
+    def _source_matches_kind(cls, source: str, info: ValidationInfo) -> str:
+        kind = info.data.get("kind")
+        if kind is not None and not source.startswith(_source_prefix(kind)):
+            raise ValueError(f"a {kind} event comes from {_source_prefix(kind).rstrip(':')}, not {source}")
+        return source
+
+    @field_validator("step")
+    @classmethod
+    def _step_named(cls, step: int | None, info: ValidationInfo) -> int | None:
+        if step is None and info.data.get("kind") in STEP_KINDS:
+            raise ValueError(f"a {info.data['kind']} event must name its step")
+        return step
+
+    @field_validator("data")
+    @classmethod
+    def _step_duration(cls, data: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if info.data.get("kind") == "step":
+            duration = data.get("duration")
+            if isinstance(duration, bool) or not isinstance(duration, int | float) or not (0 <= duration < math.inf):
+                raise ValueError("a step event needs data.duration: its length in seconds, a number >= 0")
+        return data
+
+
+class AgentEventIn(EventIn):
+    job_id: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+
+
+class EventBatch(Strict):
+    events: Annotated[list[EventIn], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class AgentEventBatch(Strict):
+    events: Annotated[list[AgentEventIn], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class IngestOut(BaseModel):
+    accepted: int
+    duplicates: int
+
+
+Seconds = dict[Literal[CATEGORIES], float]  # type: ignore[valid-type]
+
+
+class FailureOut(BaseModel):
+    attempt: int
+    cause: str | None
+    at: float
+    time_to_recover_seconds: float | None
+    lost_steps: int
+
+
+class CheckpointFigures(BaseModel):
+    committed: int
+    last_committed_step: int | None
+    mean_blocking_seconds: float | None
+    mean_commit_seconds: float | None
+
+
+class EttReport(BaseModel):
+    job_id: str
+    state: str
+    wall_seconds: float
+    queued_seconds: float
+    ett_percent: float
+    seconds: Seconds
+    time_to_start_seconds: float | None
+    failures: list[FailureOut]
+    restarts: int
+    mtbf_seconds: float | None
+    checkpoints: CheckpointFigures
+    recommended_checkpoint_interval_seconds: float | None
+
+
+class FleetCheckpointFigures(BaseModel):
+    committed: int
+    mean_blocking_seconds: float | None
+
+
+class FleetFigures(BaseModel):
+    jobs: int
+    wall_seconds: float
+    ett_percent: float
+    seconds: Seconds
+    failures: int
+    restarts: int
+    mtbf_seconds: float | None
+    mean_time_to_recover_seconds: float | None
+    mean_time_to_start_seconds: float | None
+    checkpoints: FleetCheckpointFigures
+
+
+class FleetReport(FleetFigures):
+    since: float | None
+    until: float
+    by_name: dict[str, FleetFigures]

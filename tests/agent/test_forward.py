@@ -1,0 +1,165 @@
+"""Event forwarding: exactly once through outages and agent restarts, dead letters, spool upkeep."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from agent.client import ServiceClient
+from agent.forward import ForwardConfig, Forwarder, rejected_indices
+from agent.metrics import AgentStats
+from agent.settings import AgentSettings
+from agent.spool import AttemptPaths
+from tests.agent.fake_service import FakeService
+from tests.agent.helpers import FAKE_RANK, free_port, pids_with_env, wait_for
+
+
+@pytest.fixture
+def service():
+    service = FakeService(free_port()).start()
+    yield service
+    service.stop()
+
+
+def spool_event(seq, kind="step", source="rank:0"):
+    return {"kind": kind, "ts": 1.0 + seq, "attempt": 0, "source": source, "seq": seq, "step": seq, "data": {}}
+
+
+def write_spool(path, lines):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def forwarder_for(service, tmp_path, **config):
+    client = ServiceClient(AgentSettings(service_url=service.url, token="t", name="node-a", data_dir=tmp_path))
+    return Forwarder(tmp_path / "spool", tmp_path, client.post_events, AgentStats(), ForwardConfig(**config))
+
+
+def test_refused_events_go_to_the_dead_letter_file_and_the_rest_arrives(service, tmp_path):
+    spool = tmp_path / "spool" / "job1" / "0" / "events" / "rank-0.jsonl"
+    write_spool(spool, [spool_event(0), spool_event(1, kind="bogus"), "{not json", spool_event(3), spool_event(4)])
+    forwarder = forwarder_for(service, tmp_path)
+
+    assert forwarder.forward_once(flush=True)
+
+    assert sorted(key[3] for key in service.events) == [0, 3, 4]
+    assert all(event["job_id"] == "job1" for event in service.events.values())
+    dead = [json.loads(line) for line in (tmp_path / "dead-letters.jsonl").read_text().splitlines()]
+    assert [d["line"] for d in dead] == ["{not json", json.dumps(spool_event(1, kind="bogus"))]
+    assert "unknown kind 'bogus'" in json.dumps(dead[1]["error"])
+    assert forwarder.stats.dead_letters == 2 and forwarder.stats.events_forwarded == 3
+    offsets = json.loads((tmp_path / "forward-offsets.json").read_text())
+    assert offsets == {"job1/0/events/rank-0.jsonl": spool.stat().st_size}
+
+
+def test_a_refusal_naming_no_event_is_bisected_down_to_the_bad_one(service, tmp_path, monkeypatch):
+    monkeypatch.setattr(service, "_ingest", lambda events, real=service._ingest: (
+        (422, {"detail": "batch refused"}) if any(e["kind"] == "bogus" for e in events) else real(events)))
+    write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl",
+                [spool_event(i, kind="bogus" if i == 5 else "step") for i in range(8)])
+    forwarder = forwarder_for(service, tmp_path)
+
+    assert forwarder.forward_once(flush=True)
+
+    assert sorted(key[3] for key in service.events) == [0, 1, 2, 3, 4, 6, 7]
+    assert forwarder.stats.dead_letters == 1
+
+
+def test_while_the_service_is_down_nothing_moves_and_backoff_grows(service, tmp_path):
+    write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    service.stop()
+    forwarder = forwarder_for(service, tmp_path, retry_base_seconds=1.0, retry_max_seconds=8.0)
+
+    delays = []
+    for _ in range(6):
+        assert not forwarder.forward_once(flush=True)
+        delays.append(forwarder._backoff())
+    assert not (tmp_path / "forward-offsets.json").exists()
+    assert forwarder.stats.forward_failures == 6 and forwarder.stats.events_buffered == 3
+    for failures, delay in enumerate(delays, start=1):
+        limit = min(8.0, 2 ** (failures - 1))
+        assert limit / 2 <= delay <= limit
+
+    service.start()
+    assert forwarder.forward_once(flush=True)
+    assert len(service.events) == 3 and forwarder.stats.events_buffered == 0
+
+
+def test_an_ended_attempt_spool_is_deleted_once_forwarded(service, tmp_path):
+    ended = AttemptPaths.of(tmp_path / "spool", "done", 0)
+    running = AttemptPaths.of(tmp_path / "spool", "live", 0)
+    write_spool(ended.events_dir / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    write_spool(running.events_dir / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    ended.ended_marker.write_text("succeeded")
+    forwarder = forwarder_for(service, tmp_path)
+
+    assert forwarder.forward_once(flush=True)
+    assert forwarder.forward_once(flush=True)
+
+    assert len(service.events) == 6
+    assert not ended.events_dir.exists() and running.events_dir.exists()
+    assert forwarder.stats.spool_bytes == (running.events_dir / "rank-0.jsonl").stat().st_size
+    assert forwarder.stats.backlog_bytes == 0
+    assert json.loads((tmp_path / "forward-offsets.json").read_text()) == {
+        "live/0/events/rank-0.jsonl": forwarder.stats.spool_bytes}
+
+
+def test_rejected_indices_reads_fastapi_locs_and_messages():
+    assert rejected_indices({"detail": [{"loc": ["body", "events", 3, "kind"], "msg": "bad"}]}) == {3}
+    assert rejected_indices({"detail": "events.12.seq: must be >= 0; events.2.kind: unknown"}) == {2, 12}
+    assert rejected_indices({"detail": "too large"}) == set()
+
+
+def start_agent(service, data_dir):
+    env = os.environ | {
+        "ETT_AGENT_SERVICE_URL": service.url, "ETT_AGENT_TOKEN": "t", "ETT_AGENT_NAME": "node-a",
+        "ETT_AGENT_DATA_DIR": str(data_dir), "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "0.3",
+        "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "0", "ETT_AGENT_BATCH_MAX_EVENTS": "20",
+        "ETT_AGENT_BATCH_MAX_AGE_SECONDS": "0.1", "ETT_AGENT_RETRY_BASE_SECONDS": "0.1",
+        "ETT_AGENT_RETRY_MAX_SECONDS": "0.5", "ETT_AGENT_STOP_GRACE_SECONDS": "1",
+    }  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "agent.cli"], env=env)
+
+
+@pytest.mark.slow
+def test_service_outage_and_agent_crash_lose_and_repeat_nothing(service, tmp_path):
+    job_id = os.urandom(16).hex()
+    service.commands.append({
+        "type": "launch", "job_id": job_id, "attempt": 0, "node_rank": 0, "nnodes": 1, "nproc_per_node": 2,
+        "master_addr": "127.0.0.1", "master_port": free_port(), "hang_timeout_seconds": 30,
+        "entrypoint": [sys.executable, str(FAKE_RANK), "--steps", "100000", "--step-seconds", "0.01"],
+    })  # fmt: skip
+    first = start_agent(service, tmp_path)
+    try:
+        wait_for(lambda: len(service.events) >= 50, 30, "events to flow")
+        service.stop()
+        paths = AttemptPaths.of(tmp_path / "spool", job_id, 0)
+        spooled = paths.events_dir / "rank-0.jsonl"
+        size = spooled.stat().st_size
+        wait_for(lambda: spooled.stat().st_size > size + 2000, 10, "events to pile up while the service is down")
+    finally:
+        first.send_signal(signal.SIGKILL)  # a crash: no goodbye, read positions as they were
+        first.wait()
+    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 5, "the workers to die with their agent")
+
+    second = start_agent(service, tmp_path)
+    try:
+        wait_for(lambda: paths.ended_marker.exists(), 10, "the restarted agent to close the dead attempt")
+        lines = [json.loads(line) for f in sorted(paths.events_dir.glob("*.jsonl"))
+                 for line in f.read_text().splitlines()]
+        service.start()
+        wait_for(lambda: not paths.events_dir.exists(), 20, "the backlog to be forwarded and the spool deleted")
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=15) == 0
+
+    expected = {(job_id, e["attempt"], e["source"], e["seq"]) for e in lines}
+    assert len(expected) == len(lines) > 60
+    assert set(service.events) == expected
+    assert service.duplicates <= 20  # at most the one batch in flight when the first agent died
+    assert any(a["state"] == "failed" and a["job_id"] == job_id for h in service.heartbeats for a in h["attempts"])

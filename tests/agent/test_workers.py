@@ -1,0 +1,150 @@
+"""Worker groups under real torchrun, with the fake rank: every way an attempt can end."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent.spool import AttemptPaths
+from tests.agent.helpers import launch_command, pids_with_env, read_events, run_to_end, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def spool_events(supervisor, command, source):
+    paths = AttemptPaths.of(supervisor.spool_root, command.job_id, command.attempt)
+    name = f"rank-{source.split(':')[1]}.jsonl" if source.startswith("rank:") else f"node-{source[5:]}.jsonl"
+    return read_events(paths.events_dir / name)
+
+
+def test_success_reports_every_rank_and_the_spool_env(supervisor):
+    command = launch_command("--steps", "3", attempt=2)
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    assert report == {"job_id": command.job_id, "attempt": 2, "state": "succeeded", "cause": None, "detail": "",
+                      "exit_code": None}
+    node_events = spool_events(supervisor, command, "node:node-a")
+    assert [e["kind"] for e in node_events] == ["workers_launched", "worker_exited", "worker_exited"]
+    assert [e["seq"] for e in node_events] == [0, 1, 2]
+    assert sorted(e["data"]["rank"] for e in node_events[1:]) == [0, 1]
+    assert all(e["data"]["exit_code"] == 0 and e["attempt"] == 2 for e in node_events[1:])
+    steps = [e["step"] for e in spool_events(supervisor, command, "rank:0") if e["kind"] == "step"]
+    assert steps == [1, 2, 3]
+    assert spool_events(supervisor, command, "rank:1")[0]["attempt"] == 2  # ETT_ATTEMPT reached the rank
+
+
+def test_nonzero_exit_names_the_rank_and_code(supervisor):
+    command = launch_command("--steps", "50", "--fail-rank", "1", "--fail-at-step", "2", "--fail-code", "7")
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    assert (report["state"], report["cause"], report["exit_code"]) == ("failed", "exit", 7)
+    assert report["detail"] == "rank 1 exit code 7"
+    exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
+    assert {"rank": 1, "exit_code": 7} in exits
+    assert not pids_with_env("ETT_JOB_ID", command.job_id)
+
+
+def test_killed_by_signal(supervisor):
+    command = launch_command("--steps", "50", "--fail-rank", "0", "--fail-at-step", "2", "--fail-signal", "SIGKILL")
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    assert (report["state"], report["cause"], report["detail"]) == ("failed", "signal", "rank 0 killed by SIGKILL")
+    exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
+    assert {"rank": 0, "signal": "SIGKILL"} in exits
+
+
+def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
+    command = launch_command("--steps", "1000", "--hang-at-step", "2", hang_timeout_seconds=1.0)
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    assert (report["state"], report["cause"]) == ("failed", "hang")
+    [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
+    assert hang["step"] == 2 and hang["data"]["phase"] == "train"
+    assert 1.0 <= hang["data"]["seconds_without_progress"] < 2.0
+    assert not pids_with_env("ETT_JOB_ID", command.job_id)
+
+
+def test_no_first_step_within_init_timeout_is_a_hang(supervisor):
+    command = launch_command("--hang-at-step", "0", init_timeout_seconds=4.0, hang_timeout_seconds=0.5)
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    assert (report["state"], report["cause"]) == ("failed", "hang")
+    assert report["detail"] == "no first step within the init timeout of 4s"
+
+
+def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
+    # The ranks ignore SIGTERM and each leave a grandchild behind: only SIGKILL and the marker scan help.
+    command = launch_command("--steps", "100000", "--ignore-sigterm", "--spawn-child")
+    supervisor.launch(command)
+    group = supervisor.groups[command.key]
+    wait_for(lambda: supervisor.poll() or group.state == "running", 20, "ranks to start")
+    wait_for(lambda: len(pids_with_env("ETT_JOB_ID", command.job_id)) >= 7, 10, "grandchildren")
+
+    supervisor.stop(command_adapter_stop(command))
+    started = time.monotonic()
+    report = run_to_end(supervisor)
+
+    assert report["state"] == "stopped" and report["detail"] == "stopped: cancelled"
+    assert time.monotonic() - started < 1.0 + 2.0  # grace 1s, then SIGKILL
+    assert pids_with_env("ETT_JOB_ID", command.job_id) == []
+
+
+# The fake ranks share no collective, so only a stopped rank 0 (the one that reports steps) stalls progress.
+@pytest.mark.parametrize(("action", "rank", "expected"), [
+    ("kill", 1, ("signal", "rank 1 killed by SIGKILL", None)),
+    ("exit", 1, ("exit", "rank 1 exit code 5 (injected fault)", 5)),
+    ("hang", 0, ("hang", None, None)),
+])  # fmt: skip
+def test_fault_injection_at_a_step(supervisor, action, rank, expected):
+    fault = {"attempt": 0, "rank": rank, "at_step": 3, "action": action, "code": 5}
+    command = launch_command("--steps", "1000", faults=[fault], hang_timeout_seconds=1.0)
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    cause, detail, exit_code = expected
+    assert (report["state"], report["cause"], report["exit_code"]) == ("failed", cause, exit_code)
+    if detail:
+        assert report["detail"] == detail
+    steps = [e["step"] for e in spool_events(supervisor, command, "rank:0") if e["kind"] == "step"]
+    assert steps[-1] >= 3  # carried out once rank 0 reached the step, not before
+    assert not pids_with_env("ETT_JOB_ID", command.job_id)
+
+
+def command_adapter_stop(command):
+    from agent.commands import command_adapter
+
+    return command_adapter.validate_python({"type": "stop", "job_id": command.job_id, "attempt": command.attempt,
+                                            "reason": "cancelled"})
+
+
+AGENT_CRASH_SCRIPT = """
+import sys, time
+from pathlib import Path
+from agent.supervisor import Supervisor
+from tests.agent.helpers import launch_command
+supervisor = Supervisor(Path(sys.argv[1]), "node-a", 1.0)
+command = launch_command("--steps", "100000", "--spawn-child", job_id=sys.argv[2])
+supervisor.launch(command)
+while True:
+    supervisor.poll()
+    time.sleep(0.05)
+"""
+
+
+def test_a_crashed_agent_leaves_no_orphan(tmp_path):
+    job_id = os.urandom(8).hex()
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_CRASH_SCRIPT, str(tmp_path), job_id])
+    try:
+        wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) >= 7, 30, "torchrun, 2 runners, 2 ranks, 2 grandchildren")
+    finally:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 5, "the parent-death signals to clear the group")

@@ -1,0 +1,109 @@
+"""Byte-level language-modelling data from a corpus every machine already has: the Python
+standard library's source files (or any folder of .py files).
+
+The sorted files form one byte stream cut into windows of seq_len + 1 bytes. Each epoch visits
+the windows in a seeded permutation; data-parallel rank r takes every world_size-th window of
+it. Every rank consumes the same number of batches, so the position (epoch, batch) is one pair
+that the checkpoint stores; the loader reads only the bytes of the windows it serves.
+"""
+
+import bisect
+import hashlib
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    root: str = ""  # folder searched for .py files; empty: the Python standard library
+    seed: int = 0  # window order of each epoch
+
+    def validate(self) -> None:
+        if self.root and not Path(self.root).is_dir():
+            raise ValueError(f"data.root is not a folder: {self.root!r}")
+
+
+class SourceCorpus:
+    """The sorted .py files under a folder, seen as one byte stream."""
+
+    def __init__(self, root: str = ""):
+        self.root = Path(root or sysconfig.get_paths()["stdlib"])
+        self.paths: list[Path] = []
+        for folder, subfolders, files in os.walk(self.root):
+            # Installed packages differ between machines; the standard library itself does not.
+            subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "dist-packages", "__pycache__"))
+            self.paths += [Path(folder) / f for f in sorted(files) if f.endswith(".py")]
+        sizes = [p.stat().st_size for p in self.paths]
+        self.starts = [0]
+        for size in sizes:
+            self.starts.append(self.starts[-1] + size)
+        if self.num_bytes == 0:
+            raise ValueError(f"data.root: no .py files under {self.root}")
+        names = "\n".join(f"{p.relative_to(self.root)}:{s}" for p, s in zip(self.paths, sizes))
+        self.fingerprint = hashlib.sha256(names.encode()).hexdigest()[:16]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.starts[-1]
+
+    def read(self, offset: int, length: int) -> bytes:
+        chunks = []
+        i = bisect.bisect_right(self.starts, offset) - 1
+        while length > 0:
+            with open(self.paths[i], "rb") as f:
+                f.seek(offset - self.starts[i])
+                chunk = f.read(min(length, self.starts[i + 1] - offset))
+            if not chunk:
+                raise OSError(f"{self.paths[i]} shrank while training; the corpus must not change")
+            chunks.append(chunk)
+            offset, length, i = offset + len(chunk), length - len(chunk), i + 1
+        return b"".join(chunks)
+
+
+class ByteBatchLoader:
+    """Stateful (DCP) loader of (inputs_BT, targets_BT) batches for one data-parallel rank."""
+
+    def __init__(self, corpus: SourceCorpus, batch_size: int, seq_len: int, rank: int, world_size: int, seed: int):
+        self.corpus, self.batch_size, self.seq_len = corpus, batch_size, seq_len
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.num_windows = (corpus.num_bytes - 1) // seq_len
+        self.batches_per_epoch = self.num_windows // (world_size * batch_size)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"train.batch_size: the corpus ({corpus.num_bytes} bytes) is too small for one batch")
+        self.epoch, self.batch = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_windows, generator=generator)[self.rank :: self.world_size]
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batch == self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+            self._order = self._epoch_order()
+        windows = self._order[self.batch * self.batch_size : (self.batch + 1) * self.batch_size].tolist()
+        self.batch += 1
+        T = self.seq_len
+        data = b"".join(self.corpus.read(w * T, T + 1) for w in windows)
+        tokens_BT1 = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(windows), T + 1).long()
+        return tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+
+    def state_dict(self) -> dict:
+        # The same on every rank (all consume one batch per step): DCP stores it once.
+        return {"epoch": self.epoch, "batch": self.batch, "corpus": self.corpus.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["corpus"] != self.corpus.fingerprint:
+            logger.warning(
+                "the corpus under %s differs from the one the checkpoint was trained on "
+                "(another Python version?); the data order will not match the original run", self.corpus.root
+            )
+        self.epoch, self.batch = state["epoch"], state["batch"]
+        self._order = self._epoch_order()

@@ -1,0 +1,88 @@
+"""Schema-v1 events (DESIGN.md) appended as JSONL to this rank's spool file, which the agent tails.
+
+`emit` only stamps the event and puts it on a queue (a few microseconds); a background thread
+serialises, writes and flushes each line, so the agent sees it within milliseconds and a slow
+disk never stalls a training step.
+"""
+
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+_CLOSE = object()
+
+
+class EventWriter:
+    def __init__(self, spool_dir: str | None, rank: int, attempt: int):
+        self.source = f"rank:{rank}"
+        self.attempt = attempt
+        self.path = Path(spool_dir) / f"rank-{rank}.jsonl" if spool_dir else None
+        self._lock = threading.Lock()  # seq order must equal file order across emitting threads
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._seq = self._next_seq_in(self.path)
+            self._thread = threading.Thread(target=self._write_loop, name="ett-events", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def from_env(cls, rank: int) -> "EventWriter":
+        return cls(os.environ.get("ETT_EVENT_DIR"), rank, int(os.environ.get("ETT_ATTEMPT", "0")))
+
+    def emit(self, kind: str, step: int | None = None, **data) -> None:
+        if self._thread is None:
+            return
+        with self._lock:
+            event = {"kind": kind, "ts": time.time(), "attempt": self.attempt, "source": self.source,
+                     "seq": self._seq, "step": step, "data": data}
+            self._seq += 1
+            self._queue.put(event)
+
+    def close(self) -> None:
+        """Write out everything emitted so far and stop the writer thread."""
+        if self._thread is not None:
+            self._queue.put(_CLOSE)
+            self._thread.join()
+            self._thread = None
+
+    def _next_seq_in(self, path: Path) -> int:
+        """A restarted rank of the same attempt appends to its spool: continue after its last seq."""
+        last = -1
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line torn by a kill
+                    continue
+                if isinstance(event, dict) and event.get("attempt") == self.attempt:
+                    last = max(last, int(event.get("seq", -1)))
+        return last + 1
+
+    def _write_loop(self) -> None:
+        with open(self.path, "ab") as spool:
+            if spool.tell() > 0:
+                # A kill may have left a partial last line: start ours on a fresh line.
+                with open(self.path, "rb") as existing:
+                    existing.seek(-1, os.SEEK_END)
+                    if existing.read(1) != b"\n":
+                        spool.write(b"\n")
+            while True:
+                event = self._queue.get()
+                if event is _CLOSE:
+                    break
+                lines = [event]
+                while True:  # write whatever else is already queued with one flush
+                    try:
+                        lines.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                closing = _CLOSE in lines
+                spool.write(b"".join(json.dumps(e).encode() + b"\n" for e in lines if e is not _CLOSE))
+                spool.flush()
+                if closing:
+                    break

@@ -1,0 +1,27 @@
+"""Trainer logging: one line format carrying the rank; rank 0 logs at the configured level,
+the other ranks only warnings and errors, so N ranks do not print N copies of every line."""
+
+import logging
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class LogConfig:
+    interval_steps: int = 10  # metrics line (loss, tokens/s, MFU, memory, expert load) every N steps
+    level: str = "INFO"
+
+    def validate(self) -> None:
+        if self.interval_steps < 1:
+            raise ValueError(f"log.interval_steps must be >= 1, got {self.interval_steps}")
+        if self.level.upper() not in logging.getLevelNamesMapping():
+            raise ValueError(f"log.level must be a logging level name (INFO, DEBUG, ...), got {self.level!r}")
+
+
+def setup_logging(cfg: LogConfig, rank: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("trainer")
+    root.handlers[:] = [handler]
+    root.propagate = False  # DCP's checkpoint process configures the root logger its own way
+    root.setLevel(cfg.level.upper() if rank == 0 else logging.WARNING)

@@ -1,0 +1,160 @@
+"""Train the MoE transformer: `torchrun --nproc-per-node N -m trainer.train --preset tiny [...]`.
+
+Exit codes (trainer/errors.py): 0 done, 3 configuration error, 4 stopped by SIGTERM after a
+final checkpoint; anything else is a failure. Events go to $ETT_EVENT_DIR/rank-{RANK}.jsonl.
+"""
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpoint import Checkpointer, ModelOptimizerState, RNGState, TrainProgress
+from trainer.config import JobConfig, parse_args
+from trainer.data import ByteBatchLoader, SourceCorpus
+from trainer.errors import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_STOPPED, ConfigError
+from trainer.events import EventWriter
+from trainer.log import LogConfig, setup_logging
+from trainer.metrics import MetricsLogger
+from trainer.model import Transformer
+from trainer.parallel import build_mesh, build_optimizer, parallelize
+
+logger = logging.getLogger("trainer.train")
+
+
+class StopOnSigterm:
+    """SIGTERM (a stop or a preemption notice) only sets a flag: the step in progress finishes."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+
+def init_distributed() -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # DCP's asynchronous save needs a CPU backend
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:  # plain `python -m trainer.train`: one rank
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient L2 norm over all ranks, and clipping to max_norm (0: no clipping).
+    Dense and expert gradients are DTensors on different meshes, which torch's
+    clip_grad_norm_ cannot mix: take the norm per mesh, then combine."""
+    grads_by_mesh = defaultdict(list)
+    for p in model.parameters():
+        if p.grad is not None:
+            grads_by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
+    squares = []
+    for grads in grads_by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total_norm = torch.stack(squares).sum().sqrt()
+    if max_norm > 0:
+        for grads in grads_by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total_norm, foreach=False)
+    return total_norm
+
+
+def mean_loss_and_stop(loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
+    """One all-reduce per step: the loss averaged over ranks, and whether any rank got SIGTERM
+    (all ranks must stop after the same step, or their collectives would no longer pair up)."""
+    both = torch.stack([loss.detach().float(), torch.tensor(float(stop), device=loss.device)])
+    dist.all_reduce(both)
+    return both[0].item() / dist.get_world_size(), both[1].item() > 0
+
+
+def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
+    device = init_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    setup_logging(cfg.log, rank)
+
+    # Init: every rank draws the same full weights, then keeps its shards.
+    torch.manual_seed(cfg.train.seed)
+    with device:
+        model = Transformer(cfg.model, cfg.moe)
+    model.init_weights()
+    model = parallelize(model, build_mesh(cfg.parallel, world_size, device.type), cfg.parallel)
+    betas = (cfg.train.beta1, cfg.train.beta2)
+    optimizer = build_optimizer(model, cfg.parallel, cfg.train.lr, cfg.train.weight_decay, betas)
+    data = ByteBatchLoader(SourceCorpus(cfg.data.root), cfg.train.batch_size, cfg.train.seq_len, rank, world_size, cfg.data.seed)
+    progress = TrainProgress()
+    state = {"app": ModelOptimizerState(model, optimizer), "data": data, "rng": RNGState(rank), "progress": progress}
+    checkpointer = Checkpointer(cfg.checkpoint, events, model)
+    metrics = MetricsLogger(cfg.log, model, cfg.train.seq_len, world_size, device)
+    logger.info("%d ranks on %s; %.1fM parameters (%.1fM active)", world_size, device,
+                model.num_params() / 1e6, model.num_params(active_only=True) / 1e6)
+    events.emit("init_end")
+
+    # Restore: model, optimizer, data position, RNG states and step of the newest good checkpoint.
+    progress.step = checkpointer.restore(state)
+
+    stopped = False
+    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * world_size
+    for step in range(progress.step + 1, cfg.train.steps + 1):
+        start = time.perf_counter()
+        inputs_BT, targets_BT = (t.to(device) for t in data.next_batch())
+        lr = cfg.train.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        logits_BTV, aux_loss = model(inputs_BT)
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+        (loss + aux_loss).backward()
+        grad_norm = clip_grad_norm_(model, cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss, stopped = mean_loss_and_stop(loss, sigterm.requested)
+        progress.step = step
+
+        if rank == 0:  # right at the step's end: the agent injects faults on it
+            events.emit("step", step=step, duration=time.perf_counter() - start, tokens=tokens_per_step, loss=mean_loss)
+            metrics.record(step, tokens_per_step, mean_loss, lr, grad_norm.item())
+        if checkpointer.due(step, cfg.train.steps) or (stopped and cfg.checkpoint.dir):
+            checkpointer.save(step, state)
+        if stopped:
+            logger.warning("SIGTERM: stopped after step %d", step)
+            break
+
+    checkpointer.close()  # the last save is committed before we exit
+    events.emit("train_end", step=progress.step)
+    dist.barrier()
+    dist.destroy_process_group()
+    return EXIT_STOPPED if stopped else EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    sigterm = StopOnSigterm()
+    events = EventWriter.from_env(int(os.environ.get("RANK", "0")))
+    events.emit("init_start", pid=os.getpid())
+    setup_logging(LogConfig(), int(os.environ.get("RANK", "0")))
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        return train(cfg, events, sigterm)
+    except ConfigError as error:
+        logger.error("configuration error: %s", error)
+        return EXIT_CONFIG_ERROR
+    finally:
+        events.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
