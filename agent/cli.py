@@ -35,6 +35,7 @@ def main(args: argparse.Namespace) -> int:
     from agent.settings import AgentSettings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat drowns the rest
     overrides = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field in FLAGS.items()}
     try:
         settings = AgentSettings(**{k: v for k, v in overrides.items() if v is not None})

@@ -85,6 +85,10 @@ class Agent:
             command = command_adapter.validate_python(payload)
         except ValidationError as exc:
             log.error("command refused: %s: %s", payload.get("type"), exc)
+            job_id, attempt = payload.get("job_id"), payload.get("attempt")
+            if payload.get("type") == "launch" and isinstance(job_id, str) and isinstance(attempt, int):
+                self.supervisor.refuse(job_id, attempt, f"the agent refused the launch command: {exc}"[:512])
+                self._report_now.set()
             return
         if isinstance(command, LaunchCommand):
             self.supervisor.launch(command)

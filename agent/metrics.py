@@ -5,6 +5,7 @@ can never disagree. The registry is passed in (tests use a fresh one).
 """
 
 from dataclasses import asdict, dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -46,9 +47,10 @@ class StatsCollector(Collector):
                                 "Unix time of the last answered heartbeat", s.last_heartbeat)
 
 
-def serve_metrics(stats: AgentStats, port: int, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+def serve_metrics(stats: AgentStats, port: int, registry: CollectorRegistry | None = None) -> WSGIServer:
+    """Serves /metrics from a background thread; the server, to shut down when done."""
     registry = registry or CollectorRegistry()
     registry.register(StatsCollector(stats))
-    start_http_server(port, addr="0.0.0.0", registry=registry)
-    return registry
+    server, _thread = start_http_server(port, addr="0.0.0.0", registry=registry)
+    return server
 

@@ -83,6 +83,11 @@ class Supervisor:
             group.end, group.state = GroupEnd(WorkerState.FAILED, "exit", f"launch failed: {exc}"), WorkerState.FAILED
         self._report(group)
 
+    def refuse(self, job_id: str, attempt: int, detail: str) -> None:
+        """A launch the agent could not read still gets an answer, so the service can move on."""
+        end = GroupEnd(WorkerState.FAILED, "exit", detail)
+        self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state, end))
+
     def stop(self, command: StopCommand) -> None:
         group = self.groups.get(command.key)
         if group is None:

@@ -200,6 +200,10 @@ class WorkerGroup:
     def _finish(self) -> None:
         assert self._proc is not None
         self._read_rank_records(self.clock())
+        for rank in sorted(self.rank_pids.keys() - self.exited.keys()):
+            # No record: the runner was SIGKILLed (by us or by its parent's death), and so was its rank.
+            self.exited[rank] = {"rank": rank, "signal": "SIGKILL"}
+            self.events.emit("worker_exited", self.exited[rank])
         leftovers = signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
         if leftovers:
             log.warning("attempt %s/%d: killed %d leftover processes", self.command.job_id, self.command.attempt,

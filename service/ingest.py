@@ -161,6 +161,7 @@ def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]]) -> tu
     account_row.account = account.to_dict()
     account_row.window_start = min(starts) if starts else None
     account_row.finished_at = account.finished_at
+    account_row.last_event_at = account.last_event_at
     account_row.failures = sum(a.failed_at is not None for a in account.attempts.values())
     account_row.events += len(new_rows)
     session.flush()

@@ -17,7 +17,9 @@ from service.api.health import router as health_router
 from service import scheduler
 from service.commands import CommandBell, ring_on_commit
 from service.db import make_engine, make_session_factory
+from service.metrics import install_metrics
 from service.migrate import check_at_head
+from service.pages import install_pages
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("ett.service")
@@ -124,4 +126,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.include_router(health_router)
     app.include_router(api_router)
+    install_metrics(app)
+    install_pages(app)
     return app

@@ -235,5 +235,6 @@ class JobAccountRow(Base):
     account: Mapped[dict[str, Any]]
     window_start: Mapped[float | None]
     finished_at: Mapped[float | None]
+    last_event_at: Mapped[float | None]
     failures: Mapped[int] = mapped_column(default=0)
     events: Mapped[int] = mapped_column(BigInteger, default=0)

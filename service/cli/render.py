@@ -9,7 +9,7 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
-def report_table(report: dict[str, Any]) -> str:
+def report_table(report: dict[str, Any], max_failures: int | None = None) -> str:
     wall = report["wall_seconds"]
     lines = [
         f"job {report['job_id']}  state {report['state']}",
@@ -24,11 +24,13 @@ def report_table(report: dict[str, Any]) -> str:
         lines.append(f"  {category:16} {seconds:>10.2f} {share:>6.1f}%")
     failures = report["failures"]
     lines += ["", f"failures {len(failures)}  restarts {report['restarts']}  MTBF {_seconds(report['mtbf_seconds'])}"]
-    for failure in failures:
+    for failure in failures[:max_failures]:
         lines.append(
             f"  attempt {failure['attempt']}: {failure['cause']:9} time to recover "
             f"{_seconds(failure['time_to_recover_seconds'])}  lost steps {failure['lost_steps']}"
         )
+    if max_failures is not None and len(failures) > max_failures:
+        lines.append(f"  ... and {len(failures) - max_failures} more")
     checkpoints = report["checkpoints"]
     lines += [
         "",

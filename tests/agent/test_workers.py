@@ -68,6 +68,8 @@ def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
     [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
     assert hang["step"] == 2 and hang["data"]["phase"] == "train"
     assert 1.0 <= hang["data"]["seconds_without_progress"] < 2.0
+    exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
+    assert sorted(exits, key=lambda d: d["rank"]) == [{"rank": 0, "signal": "SIGKILL"}, {"rank": 1, "signal": "SIGKILL"}]
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
 
 

@@ -37,6 +37,7 @@ def upgrade() -> None:
     sa.Column('account', sa.JSON(), nullable=False),
     sa.Column('window_start', sa.Double(), nullable=True),
     sa.Column('finished_at', sa.Double(), nullable=True),
+    sa.Column('last_event_at', sa.Double(), nullable=True),
     sa.Column('failures', sa.Integer(), nullable=False),
     sa.Column('events', sa.BigInteger(), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_ett_accounts_job_id_jobs'), ondelete='CASCADE'),

@@ -52,9 +52,9 @@ def test_clean_run():
     assert r["recommended_checkpoint_interval_seconds"] == pytest.approx(math.sqrt(2 * 0.35 * 3600))
 
 
-def crash_with_rollback() -> Timeline:
+def crash_with_rollback(t0: float = T0) -> Timeline:
     """Also the worked example of docs/ett.md."""
-    tl = Timeline()
+    tl = Timeline(t0)
     tl.start_attempt(0, allocated=0, init_end=10)
     tl.steps(0, 1, 4, start=10, duration=3)  # ends 22
     tl.checkpoint(0, 4, start=22, staged=22.5, committed=24)

@@ -9,14 +9,15 @@ T0 = 1_700_000_000.0
 
 
 class Timeline:
-    def __init__(self) -> None:
+    def __init__(self, t0: float = T0) -> None:
+        self.t0 = t0
         self.events: list[Event] = []
         self._seq: dict[tuple[int, str], int] = defaultdict(int)
 
     def add(self, kind: str, t: float, attempt: int, source: str, step: int | None = None, **data: Any) -> None:
         seq = self._seq[(attempt, source)]
         self._seq[(attempt, source)] += 1
-        self.events.append(Event(kind, T0 + t, attempt, source, seq, step, data))
+        self.events.append(Event(kind, self.t0 + t, attempt, source, seq, step, data))
 
     def service(self, kind: str, t: float, attempt: int, **data: Any) -> None:
         self.add(kind, t, attempt, "service", **data)

@@ -1,0 +1,212 @@
+"""/metrics for Prometheus (names in docs/ett.md).
+
+The ETT figures are read from the database at scrape time by a custom collector, so every
+service process answers the same whatever process ingested the events. Per-job series exist only
+for running jobs and jobs finished within `metrics_recent_seconds`, so cardinality stays bounded.
+The service's own request counts and latencies are this process's, labelled by route template.
+"""
+
+import math
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import case, func, or_, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.ett import fleet_mtbf_seconds
+from service.ett.engine import CATEGORIES, JobAccount
+from service.ett.report import build_report
+from service.models import Checkpoint, Job, JobAccountRow, JobState
+from service.settings import Settings
+
+BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+JOB_LABELS = ["job_id", "job_name"]
+
+
+class EttCollector(Collector):
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings) -> None:
+        self.sessions, self.settings = sessions, settings
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.time()
+        with self.sessions() as session:
+            yield from self._collect(session, now)
+
+    def _collect(self, session: Session, now: float) -> Iterator[Metric]:
+        jobs = GaugeMetricFamily("ett_jobs", "Jobs by state.", labels=["state"])
+        counts = dict(session.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+        for state in JobState:
+            jobs.add_metric([state.value], counts.get(state, 0))
+        yield jobs
+
+        cutoff = now - self.settings.metrics_recent_seconds
+        rows = session.execute(
+            select(Job, JobAccountRow.account)
+            .join(JobAccountRow, JobAccountRow.job_id == Job.id)
+            .where(
+                or_(
+                    Job.state == JobState.running,
+                    Job.finished_at >= datetime.fromtimestamp(cutoff, UTC),
+                    func.coalesce(JobAccountRow.finished_at, JobAccountRow.last_event_at) >= cutoff,
+                )
+            )
+            .order_by(Job.id)
+        ).all()
+        fleet_mtbf = fleet_mtbf_seconds(session, now)
+        g = {name: GaugeMetricFamily(f"ett_job_{name}", text, labels=JOB_LABELS) for name, text in (
+            ("ett_ratio", "Share of the job's wall time in kept training steps (0-1)."),
+            ("wall_seconds", "The job's accounted wall time: first allocation to finish (or now)."),
+            ("queued_seconds", "Time from submission to the first allocation."),
+            ("time_to_start_seconds", "First allocation to the first step's start."),
+            ("time_to_recover_seconds", "The last failure's time to recover: last step end to next first step start."),
+            ("mtbf_seconds", "Wall time over failures."),
+            ("step_seconds", "Mean duration of the job's steps."),
+            ("last_step", "Highest step number reached."),
+            ("last_committed_step", "Step of the newest committed checkpoint."),
+            ("recommended_checkpoint_interval_seconds", "Young's interval: sqrt(2 * blocking * MTBF)."),
+        )}  # fmt: skip
+        seconds = GaugeMetricFamily("ett_job_seconds", "Wall time by ETT category.", labels=[*JOB_LABELS, "category"])
+        c = {name: CounterMetricFamily(f"ett_job_{name}", text, labels=JOB_LABELS) for name, text in (
+            ("failures", "Failed attempts."),
+            ("restarts", "Attempts after the first."),
+            ("steps", "Step events accounted (kept and rolled back)."),
+            ("checkpoints_committed", "Committed checkpoints."),
+        )}  # fmt: skip
+        fleet = dict.fromkeys(CATEGORIES, 0.0)
+        names: dict[str, str] = {}
+        for job, account_state in rows:
+            labels = [job.id, job.name]
+            names[job.id] = job.name
+            account = JobAccount.from_dict(account_state)
+            r = build_report(
+                account, job_id=job.id, state=job.state.value, now=now,
+                submitted_at=job.submitted_at.timestamp(), fleet_mtbf_seconds=fleet_mtbf,
+            )  # fmt: skip
+            attempts = account.attempts.values()
+            steps = sum(a.steps for a in attempts)
+            recovered = [f["time_to_recover_seconds"] for f in r["failures"] if f["time_to_recover_seconds"] is not None]
+            values = {
+                "ett_ratio": r["ett_percent"] / 100.0,
+                "wall_seconds": r["wall_seconds"],
+                "queued_seconds": r["queued_seconds"],
+                "time_to_start_seconds": r["time_to_start_seconds"],
+                "time_to_recover_seconds": recovered[-1] if recovered else None,
+                "mtbf_seconds": r["mtbf_seconds"],
+                "step_seconds": sum(a.step_seconds for a in attempts) / steps if steps else None,
+                "last_step": max((a.last_step or 0 for a in attempts), default=0) if steps else None,
+                "last_committed_step": r["checkpoints"]["last_committed_step"],
+                "recommended_checkpoint_interval_seconds": r["recommended_checkpoint_interval_seconds"],
+            }
+            for name, value in values.items():
+                if value is not None:
+                    g[name].add_metric(labels, value)
+            for category, value in r["seconds"].items():
+                seconds.add_metric([*labels, category], value)
+                fleet[category] += value
+            c["failures"].add_metric(labels, len(r["failures"]))
+            c["restarts"].add_metric(labels, r["restarts"])
+            c["steps"].add_metric(labels, steps)
+            c["checkpoints_committed"].add_metric(labels, r["checkpoints"]["committed"])
+        yield from g.values()
+        yield seconds
+        yield from c.values()
+        yield self._blocking_histogram(session, names)
+        wall = sum(fleet.values())
+        yield GaugeMetricFamily(
+            "ett_fleet_ett_ratio", "ETT ratio over the jobs exported here (running and recently finished).",
+            value=fleet["productive"] / wall if wall > 0 else 0.0,
+        )  # fmt: skip
+        fleet_seconds = GaugeMetricFamily(
+            "ett_fleet_seconds", "Wall time by category over the jobs exported here.", labels=["category"]
+        )
+        for category, value in fleet.items():
+            fleet_seconds.add_metric([category], value)
+        yield fleet_seconds
+
+    @staticmethod
+    def _blocking_histogram(session: Session, names: dict[str, str]) -> HistogramMetricFamily:
+        """Blocking time of each save (ckpt_start -> ckpt_staged), bucketed by the database."""
+        family = HistogramMetricFamily(
+            "ett_job_checkpoint_blocking_seconds", "Blocking part of each checkpoint save.", labels=JOB_LABELS
+        )
+        if not names:
+            return family
+        blocking = Checkpoint.staged_at - Checkpoint.started_at
+        counts = [func.sum(case((blocking <= b, 1), else_=0)) for b in BLOCKING_BUCKETS]
+        query = (
+            select(Checkpoint.job_id, func.count(), func.sum(blocking), *counts)
+            .where(Checkpoint.job_id.in_(list(names)), Checkpoint.staged_at.is_not(None),
+                   Checkpoint.started_at.is_not(None))
+            .group_by(Checkpoint.job_id)
+        )  # fmt: skip
+        for job_id, count, total, *cumulative in session.execute(query):
+            buckets = [(str(b), n) for b, n in zip(BLOCKING_BUCKETS, cumulative, strict=True)] + [("+Inf", count)]
+            family.add_metric([job_id, names[job_id]], buckets, float(total))
+        return family
+
+
+def route_template(scope: Scope) -> str:
+    """The matched route's template with its routers' prefixes ("/api/v1/jobs/{job_id}/ett").
+    Unknown paths share one label, so probing URLs cannot grow the series."""
+    route = scope.get("route")
+    regex, template = getattr(route, "path_regex", None), getattr(route, "path_format", None)
+    if regex is None or template is None:
+        return "unmatched"
+    path = scope["path"]
+    # The route may know only its own part of the path: the rest before it is the prefixes.
+    for i, char in enumerate(path):
+        if char == "/" and regex.match(path[i:]):
+            return path[:i] + template
+    return template
+
+
+class RequestMetrics:
+    """ASGI middleware: request counts and latencies by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app, self.requests, self.latency = app, requests, latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = route_template(scope)
+            self.requests.labels(scope["method"], route, str(status)).inc()
+            self.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
+
+
+def install_metrics(app: FastAPI, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """Adds GET /metrics and the request middleware; a fresh registry unless one is given."""
+    registry = registry if registry is not None else CollectorRegistry()
+    registry.register(EttCollector(app.state.sessions, app.state.settings))
+    requests = Counter(
+        "ett_http_requests", "HTTP requests served by this process.", ["method", "route", "status"], registry=registry
+    )
+    latency = Histogram(
+        "ett_http_request_duration_seconds", "Time to serve HTTP requests in this process.", ["method", "route"],
+        registry=registry, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, math.inf),
+    )  # fmt: skip
+    app.add_middleware(RequestMetrics, requests=requests, latency=latency)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.metrics_registry = registry
+    return registry

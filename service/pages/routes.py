@@ -1,0 +1,111 @@
+"""The pages: the jobs list and a job's page (ETT breakdown, failures, timeline of its attempts).
+
+Server-rendered with Jinja2, no script. Every figure comes from the same code as the API
+(`job_report` of service/api/ett.py), so a page and `GET /api/v1/jobs/{id}/ett` agree.
+"""
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from sqlalchemy import select
+
+from service.api.deps import get_visible_job
+from service.api.ett import fleet_mtbf_seconds, job_report
+from service.api.jobs import list_jobs
+from service.db import SessionDep
+from service.ett.engine import CATEGORIES, TIMING_SOURCE, JobAccount
+from service.event_log import job_events
+from service.models import Checkpoint, Job, JobAccountRow, JobState
+from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
+from service.pages.timeline import SaveSpan, StepSpan, build_timeline
+
+router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
+templates = Jinja2Templates(directory=Path(__file__).resolve().parents[1] / "templates")
+# Pages hold a user's private data and run no script: not cached, nothing loaded from elsewhere.
+HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'",
+    "Referrer-Policy": "same-origin",
+}
+
+
+def _seconds(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f} s"
+
+
+def _utc(unix: float | None) -> str:
+    return "-" if unix is None else datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+templates.env.filters.update(seconds=_seconds, utc=_utc)
+templates.env.globals.update(categories=CATEGORIES)
+
+
+def render(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> Response:
+    return templates.TemplateResponse(request, name, context, status_code=status_code, headers=HEADERS)
+
+
+@router.get("/")
+def home() -> RedirectResponse:
+    return RedirectResponse("/jobs", status_code=303)
+
+
+@router.get("/jobs")
+def jobs_page(
+    request: Request,
+    session: SessionDep,
+    caller: PageCallerDep,
+    state: JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> Response:
+    now = time.time()
+    listing = list_jobs(session=session, caller=caller, state=state, limit=limit, offset=offset)
+    fleet_mtbf = fleet_mtbf_seconds(session, now)
+    rows = [(job, job_report(session, session.get(Job, job.id), now, fleet_mtbf)) for job in listing.items]
+    context = {"caller": caller, "rows": rows, "total": listing.total, "state": state, "states": list(JobState),
+               "limit": limit, "offset": offset}  # fmt: skip
+    return render(request, "jobs.html", context)
+
+
+@router.get("/jobs/{job_id}")
+def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCallerDep) -> Response:
+    try:
+        job = get_visible_job(session, job_id, caller)
+    except HTTPException as missing:
+        return render(request, "error.html", {"caller": caller, "message": missing.detail}, missing.status_code)
+    now = time.time()  # one instant for the figures and the drawing
+    report = job_report(session, job, now)
+    row = session.get(JobAccountRow, job.id)
+    account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
+    steps = (
+        StepSpan(e.attempt, e.step or 0, e.ts, e.duration or 0.0)
+        for e in job_events(session, job.id, kinds=("step",), source=TIMING_SOURCE)
+    )
+    saves = [
+        SaveSpan(*row)
+        for row in session.execute(
+            select(Checkpoint.attempt, Checkpoint.started_at, Checkpoint.staged_at).where(
+                Checkpoint.job_id == job.id, Checkpoint.started_at.is_not(None), Checkpoint.staged_at.is_not(None)
+            )
+        )
+    ]
+    timeline = build_timeline(account, now=now, steps=steps, saves=saves)
+    return render(request, "job.html", {"caller": caller, "job": job, "report": report, "timeline": timeline})
+
+
+@router.post("/logout")
+def logout() -> RedirectResponse:
+    response = RedirectResponse("/jobs", status_code=303)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+async def login_page(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LoginNeeded)
+    return render(request, "login.html", {"caller": None, "reason": exc.reason}, 401)

@@ -1,0 +1,220 @@
+"""The fleet simulator: schema-v1 timelines of large jobs from a failure model, at simulated time.
+
+The model (`FleetModel`), per attempt of the job:
+
+    allocation -> init (I) -> restore of the newest committed checkpoint (S; none before the first
+    commit) -> training: blocks of steps, and every K blocks a checkpoint that blocks training for
+    C seconds (`ckpt_start` -> `ckpt_staged`) and is committed W seconds later in the background
+    -> a failure, after an exponential time X (mean M) from the allocation -> detection (d, by
+    cause) -> rescheduling (r) -> the next allocation.
+
+So failures are a Poisson process over the time an attempt holds its nodes, and restarts cost
+R = E[d] + r in recovery, I + S in start-up, and the steps since the last committed checkpoint.
+The job stops at the end of its wall budget (a failure whose restart would cross the end is not
+simulated: the job stops there).
+
+Aggregation: a step event every `steps_per_event` real steps (a "block" of B = steps_per_event *
+step_seconds seconds), numbered with the real step count; 54 days of 10 s steps would otherwise
+be 470,000 events. Only rank 0 and the service emit (DESIGN.md takes timings from rank 0), so
+the 16,384 ranks of the default job add nothing to the accounting. Nothing sleeps: events carry
+simulated timestamps, the last one at `end_ts`.
+
+`expected_ett` gives the analytical ETT of the model (renewal-reward), `young_interval_seconds`
+the interval Young's formula recommends.
+"""
+
+import math
+import random
+from dataclasses import dataclass, replace
+from typing import Any
+
+# Failure causes: (cause, share, detection seconds). The shares are illustrative, in the spirit
+# of Llama 3's report (most interruptions are GPU or host faults that kill a rank, some lose a
+# node, a few hang); detection: a dead rank at once, a silent node after the heartbeat timeout,
+# a hang after the hang timeout.
+CAUSES = (("exit", 0.78, 5.0), ("node_lost", 0.17, 15.0), ("hang", 0.05, 120.0))
+
+
+@dataclass(frozen=True)
+class FleetModel:
+    nodes: int = 2048
+    gpus_per_node: int = 8
+    days: float = 54.0
+    mtbf_seconds: float = 54 * 86400 / 419  # Llama 3 405B: 419 unexpected interruptions in 54 days
+    step_seconds: float = 10.0
+    steps_per_event: int = 6
+    checkpoint_interval_seconds: float = 1800.0  # of training: rounded to whole blocks
+    checkpoint_blocking_seconds: float = 20.0
+    checkpoint_write_seconds: float = 60.0  # the asynchronous rest, until committed
+    init_seconds: float = 300.0
+    restore_seconds: float = 120.0
+    reschedule_seconds: float = 120.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("days", "mtbf_seconds", "step_seconds", "checkpoint_interval_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("checkpoint_blocking_seconds", "checkpoint_write_seconds", "init_seconds",
+                     "restore_seconds", "reschedule_seconds"):  # fmt: skip
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.steps_per_event < 1 or self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError("nodes, gpus_per_node and steps_per_event must be >= 1")
+
+    @property
+    def block_seconds(self) -> float:
+        return self.steps_per_event * self.step_seconds
+
+    @property
+    def blocks_per_checkpoint(self) -> int:
+        return max(1, round(self.checkpoint_interval_seconds / self.block_seconds))
+
+    @property
+    def interval_seconds(self) -> float:
+        """The checkpoint interval actually simulated (whole blocks of steps)."""
+        return self.blocks_per_checkpoint * self.block_seconds
+
+    @property
+    def restart_seconds(self) -> float:
+        """R: mean detection plus rescheduling, from a failure to the next allocation."""
+        return sum(share * detect for _, share, detect in CAUSES) + self.reschedule_seconds
+
+
+def llama3_405b(**overrides: Any) -> FleetModel:
+    """16,384 GPUs in 2,048 nodes for 54 days with 419 unexpected interruptions."""
+    return replace(FleetModel(), **overrides)
+
+
+def expected_ett(m: FleetModel) -> float:
+    """ETT (a fraction) of the model by renewal-reward, over cycles failure -> failure.
+
+    A cycle is X + R, E = M + R. An attempt keeps T seconds of steps per checkpoint it commits;
+    the k-th commits at s0 + k(T + C) + W after its allocation (s0 = I + S), so it is kept with
+    probability P(X >= s0 + W + k(T + C)) = exp(-(s0 + W + k(T + C)) / M). Summing over k:
+
+        ETT = T * exp(-(s0 + W) / M) / ((exp((T + C) / M) - 1) * (M + R))
+
+    and to first order in 1/M:  ETT ~ 1 - C/T - (T/2 + C/2 + s0 + W + R) / M.
+    Assumes every attempt restores (the first does not: a bias of one cycle in the job's) and
+    ignores the steps after the last commit of the last attempt (kept, as the job ends).
+    """
+    T, C, W, M = m.interval_seconds, m.checkpoint_blocking_seconds, m.checkpoint_write_seconds, m.mtbf_seconds
+    s0 = m.init_seconds + m.restore_seconds
+    return T * math.exp(-(s0 + W) / M) / (math.expm1((T + C) / M) * (M + m.restart_seconds))
+
+
+def young_interval_seconds(m: FleetModel) -> float:
+    return math.sqrt(2.0 * m.checkpoint_blocking_seconds * m.mtbf_seconds)
+
+
+class _Emitter:
+    """Numbers events per (attempt, source), as the real emitters do."""
+
+    def __init__(self, start_ts: float) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.start_ts = start_ts
+        self._seq: dict[tuple[int, str], int] = {}
+
+    def emit(self, kind: str, t: float, attempt: int, source: str, step: int | None = None, **data: Any) -> None:
+        seq = self._seq.get((attempt, source), 0)
+        self._seq[(attempt, source)] = seq + 1
+        self.events.append({"kind": kind, "ts": self.start_ts + t, "attempt": attempt, "source": source,
+                            "seq": seq, "step": step, "data": data})  # fmt: skip
+
+
+def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
+    """The job's whole timeline as schema-v1 event dicts, ending at `end_ts` (unix seconds)."""
+    rng = random.Random(m.seed)
+    end = m.days * 86400.0
+    out = _Emitter(end_ts - end)
+    rank0 = "rank:0"
+    t, attempt, committed, step = 0.0, 0, None, 0
+    while True:
+        out.emit("attempt_allocated", t, attempt, "service", node_count=m.nodes, gpus=m.nodes * m.gpus_per_node)
+        fail_at = t + rng.expovariate(1.0 / m.mtbf_seconds)
+        cause, detect = rng.choices([(c, d) for c, _, d in CAUSES], weights=[s for _, s, _ in CAUSES])[0]
+        if fail_at + detect + m.reschedule_seconds >= end:
+            fail_at = math.inf
+        limit = min(fail_at, end)
+        out.emit("init_start", t, attempt, rank0)
+        if t + m.init_seconds > limit:
+            t = limit
+        else:
+            t += m.init_seconds
+            out.emit("init_end", t, attempt, rank0)
+            step = 0
+            if committed is not None:
+                out.emit("restore_start", t, attempt, rank0, committed)
+                if t + m.restore_seconds <= limit:
+                    t += m.restore_seconds
+                    out.emit("restore_end", t, attempt, rank0, committed)
+                    step = committed
+                else:
+                    t = limit
+            if t < limit:
+                t, committed, step = _train(out, m, attempt, t, limit, committed, step)
+        if fail_at == math.inf:
+            if step:
+                out.emit("train_end", t, attempt, rank0, step)
+            out.emit("job_finished", end, attempt, "service", state="succeeded")
+            return out.events
+        detail = f"simulated {cause} on sim-node-{rng.randrange(m.nodes):04d}"
+        out.emit("attempt_failed", fail_at + detect, attempt, "service", cause=cause, detail=detail)
+        t, attempt = fail_at + detect + m.reschedule_seconds, attempt + 1
+
+
+def _train(
+    out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None, step: int
+) -> tuple[float, int | None, int]:
+    """Blocks of steps and checkpoints from t until `limit`; returns (time, committed step, step)."""
+    rank0, B, C, W = "rank:0", m.block_seconds, m.checkpoint_blocking_seconds, m.checkpoint_write_seconds
+    pending: list[tuple[float, int]] = []  # (commit time, step) of staged checkpoints
+    blocks, every = 0, m.blocks_per_checkpoint
+
+    def commit_until(now: float) -> None:
+        nonlocal committed
+        while pending and pending[0][0] <= now:
+            at, s = pending.pop(0)
+            out.emit("ckpt_committed", at, attempt, rank0, s, path=f"/ckpt/step-{s:08d}", bytes=0)
+            committed = s
+
+    while t + B <= limit:
+        t += B
+        step += m.steps_per_event
+        commit_until(t)
+        out.emit("step", t, attempt, rank0, step, duration=B, steps=m.steps_per_event)
+        blocks += 1
+        if blocks % every:
+            continue
+        out.emit("ckpt_start", t, attempt, rank0, step)
+        if t + C > limit:
+            break
+        t += C
+        commit_until(t)
+        out.emit("ckpt_staged", t, attempt, rank0, step)
+        pending.append((t + W, step))
+    commit_until(limit)
+    return t, committed, step
+
+
+def memory_report(m: FleetModel, end_ts: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The timeline and the report the pure engine makes of it (no service)."""
+    from service.ett.engine import Event
+    from service.ett.memory import MemoryJob
+
+    events = simulate(m, end_ts)
+    job = MemoryJob("simulated")
+    job.ingest(Event(**e) for e in events)
+    return events, job.report(end_ts)
+
+
+def sweep(m: FleetModel, intervals: list[float], end_ts: float) -> list[tuple[float, float, float]]:
+    """(interval simulated, simulated ETT %, analytical ETT %) per checkpoint interval. The same
+    seed gives every interval the same failure times (common random numbers)."""
+    rows = []
+    for interval in intervals:
+        mi = replace(m, checkpoint_interval_seconds=interval)
+        _, report = memory_report(mi, end_ts)
+        rows.append((mi.interval_seconds, report["ett_percent"], 100.0 * expected_ett(mi)))
+    return rows

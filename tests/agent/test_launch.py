@@ -1,0 +1,76 @@
+"""The torchrun command line, environment and settings an agent builds (no processes here)."""
+
+import argparse
+import sys
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from agent import cli
+from agent.launch import GROUP_MARKER_ENV, torchrun_argv, worker_env
+from agent.metrics import AgentStats, serve_metrics
+from agent.spool import AttemptPaths
+from tests.agent.helpers import free_port, launch_command
+
+
+def trainer_command(**fields):
+    return launch_command(entrypoint=None, trainer={"preset": "cpu-demo", "overrides": {
+        "moe.num_experts": 8, "optim.lr": 0.001, "parallel.compile": True, "data.name": "tiny"}}, **fields)
+
+
+def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
+    command = trainer_command(nnodes=2, node_rank=1, master_port=29517, checkpoint={
+        "interval_steps": 50, "keep": 3, "dir": "/ckpt/j", "resume_from": "/ckpt/j/step-00000040"})
+    paths = AttemptPaths.of(tmp_path, command.job_id, 0)
+    argv = torchrun_argv(command, paths, stop_grace_seconds=10)
+
+    runner = argv.index("agent.rank_runner")
+    torchrun = argv[argv.index("torch.distributed.run") + 1: runner - 2]
+    assert torchrun == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                        "--master-port", "29517", "--max-restarts", "0", "--shutdown-timeout", "10", "--no-python"]
+    rank = argv[argv.index("--", runner) + 1:]
+    assert rank == [sys.executable, "-m", "trainer.train", "--preset", "cpu-demo", "--moe.num_experts", "8",
+                    "--optim.lr", "0.001", "--parallel.compile", "true", "--data.name", "tiny",
+                    "--checkpoint.dir", "/ckpt/j", "--checkpoint.interval_steps", "50", "--checkpoint.keep", "3",
+                    "--checkpoint.resume_from", "/ckpt/j/step-00000040"]
+
+
+def test_no_resume_point_is_said_explicitly(tmp_path):
+    argv = torchrun_argv(trainer_command(), AttemptPaths.of(tmp_path, "j", 0), 10)
+    assert argv[-2:] == ["--checkpoint.resume_from", "none"]
+
+
+def test_worker_env_adds_the_spool_and_ids_and_hides_the_agent_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("ETT_AGENT_TOKEN", "secret")
+    command = launch_command(attempt=3, env={"NCCL_DEBUG": "INFO", "ETT_EVENT_DIR": "/elsewhere"})
+    paths = AttemptPaths.of(tmp_path, command.job_id, 3)
+    env = worker_env(command, paths, "marker-1")
+
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert (env["ETT_EVENT_DIR"], env["ETT_JOB_ID"], env["ETT_ATTEMPT"]) == (str(paths.events_dir), command.job_id, "3")
+    assert env[GROUP_MARKER_ENV] == "marker-1"
+    assert "ETT_AGENT_TOKEN" not in env
+
+
+def test_a_bad_setting_stops_the_agent_naming_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ETT_AGENT_TOKEN", "t")
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+
+    assert cli.main(parser.parse_args(["--slots", "0", "--data-dir", str(tmp_path)])) == 2
+    assert "bad setting ETT_AGENT_SLOTS" in capsys.readouterr().err
+
+
+def test_metrics_endpoint_serves_the_heartbeat_figures():
+    stats = AgentStats(processes=2, events_forwarded=10, dead_letters=1, spool_bytes=1234)
+    port = free_port()
+    server = serve_metrics(stats, port, CollectorRegistry())
+    stats.events_forwarded = 11  # read at scrape time
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        server.shutdown()
+    assert "ett_agent_processes 2.0" in text
+    assert "ett_agent_events_forwarded_total 11.0" in text
+    assert "ett_agent_dead_letters_total 1.0" in text
+    assert "ett_agent_spool_bytes 1234.0" in text

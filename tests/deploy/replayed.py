@@ -1,0 +1,48 @@
+"""A job with three attempts and two failures, replayed into a live service as an admin would."""
+
+from dataclasses import asdict, dataclass
+
+from tests.service.ett.timelines import Timeline
+from tests.service.factories import submit
+from tests.support.live import LiveService
+
+
+def three_attempts(t0: float) -> Timeline:
+    """Attempt 0 fails (exit) after a checkpoint, attempt 1 hangs before its own, attempt 2 finishes
+    from attempt 0's checkpoint: attempt 0's later steps and all of attempt 1's are wasted."""
+    tl = Timeline()
+    tl.start_attempt(0, allocated=0, init_end=5)
+    tl.steps(0, 1, 40, start=5, duration=1)  # ends 45
+    tl.checkpoint(0, 40, start=45, staged=46, committed=48)
+    tl.steps(0, 41, 60, start=46, duration=1)  # ends 66
+    tl.service("attempt_failed", 67, 0, cause="exit", detail="rank 1 exit code 1")
+    tl.start_attempt(1, allocated=70, init_end=74, restore=(74, 76, 40))
+    tl.steps(1, 41, 55, start=76, duration=1)  # ends 91
+    tl.add("hang_detected", 100, 1, "node:n1")
+    tl.service("attempt_failed", 101, 1, cause="hang")
+    tl.start_attempt(2, allocated=104, init_end=108, restore=(108, 110, 40))
+    tl.steps(2, 41, 100, start=110, duration=1)  # ends 170
+    tl.checkpoint(2, 100, start=170, staged=171, committed=173)
+    tl.service("job_finished", 174, 2, state="succeeded")
+    # Times relative to t0 rather than the builder's fixed epoch: the job is "recently finished".
+    shift = t0 - tl.events[0].ts
+    tl.events = [type(e)(e.kind, e.ts + shift, e.attempt, e.source, e.seq, e.step, e.data) for e in tl.events]
+    return tl
+
+
+@dataclass
+class ReplayedJob:
+    id: str
+    name: str
+    admin_token: str
+    user_token: str
+
+
+def replayed_job(service: LiveService, t0: float, name: str = "moe-pages") -> ReplayedJob:
+    admin_token, user_token = service.token("admin"), service.token("user", "alice")
+    # More nodes than any test registers: the scheduler leaves the job to the replayed events.
+    job = submit(service.client(user_token), name=name, nodes=8)
+    events = [asdict(e) for e in three_attempts(t0).events]
+    response = service.client(admin_token).post(f"/api/v1/jobs/{job['id']}/events", json={"events": events})
+    assert response.status_code == 200, response.text
+    return ReplayedJob(job["id"], name, admin_token, user_token)

@@ -1,0 +1,212 @@
+"""The pages over a live service: their figures (the API's, and `ett report`'s), sign-in, the
+timeline in a real headless Chromium, and a drawing that stays small at 10 attempts x 10^5 steps."""
+
+import logging
+import re
+import shutil
+import subprocess
+import time
+from collections import Counter, defaultdict
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.cli.render import report_table
+from service.ett.engine import CATEGORIES
+from service.ett.memory import MemoryJob
+from service.pages.timeline import SaveSpan, StepSpan, build_timeline
+from tests.deploy.replayed import replayed_job
+from tests.service.ett.timelines import Timeline
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+
+class PageDom(HTMLParser):
+    """What a test reads of a page: the `data-figure` texts, and the timeline's lanes and marks."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.figures: dict[str, str] = {}
+        self.lanes: dict[int, list[str]] = defaultdict(list)  # attempt -> categories of its runs
+        self.failure_marks: dict[int, str] = {}  # attempt -> cause
+        self._figure: str | None = None
+        self._lane: int | None = None
+        self._g_depth = 0
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        classes = (a.get("class") or "").split()
+        if "data-figure" in a:
+            self._figure = a["data-figure"]
+            self.figures[self._figure] = ""
+        if tag == "g":
+            self._g_depth += 1
+            if "lane" in classes:
+                self._lane, self._lane_depth = int(a["data-attempt"]), self._g_depth
+                self.lanes[self._lane] = []
+            if "failure-mark" in classes:
+                assert int(a["data-attempt"]) == self._lane, "a failure mark outside its lane"
+                self.failure_marks[self._lane] = a["data-cause"]
+        if tag == "rect" and "run" in classes:
+            self.lanes[self._lane].append(a["data-category"])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "g":
+            if self._lane is not None and self._g_depth == self._lane_depth:
+                self._lane = None
+            self._g_depth -= 1
+        self._figure = None
+
+    def handle_data(self, data: str) -> None:
+        if self._figure is not None:
+            self.figures[self._figure] += data.strip()
+
+
+def number(text: str) -> float | None:
+    return None if text == "-" else float(text.removesuffix("%").removesuffix(" s"))
+
+
+def test_job_page_and_ett_report_show_the_apis_numbers(service):
+    job = replayed_job(service, time.time() - 200)
+    alice = service.client(job.user_token)
+    page = PageDom(alice.get(f"/jobs/{job.id}").text)
+    api = alice.get(f"/api/v1/jobs/{job.id}/ett").json()
+    expected = {
+        "ett_percent": api["ett_percent"], "wall_seconds": api["wall_seconds"],
+        "queued_seconds": api["queued_seconds"], "time_to_start_seconds": api["time_to_start_seconds"],
+        "restarts": api["restarts"], "mtbf_seconds": api["mtbf_seconds"],
+        "recommended_checkpoint_interval_seconds": api["recommended_checkpoint_interval_seconds"],
+        **{f"seconds.{c}": v for c, v in api["seconds"].items()},
+        **{f"checkpoints.{k}": v for k, v in api["checkpoints"].items()},
+        **{f"failures.{i}.{k}": f[k] for i, f in enumerate(api["failures"]) for k in ("time_to_recover_seconds", "lost_steps")},
+    }  # fmt: skip
+    assert set(page.figures) == set(expected)
+    for name, value in expected.items():  # the page rounds to 0.1 (seconds by category: 0.01)
+        assert number(page.figures[name]) == pytest.approx(value, abs=0.051), name
+    # `ett report` prints the same figures, to the same digits.
+    table = report_table(api)
+    assert f"ETT {page.figures['ett_percent']}" in table and f"wall {page.figures['wall_seconds']}" in table
+    for category in CATEGORIES:
+        assert re.search(rf"^  {category} +{re.escape(page.figures[f'seconds.{category}'])} ", table, re.M), category
+    for i, failure in enumerate(api["failures"]):
+        ttr = page.figures[f"failures.{i}.time_to_recover_seconds"]
+        assert f"attempt {failure['attempt']}: {failure['cause']:9} time to recover {ttr}" in table
+    # The jobs list shows the same ETT.
+    jobs = alice.get("/jobs").text
+    assert f"/jobs/{job.id}" in jobs and page.figures["ett_percent"] in jobs
+
+
+@SQLITE_ONLY
+def test_query_token_becomes_an_httponly_cookie_and_leaves_the_address(service):
+    job = replayed_job(service, time.time() - 200)
+    browser = httpx.Client(base_url=service.url)
+    first = browser.get("/jobs", params={"token": job.user_token, "state": "queued"})
+    assert first.status_code == 303 and first.headers["location"] == "/jobs?state=queued"
+    cookie = first.headers["set-cookie"]
+    assert "ett_token=" in cookie and "HttpOnly" in cookie and "SameSite=lax" in cookie
+    # The cookie alone opens the pages afterwards; the API still wants its bearer header.
+    assert job.id in browser.get("/jobs?state=queued").text
+    assert browser.get(f"/jobs/{job.id}").status_code == 200
+    assert browser.get(f"/api/v1/jobs/{job.id}/ett").status_code == 401
+    assert browser.post("/logout").status_code == 303
+    assert browser.get("/jobs").status_code == 401
+
+
+@SQLITE_ONLY
+def test_pages_refuse_bad_tokens_and_hide_other_users_jobs(service):
+    job = replayed_job(service, time.time() - 200)
+    anonymous = service.client()
+    for token in (None, "ett_not-a-token", service.token("agent", "node-a")):
+        response = anonymous.get("/jobs", params={"token": token} if token else {})
+        assert response.status_code == 401 and "Sign in" in response.text
+        assert token is None or token not in response.text
+    bob = service.client(service.token("user", "bob"))
+    assert job.id not in bob.get("/jobs").text
+    assert bob.get(f"/jobs/{job.id}").status_code == 404
+    admin = service.client(job.admin_token)
+    assert admin.get(f"/jobs/{job.id}").status_code == 200
+
+
+@SQLITE_ONLY
+def test_access_log_masks_the_query_token(service, caplog):
+    access = logging.getLogger("uvicorn.access")
+    access.addHandler(caplog.handler)  # uvicorn's access logger does not propagate to the root
+    try:
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            secret = service.token("user", "alice")
+            service.client().get("/jobs", params={"token": secret})
+    finally:
+        access.removeHandler(caplog.handler)
+    assert "/jobs?token=***" in caplog.text and secret not in caplog.text
+
+
+def chromium(*args: str, profile: Path) -> str:
+    binary = shutil.which("chromium")
+    assert binary, "headless Chromium is needed: apt-get install chromium (.ci/run does)"
+    argv = [
+        binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={profile}", *args,
+    ]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+
+
+@SQLITE_ONLY
+def test_job_page_in_headless_chromium_draws_lanes_and_failure_marks(service, tmp_path):
+    job = replayed_job(service, time.time() - 200)
+    # The browser signs in the way a person does: the token once in the address, then the cookie.
+    url = f"{service.url}/jobs/{job.id}?token={job.user_token}"
+    page = PageDom(chromium("--dump-dom", url, profile=tmp_path / "dom"))
+    assert {a: set(runs) for a, runs in page.lanes.items()} == {
+        0: {"init", "productive", "checkpoint_save", "wasted", "recovery"},
+        1: {"init", "restore", "wasted", "recovery"},
+        2: {"init", "restore", "productive", "checkpoint_save", "idle"},
+    }
+    assert page.failure_marks == {0: "exit", 1: "hang"}
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "job-page.png"
+    shot.unlink(missing_ok=True)
+    chromium(f"--screenshot={shot}", "--window-size=1280,1100", "--hide-scrollbars", url, profile=tmp_path / "shot")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_timeline_of_ten_attempts_and_1e5_steps_is_small_and_true_to_the_report():
+    """Attempt a restores the 9th checkpoint of attempt a-1 and runs 10^4 steps of 0.1 s,
+    saving every 1000, then dies: 1000 steps of every failed attempt are wasted."""
+    tl, t, restored = Timeline(), 0.0, None
+    for a in range(10):
+        start = restored or 0
+        tl.start_attempt(a, allocated=t, init_end=t + 5, restore=(t + 5, t + 7, start) if a else None)
+        t += 7
+        for k in range(10):
+            t = tl.steps(a, start + 1000 * k + 1, start + 1000 * (k + 1), start=t, duration=0.1)
+            if k < 9:
+                tl.checkpoint(a, start + 1000 * (k + 1), start=t, staged=t + 0.5, committed=t + 2)
+                t += 0.5
+        if a < 9:
+            tl.service("attempt_failed", t + 1, a, cause="signal")
+            restored, t = start + 9000, t + 10
+    tl.service("job_finished", t + 1, 9, state="succeeded")
+    job = MemoryJob("big")
+    job.ingest(tl.events)
+    report = job.report(now=t + 100)
+    steps = [StepSpan(e.attempt, e.step, e.ts, e.data["duration"]) for e in tl.events if e.kind == "step"]
+    assert len(steps) == 100_000
+    saves = [SaveSpan(c.attempt, c.started_at, c.staged_at) for c in job.checkpoints.values()]
+    timeline = build_timeline(job.account, now=t + 100, steps=steps, saves=saves)
+    assert [lane.attempt for lane in timeline.lanes] == list(range(10))
+    assert [lane.failure is not None for lane in timeline.lanes] == [True] * 9 + [False]
+    runs = [run for lane in timeline.lanes for run in lane.runs]
+    assert len(runs) <= 60  # init, (restore,) productive, wasted, recovery per lane: not one per step
+    columns = Counter()
+    for run in runs:
+        columns[run.category] += run.last - run.first
+    column_seconds = report["wall_seconds"] / timeline.columns
+    for category in ("productive", "wasted", "init", "recovery"):
+        # Each run is exact to a column at each end; lanes meet on a shared column.
+        assert columns[category] * column_seconds == pytest.approx(report["seconds"][category], abs=25 * column_seconds)
+    assert report["seconds"]["wasted"] == pytest.approx(9 * 1000 * 0.1)

@@ -1,0 +1,172 @@
+"""The scheduler's decisions, driven tick by tick with a controlled clock on both databases."""
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service import commands, scheduler
+from service.db import make_engine, make_session_factory
+from service.models import AgentCommand, Attempt, AttemptState, Job, JobState, Node, NodeState, Role, Token, utcnow
+from service.schemas.agents import AttemptReport
+from service.settings import Settings
+from tests.service.factories import job_spec
+
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def session(settings: Settings) -> Iterator[Session]:
+    engine = make_engine(settings.resolved_database_url)
+    with make_session_factory(engine)() as session:
+        yield session
+    engine.dispose()
+
+
+def add_nodes(session: Session, *names: str, slots: int = 2) -> list[Node]:
+    token = Token(subject="agents", role=Role.agent, token_hash=uuid.uuid4().hex)
+    session.add(token)
+    session.flush()
+    nodes = [Node(name=n, address=f"10.0.0.{i}", slots=slots, token_id=token.id) for i, n in enumerate(names)]
+    session.add_all(nodes)
+    session.commit()
+    return nodes
+
+
+def add_job(session: Session, **overrides) -> Job:
+    job = Job(id=uuid.uuid4().hex, name="j", owner="alice", spec=job_spec(**overrides))
+    session.add(job)
+    session.commit()
+    return job
+
+
+def tick(session: Session, settings: Settings, now: float) -> None:
+    for node in session.scalars(select(Node)):
+        if node.state != NodeState.lost:
+            node.last_heartbeat_at = utcnow()  # every node is alive unless a test says otherwise
+    scheduler.tick(session, settings, now)
+    session.commit()
+
+
+def taken(session: Session, node: Node) -> list[dict]:
+    out = commands.take_pending(session, node.id)
+    session.commit()
+    return out
+
+
+def report(session: Session, node: Node, job: Job, attempt: int, state: str, now: float, **extra) -> None:
+    scheduler.on_reports(session, node, [AttemptReport(job_id=job.id, attempt=attempt, state=state, **extra)], now)
+    session.commit()
+
+
+def test_gang_allocation_waits_for_all_nodes(session, settings):
+    (a,) = add_nodes(session, "a")
+    job = add_job(session)
+    tick(session, settings, T0)
+    assert job.state == JobState.queued and taken(session, a) == []
+    (b,) = add_nodes(session, "b")
+    tick(session, settings, T0 + 1)
+    session.refresh(job)
+    assert job.state == JobState.running and len(job.attempts) == 1
+    launches = [taken(session, a), taken(session, b)]
+    assert [len(x) for x in launches] == [1, 1]
+    first, second = launches[0][0], launches[1][0]
+    assert (first["node_rank"], second["node_rank"]) == (0, 1)
+    assert first["master_addr"] == second["master_addr"] == a.address
+    assert first["master_port"] == second["master_port"] and first["nnodes"] == 2
+    assert first["checkpoint"]["resume_from"] is None
+    assert {a.state, b.state} == {NodeState.busy}
+
+
+def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, settings):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session, faults=[{"attempt": 1, "rank": 3, "at_step": 4, "action": "kill", "code": None}])
+    tick(session, settings, T0)
+    taken(session, a), taken(session, b)
+    report(session, a, job, 0, "running", T0 + 1)
+    report(session, b, job, 0, "failed", T0 + 5, cause="signal", detail="rank 3 killed by SIGKILL")
+    session.refresh(job)
+    assert job.attempts[0].state == AttemptState.failed and job.attempts[0].cause == "signal"
+    assert taken(session, a) == [{"type": "stop", "job_id": job.id, "attempt": 0, "reason": "attempt failed"}]
+    tick(session, settings, T0 + 10)
+    assert len(job.attempts) == 1, "no new attempt while node a still runs the old one"
+    report(session, a, job, 0, "stopped", T0 + 11)
+    tick(session, settings, T0 + 20)
+    session.refresh(job)
+    assert len(job.attempts) == 2 and job.restarts == 1
+    relaunch_a, relaunch_b = taken(session, a)[0], taken(session, b)[0]
+    assert (relaunch_a["attempt"], relaunch_a["node_rank"], relaunch_b["node_rank"]) == (1, 0, 1)
+    assert relaunch_b["faults"] == [job.spec["faults"][0]] and relaunch_a["faults"] == []
+
+
+def test_configuration_error_is_not_retried(session, settings):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session)
+    tick(session, settings, T0)
+    report(session, a, job, 0, "failed", T0 + 2, cause="exit", detail="rank 0 exit code 3", exit_code=3)
+    report(session, b, job, 0, "stopped", T0 + 3)
+    tick(session, settings, T0 + 30)
+    session.refresh(job)
+    assert job.state == JobState.failed and "configuration error" in job.reason and len(job.attempts) == 1
+
+
+def test_max_restarts_is_honoured(session, settings):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session, max_restarts=1)
+    now = T0
+    for attempt in range(2):
+        tick(session, settings, now)
+        report(session, a, job, attempt, "failed", now + 1, cause="exit", exit_code=1)
+        report(session, b, job, attempt, "stopped", now + 2)
+        now += 10
+    tick(session, settings, now)
+    session.refresh(job)
+    assert job.state == JobState.failed and len(job.attempts) == 2 and "after 1 restarts" in job.reason
+
+
+def test_lost_node_is_replaced_by_a_spare(session, settings):
+    a, b, spare = add_nodes(session, "a", "b", "c-spare")
+    job = add_job(session)
+    tick(session, settings, T0)
+    assert {s.node.name for s in job.attempts[0].nodes} == {"a", "b"}
+    report(session, a, job, 0, "running", T0 + 1)
+    # b's heartbeats stop: past the timeout the scheduler declares it lost (no refresh this tick).
+    b.last_heartbeat_at = utcnow().replace(year=2000)
+    session.commit()
+    scheduler.tick(session, settings, time.time())
+    session.commit()
+    session.refresh(job)
+    assert b.state == NodeState.lost and job.attempts[0].cause == "node_lost"
+    report(session, a, job, 0, "stopped", time.time())
+    tick(session, settings, time.time() + settings.restart_backoff_seconds + 1)
+    session.refresh(job)
+    assert [s.node.name for s in job.attempts[1].nodes] == ["a", "c-spare"]
+
+
+def test_cancel_stops_every_node(session, settings):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session)
+    tick(session, settings, T0)
+    taken(session, a), taken(session, b)
+    scheduler.cancel_job(session, job, T0 + 5)
+    session.commit()
+    assert job.state == JobState.cancelled and job.attempts[0].state == AttemptState.stopped
+    assert [c["type"] for c in taken(session, a) + taken(session, b)] == ["stop", "stop"]
+    report(session, a, job, 0, "stopped", T0 + 6)
+    report(session, b, job, 0, "stopped", T0 + 6)
+    assert {a.state, b.state} == {NodeState.idle}
+
+
+def test_success_of_every_node_finishes_the_job(session, settings):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session)
+    tick(session, settings, T0)
+    report(session, a, job, 0, "succeeded", T0 + 50)
+    assert job.state == JobState.running
+    report(session, b, job, 0, "succeeded", T0 + 51)
+    assert job.state == JobState.succeeded and {a.state, b.state} == {NodeState.idle}
+    assert session.scalar(select(AgentCommand).where(AgentCommand.delivered_at.is_(None))).payload["type"] == "launch"
+    assert session.scalar(select(Attempt)).state == AttemptState.succeeded
