@@ -8,8 +8,10 @@
 - A batch refused with 422 is not retried as it is: the events the answer names
   (`events.<index>...`) go to a dead-letter file and the rest is sent again. An answer naming
   none is bisected until the bad events stand alone.
-- The spool of an ended attempt is deleted once all of it is forwarded; the spool's size is
-  counted and a warning is logged while it is above its bound.
+- Disk use is bounded by what is not yet forwarded: the forwarded start of a live spool gives
+  its blocks back (a hole is punched; offsets stay valid), and the spool of an ended attempt is
+  deleted once all of it is forwarded. The disk the spools use is counted, and a warning is
+  logged while it is above its bound (events are never dropped to get under it).
 """
 
 import json
@@ -28,10 +30,14 @@ from typing import Any
 import httpx
 
 from agent.metrics import AgentStats
-from agent.spool import AttemptPaths, append_json_line, read_complete_lines
+from agent.spool import AttemptPaths, append_json_line, disk_bytes, parse_event, read_complete_lines, release_prefix
 
 log = logging.getLogger(__name__)
 REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")
+# The forwarded start of a live spool is released in these steps, this far behind the read
+# position, so the monitor loop (which reads the same files on its own) never meets a hole.
+RELEASE_CHUNK_BYTES = 1 << 20
+RELEASE_MARGIN_BYTES = 1 << 20
 Send = Callable[[list[dict[str, Any]]], httpx.Response]
 
 
@@ -77,6 +83,7 @@ class Forwarder:
         self.dead_letter_file = state_dir / "dead-letters.jsonl"
         self.acked: dict[str, int] = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
         self.read_to: dict[str, int] = dict(self.acked)
+        self.released: dict[str, int] = {}
         self.pending: list[Spooled] = []
         self.failures = 0
         if self.dead_letter_file.exists():
@@ -92,9 +99,11 @@ class Forwarder:
         self.forward_once(flush=True)
 
     def forward_once(self, flush: bool) -> bool:
-        """Reads new lines and sends a batch when one is due; False when the service failed us."""
-        self._read_spools()
-        while self.pending and (flush or self._batch_due()):
+        """Reads new lines and sends batches while one is due; False when the service failed us."""
+        self._tidy_spools()
+        while self._read_spools() or self.pending:
+            if not (flush or self._batch_due()):
+                break
             batch = self.pending[: self.config.batch_max_events]
             if not self._deliver([item for item in batch if not item.done]):
                 self.failures += 1
@@ -102,7 +111,6 @@ class Forwarder:
                 return False
             self.failures = 0
             self._commit(batch)
-        self._tidy_spools()
         return True
 
     def _batch_due(self) -> bool:
@@ -116,8 +124,10 @@ class Forwarder:
     def _spool_files(self) -> list[Path]:
         return sorted(self.spool_root.glob("*/*/events/*.jsonl"))
 
-    def _read_spools(self) -> None:
+    def _read_spools(self) -> bool:
+        """Reads on into `pending` (up to a few batches); True when there was something new."""
         room = 4 * self.config.batch_max_events - len(self.pending)
+        before = len(self.pending)
         now = time.monotonic()
         for path in self._spool_files():
             if room <= 0:
@@ -130,6 +140,7 @@ class Forwarder:
                 self.read_to[name] = lines[room - 1][1]
             room -= len(lines)
         self.stats.events_buffered = len(self.pending)
+        return len(self.pending) > before
 
     def _deliver(self, items: list[Spooled]) -> bool:
         """Sends items (marking each done); False when the service is unreachable or failing."""
@@ -180,6 +191,14 @@ class Forwarder:
         self.pending = self.pending[len(batch):]
         self.stats.events_buffered = len(self.pending)
         self._save_offsets()
+        for name in {item.file for item in batch}:
+            self._release(name)
+
+    def _release(self, name: str) -> None:
+        """Gives the disk of a spool's forwarded part back, in whole MiB, well behind any reader."""
+        end = (self.acked[name] - RELEASE_MARGIN_BYTES) // RELEASE_CHUNK_BYTES * RELEASE_CHUNK_BYTES
+        if end > self.released.get(name, 0) and release_prefix(self.spool_root / name, end):
+            self.released[name] = end
 
     def _save_offsets(self) -> None:
         temporary = self.offsets_file.with_suffix(".tmp")
@@ -198,7 +217,7 @@ class Forwarder:
             size = path.stat().st_size
             acked = self.acked.get(str(path.relative_to(self.spool_root)), 0)
             attempt_dir = path.parent.parent
-            sizes[attempt_dir] = sizes.get(attempt_dir, 0) + size
+            sizes[attempt_dir] = sizes.get(attempt_dir, 0) + disk_bytes(path)
             forwarded[attempt_dir] = forwarded.get(attempt_dir, True) and acked == size
             backlog += size - acked
         for attempt_dir, done in forwarded.items():
@@ -215,11 +234,5 @@ class Forwarder:
         prefix = f"{attempt_dir.relative_to(self.spool_root)}/"
         self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
         self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}
+        self.released = {k: v for k, v in self.released.items() if not k.startswith(prefix)}
         self._save_offsets()
-
-def parse_event(raw: bytes) -> dict[str, Any] | None:
-    try:
-        event = json.loads(raw)
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) else None

@@ -6,10 +6,8 @@ import sys
 from typing import Any
 
 from agent.commands import CheckpointSpec, LaunchCommand, TrainerSpec
+from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
-
-# Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
-GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
 
 
 def override_value(value: Any) -> str:
@@ -37,8 +35,9 @@ def rank_argv(command: LaunchCommand) -> list[str]:
     return trainer_argv(command.trainer, command.checkpoint)
 
 
-def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, stop_grace_seconds: float) -> list[str]:
-    """torchrun runs each rank through agent.rank_runner, which records its exit code or signal."""
+def torchrun_argv(command: LaunchCommand, paths: AttemptPaths) -> list[str]:
+    """torchrun, under the group's guard, runs each rank through agent.rank_runner, which records
+    its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's."""
     return [
         sys.executable, "-m", "agent.guard", str(os.getpid()), "--",
         sys.executable, "-m", "torch.distributed.run",
@@ -48,7 +47,6 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, stop_grace_second
         "--master-addr", command.master_addr,
         "--master-port", str(command.master_port),
         "--max-restarts", "0",
-        "--shutdown-timeout", str(max(1, round(stop_grace_seconds))),
         "--no-python",
         sys.executable, "-m", "agent.rank_runner",
         "--ranks-file", str(paths.ranks_file),

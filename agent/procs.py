@@ -5,8 +5,10 @@ group. Every process inherits the group's marker variable instead, and /proc tel
 """
 
 import os
-import signal
 from pathlib import Path
+
+# Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
+GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
 
 
 def marked_pids(name: str, value: str) -> list[int]:
@@ -26,10 +28,12 @@ def marked_pids(name: str, value: str) -> list[int]:
     return pids
 
 
-def signal_marked(name: str, value: str, signum: int) -> int:
-    """Sends signum to every marked process; the number signalled."""
+def signal_marked(name: str, value: str, signum: int, spare: int | None = None) -> int:
+    """Sends signum to every marked process but `spare`; the number signalled."""
     sent = 0
     for pid in marked_pids(name, value):
+        if pid == spare:
+            continue
         try:
             os.kill(pid, signum)
             sent += 1

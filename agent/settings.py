@@ -37,7 +37,7 @@ class AgentSettings(BaseSettings):
     batch_max_age_seconds: float = Field(0.5, ge=0)
     retry_base_seconds: float = Field(0.5, gt=0)
     retry_max_seconds: float = Field(30.0, gt=0)
-    # Spools of ended, fully forwarded attempts are deleted; past this size the agent warns.
+    # Forwarded spool data is given back to the disk; past this much unforwarded, the agent warns.
     spool_max_bytes: int = Field(1 << 30, ge=1)
     # The agent's own /metrics; 0 turns the endpoint off.
     metrics_port: int = Field(0, ge=0, le=65535)

@@ -9,6 +9,7 @@
         ended                   written when the group is over: the spool may go once forwarded
 """
 
+import ctypes
 import json
 import os
 import time
@@ -71,6 +72,8 @@ def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tu
             chunk = f.read(max_bytes)
     except FileNotFoundError:
         return [], offset
+    if len(chunk) == max_bytes and b"\n" not in chunk:
+        return read_complete_lines(path, offset, 4 * max_bytes)  # one line longer than the chunk
     lines = []
     position = offset
     start = 0
@@ -81,6 +84,29 @@ def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tu
     return lines, position
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def release_prefix(path: Path, end: int) -> bool:
+    """Frees the disk blocks of the file's first `end` bytes, keeping its size and offsets.
+
+    The bytes read back as zeros afterwards, so only a prefix nobody will read again may go.
+    False when the file system cannot punch holes (the file then keeps its blocks).
+    """
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        flags = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+        return _libc.fallocate(fd, flags, ctypes.c_long(0), ctypes.c_long(end)) == 0
+    finally:
+        os.close(fd)
+
+
+def disk_bytes(path: Path) -> int:
+    """Bytes the file really occupies (holes not counted)."""
+    return path.stat().st_blocks * 512
+
+
 class SpoolReader:
     """Follows the JSONL files of one folder (or one file) from where it last stopped, in memory."""
 
@@ -89,15 +115,8 @@ class SpoolReader:
 
     def read(self, path: Path) -> list[dict[str, Any]]:
         lines, self.offsets[path] = read_complete_lines(path, self.offsets.get(path, 0))
-        records = []
-        for raw, _ in lines:
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                continue  # the forwarder sets bad lines aside; the monitor only needs good ones
-            if isinstance(record, dict):
-                records.append(record)
-        return records
+        # The forwarder sets bad lines aside; the monitor only needs good ones.
+        return [record for raw, _ in lines if (record := parse_event(raw)) is not None]
 
 
 class NodeEventLog:
@@ -110,12 +129,21 @@ class NodeEventLog:
         self.seq = self._last_seq() + 1
 
     def _last_seq(self) -> int:
-        lines, _ = read_complete_lines(self.path, 0, max_bytes=1 << 30)
-        seqs = [json.loads(raw).get("seq", -1) for raw, _ in lines if raw.strip()]
-        return max(seqs, default=-1)
+        lines, _ = read_complete_lines(self.path, 0)
+        return max((event.get("seq", -1) for event in map(parse_event, (raw for raw, _ in lines)) if event),
+                   default=-1)
 
     def emit(self, kind: str, data: dict[str, Any], step: int | None = None) -> None:
         event = {"kind": kind, "ts": time.time(), "attempt": self.attempt, "source": self.source,
                  "seq": self.seq, "step": step, "data": data}
         append_json_line(self.path, event)
         self.seq += 1
+
+
+def parse_event(raw: bytes) -> dict[str, Any] | None:
+    """The event on a spool line, or None when the line is not a JSON object (or was released)."""
+    try:
+        event = json.loads(raw)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None

@@ -22,8 +22,8 @@ from typing import Any
 
 from agent.commands import LaunchCommand
 from agent.faults import FaultInjector
-from agent.launch import GROUP_MARKER_ENV, rank_argv, torchrun_argv, worker_env
-from agent.procs import signal_group, signal_marked
+from agent.launch import rank_argv, torchrun_argv, worker_env
+from agent.procs import GROUP_MARKER_ENV, signal_group, signal_marked
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class WorkerGroup:
     def start(self) -> None:
         with open(self.paths.log_file, "ab") as log_file:
             self._proc = subprocess.Popen(
-                torchrun_argv(self.command, self.paths, self.stop_grace_seconds),
+                torchrun_argv(self.command, self.paths),
                 env=worker_env(self.command, self.paths, self.marker),
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -115,7 +115,7 @@ class WorkerGroup:
             "node_rank": self.command.node_rank, "nproc_per_node": self.command.nproc_per_node,
             "pid": self._proc.pid, "argv": rank_argv(self.command),
         })  # fmt: skip
-        log.info("attempt %s/%d launched (torchrun pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
+        log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 
     def stop(self, reason: str) -> None:
         if self.state.is_terminal or self._ending is not None or self._proc is None:

@@ -84,13 +84,19 @@ def ingest(
     to roll back. `settings` brings the limits on data size and future times (None: the
     service's own events, trusted). The caller commits."""
     now = time.time()
-    by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)  # the rows to store, per job
+    positions: dict[str, list[int]] = defaultdict(list)  # each row's index in the batch
     first_index: dict[tuple, int] = {}
     duplicates = 0
     for i, (job_id, e) in enumerate(batch):
-        data = _finite(e.data)
+        data = e.data
+        try:
+            size = len(json.dumps(data, separators=(",", ":"), allow_nan=False))
+        except ValueError:
+            data = _finite(data)
+            size = len(json.dumps(data, separators=(",", ":")))
         if settings is not None:
-            if len(json.dumps(data, separators=(",", ":"))) > settings.max_event_data_bytes:
+            if size > settings.max_event_data_bytes:
                 raise EventRejected(i, "data", f"data is over the limit of {settings.max_event_data_bytes} bytes")
             if e.ts + clock_offset > now + settings.max_event_future_seconds:
                 ahead = e.ts + clock_offset - now
@@ -108,11 +114,12 @@ def ingest(
             duplicates += 1
             continue
         first_index[key] = len(by_job[job_id])
-        by_job[job_id].append(row | {"index": i})
-    _check_jobs_exist(session, by_job)
+        by_job[job_id].append(row)
+        positions[job_id].append(i)
+    _check_jobs_exist(session, positions)
     accepted = 0
     for job_id in sorted(by_job):  # one lock order for every process: no deadlock between jobs
-        new, repeated = _ingest_job(session, job_id, by_job[job_id])
+        new, repeated = _ingest_job(session, job_id, by_job[job_id], positions[job_id])
         accepted, duplicates = accepted + new, duplicates + repeated
     return IngestResult(accepted, duplicates)
 
@@ -126,14 +133,14 @@ def _conflict_message(e: EventIn) -> str:
     return f"seq {e.seq} of {e.source} in attempt {e.attempt} was already sent with other content"
 
 
-def _check_jobs_exist(session: Session, by_job: dict[str, list[dict[str, Any]]]) -> None:
-    known = set(session.scalars(select(Job.id).where(Job.id.in_(list(by_job)))))
-    for job_id, rows in by_job.items():
+def _check_jobs_exist(session: Session, positions: dict[str, list[int]]) -> None:
+    known = set(session.scalars(select(Job.id).where(Job.id.in_(list(positions)))))
+    for job_id, indexes in positions.items():
         if job_id not in known:
-            raise EventRejected(rows[0]["index"], "job_id", f"no job {job_id}")
+            raise EventRejected(indexes[0], "job_id", f"no job {job_id}")
 
 
-def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]]) -> tuple[int, int]:
+def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]], positions: list[int]) -> tuple[int, int]:
     insert = _insert(session)
     # Create-if-missing first: on SQLite this write takes the database's write lock at once.
     session.execute(
@@ -144,16 +151,19 @@ def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]]) -> tu
             populate_existing=True
         )
     ).one()
-    stored = [{k: v for k, v in r.items() if k != "index"} for r in rows]
-    inserted = session.execute(
-        insert(JobEvent).on_conflict_do_nothing().returning(JobEvent.attempt, JobEvent.source, JobEvent.seq),
-        stored,
+    # Core, not the ORM's bulk path: one multi-row INSERT per page, RETURNING only the new keys.
+    events = JobEvent.__table__
+    inserted = session.connection().execute(
+        insert(events).on_conflict_do_nothing().returning(events.c.attempt, events.c.source, events.c.seq), rows
     ).all()
-    new_keys = {tuple(k) for k in inserted}
-    repeats = [r for r in rows if (r["attempt"], r["source"], r["seq"]) not in new_keys]
-    if repeats:
-        _check_repeats(session, job_id, repeats)
-    new_rows = [r for r in rows if (r["attempt"], r["source"], r["seq"]) in new_keys]
+    if len(inserted) == len(rows):
+        new_rows, repeats = rows, 0
+    else:
+        new_keys = set(map(tuple, inserted))
+        fresh = [(r["attempt"], r["source"], r["seq"]) in new_keys for r in rows]
+        _check_repeats(session, job_id, [(r, i) for r, i, new in zip(rows, positions, fresh, strict=True) if not new])
+        new_rows = [r for r, new in zip(rows, fresh, strict=True) if new]
+        repeats = len(rows) - len(new_rows)
     account = JobAccount.from_dict(account_row.account)
     _fold(session, job_id, account, new_rows)
     account.settle(_SqlSteps(session, job_id))
@@ -165,11 +175,12 @@ def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]]) -> tu
     account_row.failures = sum(a.failed_at is not None for a in account.attempts.values())
     account_row.events += len(new_rows)
     session.flush()
-    return len(new_rows), len(repeats)
+    return len(new_rows), repeats
 
 
-def _check_repeats(session: Session, job_id: str, repeats: list[dict[str, Any]]) -> None:
-    keys = [(r["attempt"], r["source"], r["seq"]) for r in repeats]
+def _check_repeats(session: Session, job_id: str, repeats: list[tuple[dict[str, Any], int]]) -> None:
+    """Each repeat (row, its batch index) must have the stored event's content."""
+    keys = [(r["attempt"], r["source"], r["seq"]) for r, _ in repeats]
     existing = {}
     for chunk in range(0, len(keys), 500):
         for row in session.scalars(
@@ -182,10 +193,10 @@ def _check_repeats(session: Session, job_id: str, repeats: list[dict[str, Any]])
                 "kind": row.kind, "ts": row.ts, "clock_offset_seconds": row.clock_offset_seconds,
                 "step": row.step, "data": row.data,
             }  # fmt: skip
-    for r, key in zip(repeats, keys, strict=True):
+    for (r, index), key in zip(repeats, keys, strict=True):
         if _content(existing[key]) != _content(r):
             raise EventRejected(
-                r["index"], "seq", f"seq {r['seq']} of {r['source']} in attempt {r['attempt']} "
+                index, "seq", f"seq {r['seq']} of {r['source']} in attempt {r['attempt']} "
                 "was already stored with other content"
             )  # fmt: skip
 

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import api_router
@@ -20,6 +21,7 @@ from service.db import make_engine, make_session_factory
 from service.metrics import install_metrics
 from service.migrate import check_at_head
 from service.pages import install_pages
+from service.ratelimit import RateLimit
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("ett.service")
@@ -70,6 +72,18 @@ def field_path(loc: tuple | list) -> str:
     return ".".join(parts[1:] if parts and parts[0] in ("body", "query", "path") else parts) or "body"
 
 
+class FieldProblem(BaseModel):
+    field: str
+    msg: str
+    type: str
+
+
+class ValidationProblem(BaseModel):
+    """The 422 answer, declared in the OpenAPI schema in place of FastAPI's default shape."""
+
+    detail: list[FieldProblem]
+
+
 async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = [{"field": field_path(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
     # The input is not echoed back: it may hold secrets (env values of a job spec).
@@ -115,7 +129,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await task  # lets a tick in flight finish: no transaction outlives the app
         engine.dispose()
 
-    app = FastAPI(title="ETT", version="1", lifespan=lifespan, docs_url="/docs")
+    app = FastAPI(title="ETT", version="1", lifespan=lifespan, docs_url="/docs",
+                  responses={422: {"model": ValidationProblem, "description": "a field of the request is wrong"}})
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = make_session_factory(engine)
@@ -124,6 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ring_on_commit(app.state.sessions, app.state.bell)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(RateLimit, per_second=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
     app.include_router(health_router)
     app.include_router(api_router)
     install_metrics(app)

@@ -17,6 +17,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Requests a second per bearer token (per client address without one), in bursts of up to
+    # rate_limit_burst; over it: 429 with Retry-After. 0 turns it off. An agent needs under 1/s.
+    rate_limit_per_second: float = Field(50.0, ge=0)
+    rate_limit_burst: int = Field(200, ge=1)
     # Agents whose heartbeats stop for this long are declared lost.
     heartbeat_timeout_seconds: float = Field(15.0, gt=0)
     # Longest a heartbeat may wait for a command (long-poll).

@@ -45,7 +45,7 @@ def list_jobs(
     caller: UserDep,
     state: JobState | None = None,
     limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0),
+    offset: int = Query(0, ge=0, le=2**31),  # bounded: a huge offset overflows SQLite's integers
 ) -> JobList:
     query = select(Job)
     if caller.role != Role.admin:

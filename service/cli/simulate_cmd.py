@@ -106,6 +106,6 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep:
         young = young_interval_seconds(model)
         print(f"\n  {'interval':>10} {'simulated':>10} {'analytical':>10}")
-        for interval, simulated, analytical in sweep(model, [young * f for f in SWEEP_FACTORS], end_ts):
-            print(f"  {interval:>8.0f} s {simulated:>9.2f}% {analytical:>9.2f}%")
+        for mi, ri in sweep(model, [young * f for f in SWEEP_FACTORS], end_ts):
+            print(f"  {mi.interval_seconds:>8.0f} s {ri['ett_percent']:>9.2f}% {100 * expected_ett(mi):>9.2f}%")
     return 0

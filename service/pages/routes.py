@@ -18,11 +18,11 @@ from service.api.deps import get_visible_job
 from service.api.ett import fleet_mtbf_seconds, job_report
 from service.api.jobs import list_jobs
 from service.db import SessionDep
-from service.ett.engine import CATEGORIES, TIMING_SOURCE, JobAccount
-from service.event_log import job_events
+from service.ett.engine import CATEGORIES, JobAccount
+from service.event_log import step_events
 from service.models import Checkpoint, Job, JobAccountRow, JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
-from service.pages.timeline import SaveSpan, StepSpan, build_timeline
+from service.pages.timeline import SaveSpan, Steps, build_timeline
 
 router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
 templates = Jinja2Templates(directory=Path(__file__).resolve().parents[1] / "templates")
@@ -83,10 +83,7 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
     report = job_report(session, job, now)
     row = session.get(JobAccountRow, job.id)
     account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
-    steps = (
-        StepSpan(e.attempt, e.step or 0, e.ts, e.duration or 0.0)
-        for e in job_events(session, job.id, kinds=("step",), source=TIMING_SOURCE)
-    )
+    steps = Steps.from_rows(step_events(session, job.id))
     saves = [
         SaveSpan(*row)
         for row in session.execute(

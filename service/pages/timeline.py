@@ -8,7 +8,7 @@ category that fills most of it, and neighbouring columns of one category become 
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,20 @@ IDLE = CATEGORIES.index("idle")
 
 
 @dataclass(frozen=True)
-class StepSpan:
-    attempt: int
-    step: int
-    end: float  # the step event's ts
-    duration: float
+class Steps:
+    """Rank 0's step events as columns (one array each): a job may have millions."""
+
+    attempt: np.ndarray
+    step: np.ndarray
+    end: np.ndarray  # the event's ts
+    duration: np.ndarray
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[float]]) -> "Steps":
+        """From (attempt, step, ts, duration) rows."""
+        if not rows:
+            return cls(*(np.empty(0) for _ in range(4)))
+        return cls(*(np.asarray(column, dtype=float) for column in zip(*rows)))
 
 
 @dataclass(frozen=True)
@@ -88,13 +97,18 @@ class _Intervals:
     """[lo, hi) intervals by category, in seconds since the window's start."""
 
     def __init__(self) -> None:
-        self.by_category: dict[int, tuple[list[float], list[float]]] = {}
+        self.by_category: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
 
-    def add(self, category: str, lo: float, hi: float) -> None:
-        if hi > lo:
-            los, his = self.by_category.setdefault(CATEGORIES.index(category), ([], []))
-            los.append(lo)
-            his.append(hi)
+    def add(self, category: str, lo: float | np.ndarray, hi: float | np.ndarray) -> None:
+        los, his = self.by_category.setdefault(CATEGORIES.index(category), ([], []))
+        los.append(np.atleast_1d(lo))
+        his.append(np.atleast_1d(hi))
+
+    def arrays(self) -> Iterable[tuple[int, np.ndarray, np.ndarray]]:
+        for category, (los, his) in self.by_category.items():
+            lo, hi = np.concatenate(los), np.concatenate(his)
+            kept = hi > lo
+            yield category, lo[kept], hi[kept]
 
     def lay_out(self, piece: Piece, origin: float) -> None:
         """A piece whose layout inside is not known: its categories one after the other."""
@@ -116,10 +130,9 @@ def _covered(xs: np.ndarray, t: np.ndarray) -> np.ndarray:
 def _rasterize(intervals: _Intervals, lo: float, hi: float, edges: np.ndarray) -> list[tuple[int, int, int]]:
     """Runs (category, first column, last column) of a lane spanning [lo, hi)."""
     cover = np.zeros((len(CATEGORIES), len(edges) - 1))
-    for category, (los, his) in intervals.by_category.items():
+    for category, los, his in intervals.arrays():
         # Time of the category before t is sum max(0, t - lo) - sum max(0, t - hi): any overlap is fine.
-        before = _covered(np.array(los), edges) - _covered(np.array(his), edges)
-        cover[category] = np.diff(before)
+        cover[category] = np.diff(_covered(los, edges) - _covered(his, edges))
     inside = np.clip(np.minimum(edges[1:], hi) - np.maximum(edges[:-1], lo), 0.0, None)
     cover[IDLE] += np.clip(inside - cover.sum(axis=0), 0.0, None)
     dominant = cover.argmax(axis=0)
@@ -134,7 +147,7 @@ def _rasterize(intervals: _Intervals, lo: float, hi: float, edges: np.ndarray) -
 
 
 def build_timeline(
-    account: JobAccount, *, now: float, steps: Iterable[StepSpan], saves: Iterable[SaveSpan], columns: int = 1000
+    account: JobAccount, *, now: float, steps: Steps, saves: Iterable[SaveSpan], columns: int = 1000
 ) -> Timeline | None:
     """The timeline of a job's settled account; None before its first allocation."""
     window = window_of(account, now)
@@ -152,13 +165,14 @@ def build_timeline(
         for piece in (*head, tail):
             intervals[span.summary.attempt].lay_out(piece, origin)
         training[span.summary.attempt] = middle
-    for s in steps:
-        middle = training.get(s.attempt)
-        if middle is not None:
-            cut = account.attempts[s.attempt].rolled_back_to
-            category = "wasted" if cut is not None and s.step > cut else "productive"
-            lo, hi = max(s.end - s.duration, middle.lo), min(s.end, middle.hi)
-            intervals[s.attempt].add(category, lo - origin, hi - origin)
+    for number, middle in training.items():
+        mine = steps.attempt == number
+        lo = np.maximum(steps.end[mine] - steps.duration[mine], middle.lo) - origin
+        hi = np.minimum(steps.end[mine], middle.hi) - origin
+        cut = account.attempts[number].rolled_back_to
+        wasted = steps.step[mine] > cut if cut is not None else np.zeros(len(lo), dtype=bool)
+        intervals[number].add("productive", lo[~wasted], hi[~wasted])
+        intervals[number].add("wasted", lo[wasted], hi[wasted])
     for c in saves:
         middle = training.get(c.attempt)
         if middle is not None:

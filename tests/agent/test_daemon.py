@@ -9,9 +9,8 @@ from collections import Counter
 import pytest
 from sqlalchemy import select
 
-from service import commands
 from service.models import JobEvent, Node
-from tests.agent.helpers import FAKE_RANK, free_port, pids_with_env, wait_for
+from tests.agent.helpers import FAKE_RANK, pids_with_env, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 
@@ -56,30 +55,6 @@ def job(service, job_id):
         return client.get(f"/api/v1/jobs/{job_id}").json()
 
 
-def queue_command(service, payload):
-    with service.app.state.sessions() as session:
-        commands.enqueue(session, session.scalar(select(Node).where(Node.name == "node-a")), payload)
-        session.commit()
-
-
-def test_commands_queued_for_the_agent_are_carried_out(service, agent):
-    """Launch and stop straight from the agent_commands table, with no job or scheduler behind them."""
-    job_id = os.urandom(16).hex()
-    queue_command(service, {
-        "type": "launch", "job_id": job_id, "attempt": 0, "node_rank": 0, "nnodes": 1, "nproc_per_node": 2,
-        "master_addr": "127.0.0.1", "master_port": free_port(), "trainer": {"preset": "cpu-demo", "overrides": {}},
-        "entrypoint": [sys.executable, str(FAKE_RANK), "--steps", "100000"], "env": {"FAKE_MARK": job_id},
-        "checkpoint": {"interval_steps": 50, "keep": 3, "dir": "/tmp/x", "resume_from": None},
-        "hang_timeout_seconds": 30, "init_timeout_seconds": 60, "faults": [],
-    })  # fmt: skip
-    wait_for(lambda: len(pids_with_env("FAKE_MARK", job_id)) == 5, 30, "torchrun, 2 runners and 2 ranks")
-    wait_for(lambda: node(service).stats.get("processes") == 2, 10, "a heartbeat counting 2 live ranks")
-
-    queue_command(service, {"type": "stop", "job_id": job_id, "attempt": 0, "reason": "test"})
-    wait_for(lambda: not pids_with_env("FAKE_MARK", job_id), 10, "every process of the attempt to go")
-    wait_for(lambda: node(service).stats.get("processes") == 0, 10, "a heartbeat counting no live rank")
-
-
 def test_a_job_runs_to_success_and_every_event_is_stored_once(service, agent):
     job_id = submit(service, entrypoint=[sys.executable, str(FAKE_RANK), "--steps", "5"], max_restarts=0)
 
@@ -119,12 +94,14 @@ def test_a_killed_rank_fails_the_attempt_and_the_restart_succeeds(service, agent
 
 def test_cancel_stops_the_attempt_and_no_process_is_left(service, agent):
     job_id = submit(service, entrypoint=[sys.executable, str(FAKE_RANK), "--steps", "100000"])
-    wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) >= 5, 30, "torchrun, 2 runners and 2 ranks")
+    wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) == 6, 60, "guard, torchrun, 2 runners and 2 ranks")
+    wait_for(lambda: node(service).stats.get("processes") == 2, 10, "a heartbeat counting 2 live ranks")
 
     with service.client(service.token("user", "alice")) as client:
         assert client.post(f"/api/v1/jobs/{job_id}/cancel").status_code == 200
 
     wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 10, "every process of the attempt to go")
+    wait_for(lambda: node(service).stats.get("processes") == 0, 10, "a heartbeat counting no live rank")
     kinds = Counter(e.kind for e in stored_events(service, job_id))
     assert kinds["attempt_stopped"] == 1
     assert wait_for(lambda: Counter(e.kind for e in stored_events(service, job_id))["worker_exited"] == 2, 10,

@@ -12,13 +12,13 @@ from agent.client import ServiceClient
 from agent.forward import ForwardConfig, Forwarder, rejected_indices
 from agent.metrics import AgentStats
 from agent.settings import AgentSettings
-from agent.spool import AttemptPaths
+from agent.spool import AttemptPaths, disk_bytes
 from tests.agent.fake_service import FakeService
 from tests.agent.helpers import FAKE_RANK, free_port, pids_with_env, wait_for
 
 
 @pytest.fixture
-def service():
+def fake_service():
     service = FakeService(free_port()).start()
     yield service
     service.stop()
@@ -40,15 +40,15 @@ def forwarder_for(service, tmp_path, **config):
     return Forwarder(tmp_path / "spool", tmp_path, client.post_events, AgentStats(), ForwardConfig(**config))
 
 
-def test_refused_events_go_to_the_dead_letter_file_and_the_rest_arrives(service, tmp_path):
+def test_refused_events_go_to_the_dead_letter_file_and_the_rest_arrives(fake_service, tmp_path):
     spool = tmp_path / "spool" / "job1" / "0" / "events" / "rank-0.jsonl"
     write_spool(spool, [spool_event(0), spool_event(1, kind="bogus"), "{not json", spool_event(3), spool_event(4)])
-    forwarder = forwarder_for(service, tmp_path)
+    forwarder = forwarder_for(fake_service, tmp_path)
 
     assert forwarder.forward_once(flush=True)
 
-    assert sorted(key[3] for key in service.events) == [0, 3, 4]
-    assert all(event["job_id"] == "job1" for event in service.events.values())
+    assert sorted(key[3] for key in fake_service.events) == [0, 3, 4]
+    assert all(event["job_id"] == "job1" for event in fake_service.events.values())
     dead = [json.loads(line) for line in (tmp_path / "dead-letters.jsonl").read_text().splitlines()]
     assert [d["line"] for d in dead] == ["{not json", json.dumps(spool_event(1, kind="bogus"))]
     assert "unknown kind 'bogus'" in json.dumps(dead[1]["error"])
@@ -57,23 +57,23 @@ def test_refused_events_go_to_the_dead_letter_file_and_the_rest_arrives(service,
     assert offsets == {"job1/0/events/rank-0.jsonl": spool.stat().st_size}
 
 
-def test_a_refusal_naming_no_event_is_bisected_down_to_the_bad_one(service, tmp_path, monkeypatch):
-    monkeypatch.setattr(service, "_ingest", lambda events, real=service._ingest: (
+def test_a_refusal_naming_no_event_is_bisected_down_to_the_bad_one(fake_service, tmp_path, monkeypatch):
+    monkeypatch.setattr(fake_service, "_ingest", lambda events, real=fake_service._ingest: (
         (422, {"detail": "batch refused"}) if any(e["kind"] == "bogus" for e in events) else real(events)))
     write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl",
                 [spool_event(i, kind="bogus" if i == 5 else "step") for i in range(8)])
-    forwarder = forwarder_for(service, tmp_path)
+    forwarder = forwarder_for(fake_service, tmp_path)
 
     assert forwarder.forward_once(flush=True)
 
-    assert sorted(key[3] for key in service.events) == [0, 1, 2, 3, 4, 6, 7]
+    assert sorted(key[3] for key in fake_service.events) == [0, 1, 2, 3, 4, 6, 7]
     assert forwarder.stats.dead_letters == 1
 
 
-def test_while_the_service_is_down_nothing_moves_and_backoff_grows(service, tmp_path):
+def test_while_the_service_is_down_nothing_moves_and_backoff_grows(fake_service, tmp_path):
     write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
-    service.stop()
-    forwarder = forwarder_for(service, tmp_path, retry_base_seconds=1.0, retry_max_seconds=8.0)
+    fake_service.stop()
+    forwarder = forwarder_for(fake_service, tmp_path, retry_base_seconds=1.0, retry_max_seconds=8.0)
 
     delays = []
     for _ in range(6):
@@ -85,28 +85,45 @@ def test_while_the_service_is_down_nothing_moves_and_backoff_grows(service, tmp_
         limit = min(8.0, 2 ** (failures - 1))
         assert limit / 2 <= delay <= limit
 
-    service.start()
+    fake_service.start()
     assert forwarder.forward_once(flush=True)
-    assert len(service.events) == 3 and forwarder.stats.events_buffered == 0
+    assert len(fake_service.events) == 3 and forwarder.stats.events_buffered == 0
 
 
-def test_an_ended_attempt_spool_is_deleted_once_forwarded(service, tmp_path):
+def test_an_ended_attempt_spool_is_deleted_once_forwarded(fake_service, tmp_path):
     ended = AttemptPaths.of(tmp_path / "spool", "done", 0)
     running = AttemptPaths.of(tmp_path / "spool", "live", 0)
     write_spool(ended.events_dir / "rank-0.jsonl", [spool_event(i) for i in range(3)])
     write_spool(running.events_dir / "rank-0.jsonl", [spool_event(i) for i in range(3)])
     ended.ended_marker.write_text("succeeded")
-    forwarder = forwarder_for(service, tmp_path)
+    forwarder = forwarder_for(fake_service, tmp_path)
 
     assert forwarder.forward_once(flush=True)
-    assert forwarder.forward_once(flush=True)
+    assert forwarder.forward_once(flush=True)  # sees the ended spool forwarded
 
-    assert len(service.events) == 6
+    assert len(fake_service.events) == 6
     assert not ended.events_dir.exists() and running.events_dir.exists()
-    assert forwarder.stats.spool_bytes == (running.events_dir / "rank-0.jsonl").stat().st_size
+    assert forwarder.stats.spool_bytes == disk_bytes(running.events_dir / "rank-0.jsonl")
     assert forwarder.stats.backlog_bytes == 0
     assert json.loads((tmp_path / "forward-offsets.json").read_text()) == {
-        "live/0/events/rank-0.jsonl": forwarder.stats.spool_bytes}
+        "live/0/events/rank-0.jsonl": (running.events_dir / "rank-0.jsonl").stat().st_size}
+
+
+def test_the_forwarded_start_of_a_live_spool_gives_its_disk_back(fake_service, tmp_path):
+    spool = tmp_path / "spool" / "live" / "0" / "events" / "rank-0.jsonl"
+    write_spool(spool, [spool_event(i) | {"data": {"pad": "x" * 900}} for i in range(4500)])  # about 4.4 MiB
+    forwarder = forwarder_for(fake_service, tmp_path, batch_max_events=1000)
+
+    assert forwarder.forward_once(flush=True)
+    assert forwarder.forward_once(flush=True)  # counts the disk used after the release
+    size = spool.stat().st_size
+    assert size > 4 << 20 and disk_bytes(spool) <= size - (2 << 20)
+    assert forwarder.stats.spool_bytes == disk_bytes(spool)
+
+    write_spool(spool, [spool_event(i) for i in range(4500, 4510)])
+    restarted = forwarder_for(fake_service, tmp_path)  # reads on from the persisted position, past the hole
+    assert restarted.forward_once(flush=True)
+    assert len(fake_service.events) == 4510 and fake_service.duplicates == 0
 
 
 def test_rejected_indices_reads_fastapi_locs_and_messages():
@@ -127,17 +144,17 @@ def start_agent(service, data_dir):
 
 
 @pytest.mark.slow
-def test_service_outage_and_agent_crash_lose_and_repeat_nothing(service, tmp_path):
+def test_service_outage_and_agent_crash_lose_and_repeat_nothing(fake_service, tmp_path):
     job_id = os.urandom(16).hex()
-    service.commands.append({
+    fake_service.commands.append({
         "type": "launch", "job_id": job_id, "attempt": 0, "node_rank": 0, "nnodes": 1, "nproc_per_node": 2,
         "master_addr": "127.0.0.1", "master_port": free_port(), "hang_timeout_seconds": 30,
         "entrypoint": [sys.executable, str(FAKE_RANK), "--steps", "100000", "--step-seconds", "0.01"],
     })  # fmt: skip
-    first = start_agent(service, tmp_path)
+    first = start_agent(fake_service, tmp_path)
     try:
-        wait_for(lambda: len(service.events) >= 50, 30, "events to flow")
-        service.stop()
+        wait_for(lambda: len(fake_service.events) >= 50, 60, "events to flow")
+        fake_service.stop()
         paths = AttemptPaths.of(tmp_path / "spool", job_id, 0)
         spooled = paths.events_dir / "rank-0.jsonl"
         size = spooled.stat().st_size
@@ -147,12 +164,12 @@ def test_service_outage_and_agent_crash_lose_and_repeat_nothing(service, tmp_pat
         first.wait()
     wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 5, "the workers to die with their agent")
 
-    second = start_agent(service, tmp_path)
+    second = start_agent(fake_service, tmp_path)
     try:
         wait_for(lambda: paths.ended_marker.exists(), 10, "the restarted agent to close the dead attempt")
         lines = [json.loads(line) for f in sorted(paths.events_dir.glob("*.jsonl"))
                  for line in f.read_text().splitlines()]
-        service.start()
+        fake_service.start()
         wait_for(lambda: not paths.events_dir.exists(), 20, "the backlog to be forwarded and the spool deleted")
     finally:
         second.send_signal(signal.SIGTERM)
@@ -160,6 +177,6 @@ def test_service_outage_and_agent_crash_lose_and_repeat_nothing(service, tmp_pat
 
     expected = {(job_id, e["attempt"], e["source"], e["seq"]) for e in lines}
     assert len(expected) == len(lines) > 60
-    assert set(service.events) == expected
-    assert service.duplicates <= 20  # at most the one batch in flight when the first agent died
-    assert any(a["state"] == "failed" and a["job_id"] == job_id for h in service.heartbeats for a in h["attempts"])
+    assert set(fake_service.events) == expected
+    assert fake_service.duplicates <= 20  # at most the one batch in flight when the first agent died
+    assert any(a["state"] == "failed" and a["job_id"] == job_id for h in fake_service.heartbeats for a in h["attempts"])

@@ -7,7 +7,8 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from agent import cli
-from agent.launch import GROUP_MARKER_ENV, torchrun_argv, worker_env
+from agent.launch import torchrun_argv, worker_env
+from agent.procs import GROUP_MARKER_ENV
 from agent.metrics import AgentStats, serve_metrics
 from agent.spool import AttemptPaths
 from tests.agent.helpers import free_port, launch_command
@@ -22,12 +23,12 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
     command = trainer_command(nnodes=2, node_rank=1, master_port=29517, checkpoint={
         "interval_steps": 50, "keep": 3, "dir": "/ckpt/j", "resume_from": "/ckpt/j/step-00000040"})
     paths = AttemptPaths.of(tmp_path, command.job_id, 0)
-    argv = torchrun_argv(command, paths, stop_grace_seconds=10)
+    argv = torchrun_argv(command, paths)
 
     runner = argv.index("agent.rank_runner")
     torchrun = argv[argv.index("torch.distributed.run") + 1: runner - 2]
     assert torchrun == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                        "--master-port", "29517", "--max-restarts", "0", "--shutdown-timeout", "10", "--no-python"]
+                        "--master-port", "29517", "--max-restarts", "0", "--no-python"]
     rank = argv[argv.index("--", runner) + 1:]
     assert rank == [sys.executable, "-m", "trainer.train", "--preset", "cpu-demo", "--moe.num_experts", "8",
                     "--optim.lr", "0.001", "--parallel.compile", "true", "--data.name", "tiny",
@@ -36,7 +37,7 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
 
 
 def test_no_resume_point_is_said_explicitly(tmp_path):
-    argv = torchrun_argv(trainer_command(), AttemptPaths.of(tmp_path, "j", 0), 10)
+    argv = torchrun_argv(trainer_command(), AttemptPaths.of(tmp_path, "j", 0))
     assert argv[-2:] == ["--checkpoint.resume_from", "none"]
 
 

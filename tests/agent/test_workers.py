@@ -67,7 +67,7 @@ def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
     assert (report["state"], report["cause"]) == ("failed", "hang")
     [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
     assert hang["step"] == 2 and hang["data"]["phase"] == "train"
-    assert 1.0 <= hang["data"]["seconds_without_progress"] < 2.0
+    assert 1.0 <= hang["data"]["seconds_without_progress"] < 3.0
     exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
     assert sorted(exits, key=lambda d: d["rank"]) == [{"rank": 0, "signal": "SIGKILL"}, {"rank": 1, "signal": "SIGKILL"}]
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
@@ -87,21 +87,22 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
     command = launch_command("--steps", "100000", "--ignore-sigterm", "--spawn-child")
     supervisor.launch(command)
     group = supervisor.groups[command.key]
-    wait_for(lambda: supervisor.poll() or group.state == "running", 20, "ranks to start")
-    wait_for(lambda: len(pids_with_env("ETT_JOB_ID", command.job_id)) >= 7, 10, "grandchildren")
+    wait_for(lambda: supervisor.poll() or group.state == "running", 60, "ranks to start")
+    # guard, torchrun, 2 runners, 2 ranks, 2 grandchildren
+    wait_for(lambda: len(pids_with_env("ETT_JOB_ID", command.job_id)) == 8, 30, "the grandchildren")
 
     supervisor.stop(command_adapter_stop(command))
     started = time.monotonic()
     report = run_to_end(supervisor)
 
     assert report["state"] == "stopped" and report["detail"] == "stopped: cancelled"
-    assert time.monotonic() - started < 1.0 + 2.0  # grace 1s, then SIGKILL
+    assert time.monotonic() - started < 10.0  # grace 1s, then SIGKILL; not torchrun's default 30s
     assert pids_with_env("ETT_JOB_ID", command.job_id) == []
 
 
-# The fake ranks share no collective, so only a stopped rank 0 (the one that reports steps) stalls progress.
+# "kill" is tested end to end in test_daemon.py. The fake ranks share no collective, so only a
+# stopped rank 0 (the one that reports steps) stalls progress.
 @pytest.mark.parametrize(("action", "rank", "expected"), [
-    ("kill", 1, ("signal", "rank 1 killed by SIGKILL", None)),
     ("exit", 1, ("exit", "rank 1 exit code 5 (injected fault)", 5)),
     ("hang", 0, ("hang", None, None)),
 ])  # fmt: skip
@@ -145,8 +146,9 @@ def test_a_crashed_agent_leaves_no_orphan(tmp_path):
     job_id = os.urandom(8).hex()
     agent = subprocess.Popen([sys.executable, "-c", AGENT_CRASH_SCRIPT, str(tmp_path), job_id])
     try:
-        wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) >= 7, 30, "torchrun, 2 runners, 2 ranks, 2 grandchildren")
+        wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) == 8, 60,
+                 "guard, torchrun, 2 runners, 2 ranks, 2 grandchildren")
     finally:
         agent.send_signal(signal.SIGKILL)
         agent.wait()
-    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 5, "the parent-death signals to clear the group")
+    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 5, "the guard to clear the group")

@@ -1,8 +1,10 @@
 """/metrics over real HTTP: ETT series computed from the database at scrape time (the same from
 any service process), bounded to running and recent jobs, and the service's own request series."""
 
+import re
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +22,11 @@ def scrape(client) -> dict[tuple[str, frozenset], float]:
         for family in text_string_to_metric_families(response.text)
         for s in family.samples
     }
+
+
+def documented_metrics() -> set[str]:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "ett.md").read_text()
+    return set(re.findall(r"^\| `(ett_[a-z_]+)` \|", doc, re.M))
 
 
 def test_job_series_from_the_database_in_every_process(service, settings):
@@ -53,6 +60,9 @@ def test_job_series_from_the_database_in_every_process(service, settings):
             assert samples[("ett_jobs", frozenset({("state", "queued")}))] == 2
             # The job that finished long ago has no per-job series.
             assert not any(dict(k[1]).get("job_id") == old["id"] for k in samples)
+            # Every series is documented for the dashboards, and every documented one is served.
+            served = {re.sub(r"_(bucket|sum|count)$", "", name) for name, _ in samples if not name.endswith("_created")}
+            assert served == documented_metrics()
 
 
 def test_request_series_by_route_template(service):

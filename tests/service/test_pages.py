@@ -16,7 +16,7 @@ import pytest
 from service.cli.render import report_table
 from service.ett.engine import CATEGORIES
 from service.ett.memory import MemoryJob
-from service.pages.timeline import SaveSpan, StepSpan, build_timeline
+from service.pages.timeline import SaveSpan, Steps, build_timeline
 from tests.deploy.replayed import replayed_job
 from tests.service.ett.timelines import Timeline
 
@@ -160,17 +160,17 @@ def test_job_page_in_headless_chromium_draws_lanes_and_failure_marks(service, tm
     job = replayed_job(service, time.time() - 200)
     # The browser signs in the way a person does: the token once in the address, then the cookie.
     url = f"{service.url}/jobs/{job.id}?token={job.user_token}"
-    page = PageDom(chromium("--dump-dom", url, profile=tmp_path / "dom"))
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "job-page.png"
+    shot.unlink(missing_ok=True)
+    dom = chromium("--dump-dom", f"--screenshot={shot}", "--window-size=1280,1100", url, profile=tmp_path)
+    page = PageDom(dom)
     assert {a: set(runs) for a, runs in page.lanes.items()} == {
         0: {"init", "productive", "checkpoint_save", "wasted", "recovery"},
         1: {"init", "restore", "wasted", "recovery"},
         2: {"init", "restore", "productive", "checkpoint_save", "idle"},
     }
     assert page.failure_marks == {0: "exit", 1: "hang"}
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "job-page.png"
-    shot.unlink(missing_ok=True)
-    chromium(f"--screenshot={shot}", "--window-size=1280,1100", "--hide-scrollbars", url, profile=tmp_path / "shot")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
@@ -194,8 +194,8 @@ def test_timeline_of_ten_attempts_and_1e5_steps_is_small_and_true_to_the_report(
     job = MemoryJob("big")
     job.ingest(tl.events)
     report = job.report(now=t + 100)
-    steps = [StepSpan(e.attempt, e.step, e.ts, e.data["duration"]) for e in tl.events if e.kind == "step"]
-    assert len(steps) == 100_000
+    steps = Steps.from_rows([(e.attempt, e.step, e.ts, e.data["duration"]) for e in tl.events if e.kind == "step"])
+    assert len(steps.step) == 100_000
     saves = [SaveSpan(c.attempt, c.started_at, c.staged_at) for c in job.checkpoints.values()]
     timeline = build_timeline(job.account, now=t + 100, steps=steps, saves=saves)
     assert [lane.attempt for lane in timeline.lanes] == list(range(10))

@@ -11,20 +11,25 @@ from sqlalchemy import select
 from service import scheduler
 from service.db import make_engine, make_session_factory
 from service.migrate import upgrade
-from service.models import Attempt, AttemptNode, AttemptState, Job, JobState, Node, Role, Token, utcnow
+from service.schemas.agents import AttemptReport
+from service.models import Attempt, AttemptNode, Job, JobState, Node, Role, Token
 from service.settings import Settings
 from tests.service.factories import job_spec
 
 
-def tick_for(url: str, seconds: float) -> None:
-    settings = Settings(database_url=url, restart_backoff_seconds=0)
+def tick_until(url: str, stop) -> None:
+    # Every node stays alive for the test: no heartbeat traffic beside the two schedulers.
+    settings = Settings(database_url=url, restart_backoff_seconds=0, heartbeat_timeout_seconds=1e6)
     sessions = make_session_factory(make_engine(url))
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while not stop.is_set():
         with sessions() as session:
-            session.execute(sa.update(Node).values(last_heartbeat_at=utcnow()))
             scheduler.tick(session, settings)
             session.commit()
+        time.sleep(0.005)
+
+
+def active_shares(session):
+    return session.scalars(select(AttemptNode).join(Attempt).where(Attempt.state.in_(scheduler.ACTIVE))).all()
 
 
 def test_concurrent_schedulers_never_double_allocate(new_database_url):
@@ -40,28 +45,35 @@ def test_concurrent_schedulers_never_double_allocate(new_database_url):
         session.commit()
 
     spawn = multiprocessing.get_context("spawn")
-    for _round in range(3):
-        workers = [spawn.Process(target=tick_for, args=(url, 2.0)) for _ in range(2)]
+    stop = spawn.Event()
+    workers = [spawn.Process(target=tick_until, args=(url, stop)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        for _round in range(3):
+            deadline = time.monotonic() + 60
+            with sessions() as session:
+                while len(active_shares(session)) < 6 and time.monotonic() < deadline:
+                    session.rollback()  # a new snapshot
+                    time.sleep(0.05)
+                time.sleep(0.3)  # both schedulers get more chances to double-allocate
+                session.rollback()
+                active = active_shares(session)
+                per_node = Counter(share.node_id for share in active)
+                assert len(active) == 6 and max(per_node.values()) == 1, per_node
+                per_job = Counter(share.attempt.job_id for share in active)
+                assert set(per_job.values()) == {2}  # whole gangs only
+                # Finish the running jobs, freeing their nodes for the next round.
+                for share in active:
+                    report = AttemptReport(job_id=share.attempt.job_id, attempt=share.attempt.number,
+                                           state="succeeded")
+                    scheduler.on_reports(session, share.node, [report], time.time())
+                session.commit()
+    finally:
+        stop.set()
         for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(60)
-            assert worker.exitcode == 0
-        with sessions() as session:
-            active = session.scalars(
-                select(AttemptNode).join(Attempt).where(Attempt.state.in_(scheduler.ACTIVE))
-            ).all()
-            per_node = Counter(share.node_id for share in active)
-            assert active and max(per_node.values()) == 1, per_node
-            per_job = Counter(share.attempt.job_id for share in active)
-            assert set(per_job.values()) == {2}  # whole gangs only
-            # Finish the running jobs, freeing their nodes for the next round.
-            for share in active:
-                scheduler.on_reports(session, share.node, [
-                    scheduler.AttemptReport(job_id=share.attempt.job_id, attempt=share.attempt.number,
-                                            state="succeeded")], time.time())
-            session.commit()
+            worker.join(30)
+    assert [w.exitcode for w in workers] == [0, 0]
     with sessions() as session:
         finished = session.scalar(select(sa.func.count()).where(Job.state == JobState.succeeded))
         assert finished == 9  # 3 gangs of 2 on 7 nodes, 3 rounds
-        assert session.scalar(select(sa.func.count()).where(Attempt.state == AttemptState.allocated)) == 0

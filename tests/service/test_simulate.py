@@ -1,10 +1,11 @@
 """The fleet simulator (`ett simulate`): its ETT against the model's analytical value, Young's
 interval against the simulated optimum, and a replay through a live service.
 
-Tolerances: over 16 seeds of the default 54-day job, simulated minus analytical ETT had mean
-+0.07 and standard deviation 0.46 percentage points; the accuracy test runs 270 days (sd about
-0.2 pp) and allows 0.75 pp. The tests use coarse step events (30 s of training... 5 minutes
-each) to stay fast; the interval is a whole number of them, so the model is unchanged.
+Tolerance of the ETT check: the simulation is random, the formula an expectation. Over 16 seeds
+of the default 54-day job, simulated minus analytical ETT had mean +0.07 and standard deviation
+0.46 percentage points; the test simulates 216 days (4 times as many failures, so about 0.23 pp)
+and allows 0.75 pp. Step events are coarse (10 minutes of training each; the checkpoint interval
+is a whole number of them, so the model is the same) to keep the CPU time to about a second.
 """
 
 import json
@@ -20,14 +21,18 @@ END = 1.9e9  # any end time: the accounting does not depend on it
 
 
 def test_simulated_ett_matches_the_renewal_reward_expectation():
-    model = llama3_405b(days=270, steps_per_event=30)  # 5-minute step events; checkpoint every 6
+    model = llama3_405b(days=216, steps_per_event=60)  # 10-minute step events; a checkpoint every 3
     events, report = memory_report(model, END)
     assert model.interval_seconds == 1800
     assert report["ett_percent"] == pytest.approx(100 * expected_ett(model), abs=0.75)
     # The failure process is the one asked for: cycles of M + R on average (Poisson count, 4 sd).
     cycles = model.days * 86400 / (model.mtbf_seconds + model.restart_seconds)
     assert abs(len(report["failures"]) - cycles) < 4 * math.sqrt(cycles)
-    assert report["seconds"]["checkpoint_save"] == pytest.approx(report["checkpoints"]["committed"] * 20, rel=0.05)
+    # Exact, whatever the failures: the kept steps are the final model's history, each step once.
+    final_step = max(e["step"] for e in events if e["kind"] == "step" and e["attempt"] == events[-1]["attempt"])
+    assert report["seconds"]["productive"] == pytest.approx(final_step * model.step_seconds)
+    blocking = sum(e["kind"] == "ckpt_staged" for e in events) * model.checkpoint_blocking_seconds
+    assert report["seconds"]["checkpoint_save"] == pytest.approx(blocking)
     assert sum(report["seconds"].values()) == pytest.approx(report["wall_seconds"])
     assert events[-1]["kind"] == "job_finished" and events[-1]["ts"] == END
 
@@ -42,17 +47,18 @@ def test_first_order_formula_is_close_to_the_exact_one():
 
 
 def test_recommended_interval_lands_near_the_simulated_optimum():
-    model = llama3_405b(steps_per_event=24)  # 4-minute step events, so intervals are multiples of 240 s
-    _, report = memory_report(model, END)  # at the default interval of 1800 s, far from the optimum
-    recommended = report["recommended_checkpoint_interval_seconds"]
-    assert recommended == pytest.approx(young_interval_seconds(model), rel=0.1)
-    rows = sweep(model, [240, 480, 720, 1200, 1920], END)
+    # 4-minute step events, so the intervals are whole numbers of them; the same failure times
+    # at every interval.
+    runs = sweep(llama3_405b(steps_per_event=24), [480, 720, 1200, 1920], END)
+    rows = [(m.interval_seconds, r["ett_percent"], 100 * expected_ett(m)) for m, r in runs]
+    recommended = runs[-1][1]["recommended_checkpoint_interval_seconds"]  # the report at 1920 s
+    assert recommended == pytest.approx(young_interval_seconds(runs[-1][0]), rel=0.15)
     best_interval, best_ett, _ = max(rows, key=lambda row: row[1])
     nearest = min(rows, key=lambda row: abs(row[0] - recommended))
-    print(f"recommended {recommended:.0f} s; sweep (interval, simulated %, analytical %): {rows}")
-    assert best_ett - nearest[1] < 0.3  # the recommendation loses at most 0.3 pp against the best
+    print(f"recommended {recommended:.0f} s; (interval, simulated %, analytical %): {rows}")
+    assert best_ett - nearest[1] < 0.3  # following the recommendation loses at most 0.3 pp
     assert recommended / 1.6 <= best_interval <= recommended * 1.6
-    assert best_ett - report["ett_percent"] > 1.0  # and the default interval was worth changing
+    assert best_ett - rows[-1][1] > 1.0  # and an interval of 1920 s was worth changing
 
 
 def test_timeline_is_valid_schema_v1_and_numbered_per_source():

@@ -1,0 +1,97 @@
+"""MoE layer forward+backward: ours (one sort, grouped GEMM) against a Mixtral-style per-expert
+masked loop and a dense SwiGLU FFN with the same active FLOPs, in one run.
+
+    .venv/bin/python bench/moe_layer.py                     # CPU fp32
+    .venv/bin/python bench/moe_layer.py --device cuda --dtype bfloat16
+
+The three variants run in turn inside each repetition (so load changes hit them alike);
+the median time per variant is reported, with tokens/s, TFLOP/s and the ratios.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from trainer.moe import FeedForward, MoE, MoEConfig
+
+
+def masked_loop_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """The common reference (HF Mixtral): per expert, find its tokens through a mask, gather
+    them, run the expert, scatter-add the weighted result."""
+    routing = moe.router(x_TD)
+    experts, out_TD = moe.experts, torch.zeros_like(x_TD)
+    expert_mask_EKT = F.one_hot(routing.experts_TK, moe.cfg.num_experts).permute(2, 1, 0)
+    for e in range(moe.cfg.num_experts):
+        slot, token_idx = torch.where(expert_mask_EKT[e])
+        x_e = x_TD[token_idx]
+        y_e = (F.silu(x_e @ experts.w1_EDF[e]) * (x_e @ experts.w3_EDF[e])) @ experts.w2_EFD[e]
+        out_TD = out_TD.index_add(0, token_idx, y_e * routing.weights_TK[token_idx, slot, None].to(y_e.dtype))
+    return out_TD
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--expert-hidden", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+
+    torch.manual_seed(0)
+    moe = MoE(args.dim, MoEConfig(num_experts=args.experts, top_k=args.top_k, expert_hidden_dim=args.expert_hidden))
+    dense = FeedForward(args.dim, args.top_k * args.expert_hidden)  # same active expert FLOPs per token
+    for p in [*moe.parameters(), *dense.parameters()]:
+        torch.nn.init.normal_(p, std=0.02)
+    moe, dense = moe.to(device, dtype), dense.to(device, dtype)
+    x_TD = torch.randn(args.tokens, args.dim, device=device, dtype=dtype)
+    grad_TD = torch.randn_like(x_TD)
+
+    def ours():
+        out_TD, aux_loss = moe(x_TD)
+        torch.autograd.backward([out_TD, aux_loss], [grad_TD, torch.ones_like(aux_loss)])
+
+    variants = {
+        "ours": ours,
+        "masked loop": lambda: masked_loop_moe(moe, x_TD).backward(grad_TD),
+        "dense FFN": lambda: dense(x_TD).backward(grad_TD),
+    }
+    times = {name: [] for name in variants}
+    for rep in range(args.reps + 2):  # two warm-up repetitions
+        for name, run in variants.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            if rep >= 2:
+                times[name].append(time.perf_counter() - start)
+            moe.zero_grad(set_to_none=True)
+            dense.zero_grad(set_to_none=True)
+
+    # Forward + backward = 3 x forward; SwiGLU = 3 matmuls of D x F per token and expert.
+    expert_flops = 3 * 2 * 3 * args.dim * args.expert_hidden * args.top_k * args.tokens
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(f"MoE layer fwd+bwd: {args.tokens} tokens, dim {args.dim}, {args.experts} experts x hidden "
+          f"{args.expert_hidden}, top-{args.top_k}, {args.device} {args.dtype}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.reps}")
+    for name, seconds in median.items():
+        print(f"  {name:12s} {seconds * 1e3:9.1f} ms  {args.tokens / seconds:10.0f} tokens/s  "
+              f"{expert_flops / seconds / 1e12:7.3f} TFLOP/s (expert matmuls)")
+    print(f"  speed-up over the masked loop: {median['masked loop'] / median['ours']:.2f}x (target >= 2x on CPU, >= 5x on GPU)")
+    print(f"  time relative to the dense FFN: {median['ours'] / median['dense FFN']:.2f}x (target <= 1.5x on CPU)")
+
+
+if __name__ == "__main__":
+    main()

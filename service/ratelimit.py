@@ -1,0 +1,64 @@
+"""A token-bucket rate limit per bearer token (per client address for requests without one).
+
+Per token rather than per address: a fleet's agents may all reach the service through one
+proxy or NAT, and each must get its own allowance. An agent needs well under one request a
+second (a heartbeat every few seconds, an event batch at most every `batch_max_age_seconds`,
+an extra heartbeat on each change), so the default of 50 a second in bursts of 200 leaves it
+a wide margin while a runaway client gets 429 with Retry-After. The buckets live in each
+service process: with several processes the limit applies per process.
+"""
+
+import hashlib
+import math
+import time
+
+from fastapi import status
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+# Buckets idle this long are full again, so they are forgotten (memory stays bounded by the
+# number of clients seen in the last minute or so).
+FORGET_AFTER_SECONDS = 60.0
+
+
+class RateLimit:
+    def __init__(self, app: ASGIApp, per_second: float, burst: int) -> None:
+        self.app, self.per_second, self.burst = app, per_second, burst
+        self.buckets: dict[bytes, tuple[float, float]] = {}  # key -> (tokens, updated at)
+        self.next_sweep = time.monotonic() + FORGET_AFTER_SECONDS
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.per_second <= 0:
+            return await self.app(scope, receive, send)
+        wait = self.take(self.key(scope), time.monotonic())
+        if wait is None:
+            return await self.app(scope, receive, send)
+        retry_after = max(1, math.ceil(wait))
+        detail = f"rate limit of {self.per_second:g} requests a second (bursts of {self.burst}) exceeded; " \
+                 f"retry after {retry_after} s"  # fmt: skip
+        response = JSONResponse({"detail": detail}, status.HTTP_429_TOO_MANY_REQUESTS,
+                                headers={"Retry-After": str(retry_after)})  # fmt: skip
+        await response(scope, receive, send)
+
+    @staticmethod
+    def key(scope: Scope) -> bytes:
+        authorization = dict(scope["headers"]).get(b"authorization")
+        if authorization:
+            # A digest, so no secret is kept in memory longer than the request.
+            return b"t" + hashlib.blake2b(authorization, digest_size=16).digest()
+        client = scope.get("client")
+        return b"a" + (client[0] if client else "unknown").encode()
+
+    def take(self, key: bytes, now: float) -> float | None:
+        """Takes one token from the key's bucket: None if there was one, else seconds to wait."""
+        if now >= self.next_sweep:
+            idle = now - FORGET_AFTER_SECONDS
+            self.buckets = {k: v for k, v in self.buckets.items() if v[1] > idle}
+            self.next_sweep = now + FORGET_AFTER_SECONDS
+        tokens, updated = self.buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - updated) * self.per_second)
+        if tokens < 1.0:
+            self.buckets[key] = (tokens, now)
+            return (1.0 - tokens) / self.per_second
+        self.buckets[key] = (tokens - 1.0, now)
+        return None

@@ -1,0 +1,150 @@
+"""Prometheus config and rules pass promtool; every metric the dashboard and the alerts name is
+exported; a real Prometheus scraping a live service reads the job's ETT ratio the API reports."""
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.metrics import AgentStats, StatsCollector
+from tests.deploy.replayed import replayed_job
+from tests.support.postgres import free_port
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is needed: apt-get install prometheus (.ci/run does)"
+    return path
+
+
+def test_promtool_accepts_the_config_and_the_rules():
+    for check, path in (("config", DEPLOY / "prometheus" / "prometheus.yml"), ("rules", ALERTS)):
+        result = subprocess.run([tool("promtool"), "check", check, str(path)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def queries() -> list[str]:
+    """Every PromQL expression of the dashboard (panels and variables) and of the alert rules."""
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "ett.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    rules = yaml.safe_load(ALERTS.read_text())
+    return exprs + [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+
+
+def metric_names(expr: str) -> set[str]:
+    # Our metrics all start with ett_ (label values like "ett-agent" do not match); `up` is Prometheus's.
+    return set(re.findall(r"\bett_[a-z0-9_]+\b", expr)) | ({"up"} if re.search(r"\bup\{", expr) else set())
+
+
+def exported(text: str) -> dict[str, list[dict[str, str]]]:
+    """Sample name -> the label sets it was exported with."""
+    samples: dict[str, list[dict[str, str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample.labels)
+    return samples
+
+
+@SQLITE_ONLY
+def test_every_metric_of_the_dashboard_and_the_alerts_is_exported(service):
+    job = replayed_job(service, time.time() - 200)
+    from_service = exported(service.client().get("/metrics").text)
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(AgentStats()))
+    from_agent = exported(generate_latest(registry).decode())
+    named = set().union(*map(metric_names, queries()))
+    assert {"ett_job_ett_ratio", "ett_job_seconds", "ett_job_checkpoint_blocking_seconds_bucket", "up"} <= named
+    for name in sorted(named - {"up"}):
+        if name.startswith("ett_agent_"):
+            assert name in from_agent, f"{name} is not among the agent's metrics"
+        elif name.startswith("ett_job_"):
+            labels = from_service.get(name, [])
+            assert any(ls.get("job_id") == job.id for ls in labels), f"{name} is not exported for a job with events"
+        else:
+            assert name in from_service, f"{name} is not among the service's metrics"
+
+
+@contextmanager
+def prometheus(config: dict, folder: Path) -> Iterator[str]:
+    """A real Prometheus on loopback for the block: its URL."""
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = open(folder / "prometheus.log", "wb")
+    process = subprocess.Popen(
+        [tool("prometheus"), f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: process.poll() is None and _answers(f"{url}/-/ready"), "Prometheus to be ready",
+                 log=folder / "prometheus.log")  # fmt: skip
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for(ready, what: str, timeout: float = 30, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ready()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}" + (f"; its log:\n{log.read_text()}" if log else ""))
+
+
+@SQLITE_ONLY
+def test_real_prometheus_reads_the_ett_ratio_the_api_reports(service, tmp_path):
+    job = replayed_job(service, time.time() - 200)
+    api = service.client(job.user_token).get(f"/api/v1/jobs/{job.id}/ett").json()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ALERTS)],  # the deployment's rules, evaluated on real series
+        "scrape_configs": [{"job_name": "ett-service", "static_configs": [{"targets": [service.url.split("//")[1]]}]}],
+    }
+    with prometheus(config, tmp_path) as url:
+        query = f'ett_job_ett_ratio{{job_id="{job.id}", job="ett-service"}}'
+
+        def ratio():
+            result = httpx.get(f"{url}/api/v1/query", params={"query": query}).json()["data"]["result"]
+            return result and float(result[0]["value"][1])
+
+        assert wait_for(ratio, "the first scrape") == pytest.approx(api["ett_percent"] / 100, rel=1e-12)
+
+        def evaluated_rules():
+            groups = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            return rules if all(r["health"] != "unknown" for r in rules) else None
+
+        rules = wait_for(evaluated_rules, "the alert rules' first evaluation")
+        assert len(rules) == sum(len(g["rules"]) for g in yaml.safe_load(ALERTS.read_text())["groups"])
+        assert {r["name"]: r["health"] for r in rules} == {r["name"]: "ok" for r in rules}

@@ -1,0 +1,89 @@
+"""Launch the real trainer (torchrun or one plain process), read its event spools, and signal
+its ranks the way the agent does: on seeing a given event."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.postgres import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_EP_ZERO3 = ["--preset", "tiny", "--parallel.ep", "2", "--parallel.zero", "3"]
+
+
+@dataclass
+class TrainerRun:
+    returncode: int
+    stderr: str
+    event_dir: Path
+    checkpoint_dir: Path
+
+    def events(self, rank: int = 0) -> list[dict]:
+        return read_events(self.event_dir / f"rank-{rank}.jsonl")
+
+    def losses(self) -> dict[int, float]:
+        return {e["step"]: e["data"]["loss"] for e in self.events(0) if e["kind"] == "step"}
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Path | None, attempt: int
+           ) -> tuple[subprocess.Popen, Path, Path]:
+    """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None."""
+    event_dir, checkpoint_dir = workdir / "events", checkpoint_dir or workdir / "ckpt"
+    env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1"}
+    if nproc is None:
+        command = [sys.executable, "-m", "trainer.train"]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--master-port", str(free_port()), "-m", "trainer.train"]
+    command += ["--checkpoint.dir", str(checkpoint_dir), *args]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    return process, event_dir, checkpoint_dir
+
+
+def run_trainer(
+    workdir: Path,
+    args: list[str],
+    nproc: int | None = 2,
+    signal_when: Callable[[list[dict]], bool] | None = None,
+    signum: signal.Signals = signal.SIGKILL,
+    checkpoint_dir: Path | None = None,
+    attempt: int = 0,
+    timeout: float = 120,
+) -> TrainerRun:
+    """Run to completion; with signal_when, send signum to every rank (pids from their
+    init_start events) as soon as signal_when(rank 0's events so far) is true."""
+    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt)
+    deadline = time.monotonic() + timeout
+    try:
+        while signal_when is not None and process.poll() is None:
+            if signal_when(read_events(event_dir / "rank-0.jsonl")):
+                for spool in event_dir.glob("rank-*.jsonl"):
+                    pid = next(e["data"]["pid"] for e in read_events(spool) if e["kind"] == "init_start")
+                    os.kill(pid, signum)
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {args}: condition not met in {timeout} s")
+            time.sleep(0.01)
+        _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return TrainerRun(process.returncode, stderr, event_dir, checkpoint_dir)
+
+
+def has_event(events: list[dict], kind: str, step: int | None = None) -> bool:
+    return any(e["kind"] == kind and (step is None or e["step"] == step) for e in events)
