@@ -99,7 +99,7 @@ def served(database_url: str, data_dir: Path):
     proc = subprocess.Popen(argv, env=env, cwd=Path(__file__).resolve().parents[1])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a loaded machine imports slowly
         while True:
             try:
                 if httpx.get(f"{url}/healthz").status_code == 200:
@@ -107,7 +107,7 @@ def served(database_url: str, data_dir: Path):
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the service did not start")
+                raise RuntimeError(f"the service did not start (exit code {proc.poll()})")
             time.sleep(0.2)
         yield url
     finally:

@@ -22,12 +22,14 @@ def masked_loop_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
     """The common reference (HF Mixtral): per expert, find its tokens through a mask, gather
     them, run the expert, scatter-add the weighted result."""
     routing = moe.router(x_TD)
-    experts, out_TD = moe.experts, torch.zeros_like(x_TD)
+    out_TD = torch.zeros_like(x_TD)
     expert_mask_EKT = F.one_hot(routing.experts_TK, moe.cfg.num_experts).permute(2, 1, 0)
-    for e in range(moe.cfg.num_experts):
+    # Per-expert weights as separate tensors, like Mixtral's nn.Linear per expert.
+    weights = zip(moe.experts.w1_EDF.unbind(0), moe.experts.w2_EFD.unbind(0), moe.experts.w3_EDF.unbind(0))
+    for e, (w1_DF, w2_FD, w3_DF) in enumerate(weights):
         slot, token_idx = torch.where(expert_mask_EKT[e])
         x_e = x_TD[token_idx]
-        y_e = (F.silu(x_e @ experts.w1_EDF[e]) * (x_e @ experts.w3_EDF[e])) @ experts.w2_EFD[e]
+        y_e = (F.silu(x_e @ w1_DF) * (x_e @ w3_DF)) @ w2_FD
         out_TD = out_TD.index_add(0, token_idx, y_e * routing.weights_TK[token_idx, slot, None].to(y_e.dtype))
     return out_TD
 

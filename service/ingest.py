@@ -100,7 +100,8 @@ def ingest(
                 raise EventRejected(i, "data", f"data is over the limit of {settings.max_event_data_bytes} bytes")
             if e.ts + clock_offset > now + settings.max_event_future_seconds:
                 ahead = e.ts + clock_offset - now
-                raise EventRejected(i, "ts", f"ts is {ahead:.0f} s ahead of the service's clock (after skew correction)")
+                msg = f"ts is {ahead:.0f} s ahead of the service's clock (after skew correction)"
+                raise EventRejected(i, "ts", msg)
         row = {
             "job_id": job_id, "attempt": e.attempt, "source": e.source, "seq": e.seq, "kind": e.kind,
             "ts": e.ts + clock_offset, "clock_offset_seconds": clock_offset, "step": e.step,
@@ -134,7 +135,10 @@ def _conflict_message(e: EventIn) -> str:
 
 
 def _check_jobs_exist(session: Session, positions: dict[str, list[int]]) -> None:
-    known = set(session.scalars(select(Job.id).where(Job.id.in_(list(positions)))))
+    # FOR KEY SHARE (PostgreSQL): the job before its accounting row, in the order the scheduler
+    # takes them (it locks jobs, then emits events), so the two never wait on each other in a circle.
+    query = select(Job.id).where(Job.id.in_(list(positions))).with_for_update(read=True, key_share=True)
+    known = set(session.scalars(query))
     for job_id, indexes in positions.items():
         if job_id not in known:
             raise EventRejected(indexes[0], "job_id", f"no job {job_id}")

@@ -90,7 +90,8 @@ class EttCollector(Collector):
             )  # fmt: skip
             attempts = account.attempts.values()
             steps = sum(a.steps for a in attempts)
-            recovered = [f["time_to_recover_seconds"] for f in r["failures"] if f["time_to_recover_seconds"] is not None]
+            recovered = [f["time_to_recover_seconds"] for f in r["failures"]]
+            recovered = [t for t in recovered if t is not None]
             values = {
                 "ett_ratio": r["ett_percent"] / 100.0,
                 "wall_seconds": r["wall_seconds"],

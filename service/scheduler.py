@@ -124,9 +124,10 @@ def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> Non
         shares = session.scalars(select(AttemptNode).where(AttemptNode.node_id == node.id,
                                                            AttemptNode.state.in_(ACTIVE))).all()
         for share in shares:
-            share.state = AttemptState.failed
             detail = f"agent {node.name} sent no heartbeat for {settings.heartbeat_timeout_seconds:g} s"
+            # The lost node is told to stop too: a slow agent that comes back must not run stale ranks.
             fail_attempt(session, share.attempt, "node_lost", detail, now)
+            share.state = AttemptState.failed  # not waited for: the next attempt may start without it
 
 
 def _give_up_stragglers(session: Session, settings: Settings, now: float) -> None:

@@ -22,7 +22,7 @@ class Settings(BaseSettings):
     rate_limit_per_second: float = Field(50.0, ge=0)
     rate_limit_burst: int = Field(200, ge=1)
     # Agents whose heartbeats stop for this long are declared lost.
-    heartbeat_timeout_seconds: float = Field(15.0, gt=0)
+    heartbeat_timeout_seconds: float = Field(30.0, gt=0)
     # Longest a heartbeat may wait for a command (long-poll).
     max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
     # An agent clock further off than this is flagged in the node's state.

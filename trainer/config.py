@@ -165,7 +165,8 @@ def parse_args(argv: list[str]) -> JobConfig:
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
-            raise SystemExit(usage(tiny()))
+            print(usage(tiny()))
+            raise SystemExit(0)
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: options are --preset NAME and --section.field VALUE")
         key, eq, value = arg[2:].partition("=")

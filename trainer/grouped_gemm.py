@@ -33,8 +33,10 @@ def grouped_mm(
         return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
     # Every expert takes part, even with zero rows, so each weight gets a (zero) gradient
     # and data-parallel gradient reductions see the same set of tensors on every rank.
+    # unbind, not w_EKN[e]: its backward stacks the E gradients once, where indexing would
+    # add E zero-filled copies of the whole weight.
     slices = x_SK.split(counts_E.tolist())
-    return torch.cat([x_e @ w_EKN[e] for e, x_e in enumerate(slices)])
+    return torch.cat([x_e @ w_KN for x_e, w_KN in zip(slices, w_EKN.unbind(0), strict=True)])
 
 
 def grouped_swiglu(

@@ -85,6 +85,9 @@ async def heartbeat(
 
     def take(node_id: int) -> list[dict]:
         with sessions() as session:
+            # A read first: most polls find nothing, and need not queue for SQLite's write lock.
+            if not commands.has_pending(session, node_id):
+                return []
             taken = commands.take_pending(session, node_id)
             session.commit()
             return taken

@@ -57,7 +57,9 @@ def _unix(t: datetime | None) -> float | None:
 def get_fleet_ett(
     session: SessionDep,
     caller: UserDep,
-    since: Annotated[datetime | None, Query(description="window start: ISO 8601 (UTC if no zone) or unix seconds")] = None,
+    since: Annotated[
+        datetime | None, Query(description="window start: ISO 8601 (UTC if no zone) or unix seconds")
+    ] = None,
     until: Annotated[datetime | None, Query(description="window end (default: now)")] = None,
 ) -> FleetReport:
     """The figures of all jobs (a user's own, for a user) over [since, until], and per job name."""

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     port = args.port or _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "ETT_DATA_DIR": str(root / "service"), "ETT_PORT": str(port),
-           "ETT_HEARTBEAT_TIMEOUT_SECONDS": "10"}
+           "ETT_HEARTBEAT_TIMEOUT_SECONDS": "30"}
     started = time.monotonic()
     print(f"ett demo: working in {root}")
     subprocess.run([sys.executable, "-m", "service.cli.main", "service", "migrate"], env=env, check=True,

@@ -35,7 +35,8 @@ def attempt_spans(account: JobAccount, window_end: float) -> list[AttemptSpan]:
     for i, a in enumerate(ordered):
         nxt = ordered[i + 1] if i + 1 < len(ordered) else None
         end = nxt.start if nxt is not None else window_end
-        ended = nxt is not None or account.finished_at is not None or a.failed_at is not None or a.stopped_at is not None
+        ended = nxt is not None or account.finished_at is not None or a.failed_at is not None
+        ended = ended or a.stopped_at is not None
         spans.append(AttemptSpan(a, a.start, max(a.start, end), nxt, not ended))
     return spans
 

@@ -7,6 +7,7 @@ laid out here, from its step events and checkpoint saves. Each column of a lane 
 category that fills most of it, and neighbouring columns of one category become one run.
 """
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,9 +33,8 @@ class Steps:
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[float]]) -> "Steps":
         """From (attempt, step, ts, duration) rows."""
-        if not rows:
-            return cls(*(np.empty(0) for _ in range(4)))
-        return cls(*(np.asarray(column, dtype=float) for column in zip(*rows)))
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=float, count=4 * len(rows))
+        return cls(*flat.reshape(-1, 4).T)
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,8 @@ def test_fleet_report_over_windows_and_names(service):
     whole = admin.get("/api/v1/ett").json()
     assert whole["jobs"] == 2 and whole["wall_seconds"] == pytest.approx(116)
     assert whole["seconds"]["productive"] == pytest.approx(48) and whole["failures"] == 2
-    assert set(whole["by_name"]) == {"moe-a", "moe-b"} and whole["by_name"]["moe-a"]["wall_seconds"] == pytest.approx(58)
+    assert set(whole["by_name"]) == {"moe-a", "moe-b"}
+    assert whole["by_name"]["moe-a"]["wall_seconds"] == pytest.approx(58)
     # Attempt 1 alone (its allocation at 35 to the end at 58), given as ISO 8601 and as unix seconds.
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(T0 + 35))
     window = admin.get("/api/v1/ett", params={"since": since, "until": T0 + 58}).json()

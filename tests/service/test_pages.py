@@ -152,7 +152,7 @@ def chromium(*args: str, profile: Path) -> str:
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
         f"--user-data-dir={profile}", *args,
     ]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
 
 
 @SQLITE_ONLY

@@ -35,13 +35,16 @@ def straight_run(tmp_path_factory) -> TrainerRun:
 def killed_run(tmp_path_factory) -> KilledRun:
     workdir = tmp_path_factory.mktemp("killed")
     torn = workdir / "ckpt" / "step-00000008"
-    torn.mkdir(parents=True)
-    os.mkfifo(torn / "__1_0.distcp")
+
+    def tear_step_8_then_kill(events: list[dict]) -> bool:
+        if has_event(events, "step", 1) and not torn.exists():  # after the start, which clears newer folders
+            torn.mkdir(parents=True)
+            os.mkfifo(torn / "__1_0.distcp")
+        return has_event(events, "ckpt_staged", 8) and (torn / "__0_0.distcp").exists()
+
     # The step-8 save can never complete, so the run never ends: the kill always comes first.
-    run = run_trainer(
-        workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4"],
-        signal_when=lambda events: has_event(events, "ckpt_staged", 8) and (torn / "__0_0.distcp").exists(),
-    )
+    run = run_trainer(workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4"],
+                      signal_when=tear_step_8_then_kill)
     assert run.returncode != 0, "the run was not killed"
     folders = {p.name: sorted(os.listdir(p)) for p in run.checkpoint_dir.iterdir()}
     return KilledRun(run, folders)

@@ -61,7 +61,7 @@ def run_trainer(
     signum: signal.Signals = signal.SIGKILL,
     checkpoint_dir: Path | None = None,
     attempt: int = 0,
-    timeout: float = 120,
+    timeout: float = 300,
 ) -> TrainerRun:
     """Run to completion; with signal_when, send signum to every rank (pids from their
     init_start events) as soon as signal_when(rank 0's events so far) is true."""

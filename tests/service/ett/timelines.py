@@ -42,7 +42,9 @@ class Timeline:
         if committed is not None:
             self.rank0("ckpt_committed", committed, attempt, step, path=f"/ckpt/step-{step:08d}", bytes=4096)
 
-    def start_attempt(self, attempt: int, allocated: float, init_end: float, restore: tuple[float, float, int] | None = None) -> None:
+    def start_attempt(
+        self, attempt: int, allocated: float, init_end: float, restore: tuple[float, float, int] | None = None
+    ) -> None:
         self.service("attempt_allocated", allocated, attempt, nodes=["n1"])
         self.add("workers_launched", allocated + 0.1, attempt, "node:n1")
         self.rank0("init_start", allocated + 0.2, attempt)

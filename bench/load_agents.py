@@ -1,0 +1,287 @@
+"""Benchmark: a fleet of simulated agents against one service process on PostgreSQL (loopback).
+
+Each simulated agent is a coroutine (asyncio + one shared httpx client: no process, no thread
+per agent) that does what `ett agent` does on the wire:
+- registers, then heartbeats every `--heartbeat` seconds (no long-poll, so a heartbeat's
+  latency is the service's work), listing its running attempt in every heartbeat as the real
+  agent does;
+- carries out the launch commands the scheduler sends back: from then on its "ranks" produce
+  events (every rank: init_start, init_end, and a checkpoint's start/staged/committed every
+  `--checkpoint` seconds; rank 0: a step every `--step` seconds), which the agent posts as one
+  batch per heartbeat period, half a period after its heartbeat; a batch that fails is sent again.
+Jobs of `--nodes-per-job` nodes are submitted once all agents are registered, so the service's
+own scheduler allocates every node. After `--duration` seconds the agents stop, send what they
+hold, and the events stored in PostgreSQL are counted against the events generated.
+
+Latencies are measured by the client, per request, from send to answer (they include the load
+generator's own delays, so they are an upper bound); the service's own histogram
+(ett_http_request_duration_seconds, from /metrics) gives the server's view of the same window.
+
+    .venv/bin/python bench/load_agents.py --agents 2048 --duration 120
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import sqlalchemy as sa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.db import make_engine, make_session_factory  # noqa: E402
+from service.migrate import upgrade  # noqa: E402
+from service.models import Role  # noqa: E402
+from service.security import create_token  # noqa: E402
+from tests.support.postgres import free_port, postgres_server  # noqa: E402
+
+
+@dataclass
+class Load:
+    agents: int
+    nodes_per_job: int
+    ranks_per_node: int
+    heartbeat: float
+    step: float
+    checkpoint: float
+    duration: float
+
+
+@dataclass
+class Tally:
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    generated: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+
+    async def call(self, kind: str, client: httpx.AsyncClient, path: str, token: str, **kwargs) -> dict | None:
+        started = time.perf_counter()
+        try:
+            response = await client.post(path, headers={"Authorization": f"Bearer {token}"}, **kwargs)
+        except httpx.HTTPError as exc:
+            self.errors[f"{kind}: {type(exc).__name__}"] += 1
+            return None
+        self.latencies[kind].append(time.perf_counter() - started)
+        if response.status_code != 200:
+            self.errors[f"{kind}: HTTP {response.status_code}"] += 1
+            return None
+        return response.json()
+
+
+class SimAgent:
+    def __init__(self, name: str, token: str, load: Load) -> None:
+        self.name, self.token, self.load = name, token, load
+        self.launch: dict | None = None
+        self.launched_at = 0.0
+        self.seq: dict[str, int] = defaultdict(int)
+        self.unsent: list[dict] = []
+        self.steps_done = 0
+        self.checkpoints_done = 0
+
+    def _event(self, kind: str, rank: int, ts: float, step: int | None = None, **data) -> dict:
+        source = f"rank:{rank}"
+        self.seq[source] += 1
+        return {"job_id": self.launch["job_id"], "kind": kind, "ts": ts, "attempt": self.launch["attempt"],
+                "source": source, "seq": self.seq[source], "step": step, "data": data}  # fmt: skip
+
+    def produce(self, now: float) -> int:
+        """Appends the events its ranks wrote since the last call; returns how many."""
+        if self.launch is None:
+            return 0
+        before = len(self.unsent)
+        ranks = range(self.launch["node_rank"] * self.load.ranks_per_node,
+                       (self.launch["node_rank"] + 1) * self.load.ranks_per_node)  # fmt: skip
+        if not self.seq:
+            for rank in ranks:
+                self.unsent += [self._event("init_start", rank, self.launched_at, pid=rank),
+                                self._event("init_end", rank, self.launched_at)]  # fmt: skip
+        running = now - self.launched_at
+        while (self.steps_done + 1) * self.load.step <= running:
+            self.steps_done += 1
+            if self.launch["node_rank"] == 0:
+                end = self.launched_at + self.steps_done * self.load.step
+                self.unsent.append(self._event("step", 0, end, self.steps_done, duration=self.load.step, tokens=4096))
+        while (self.checkpoints_done + 1) * self.load.checkpoint <= running:
+            self.checkpoints_done += 1
+            at = self.launched_at + self.checkpoints_done * self.load.checkpoint
+            step = int(self.checkpoints_done * self.load.checkpoint / self.load.step)
+            for rank in ranks:
+                self.unsent += [self._event("ckpt_start", rank, at, step), self._event("ckpt_staged", rank, at + 0.1, step),
+                                self._event("ckpt_committed", rank, at + 1, step, path=f"/ckpt/{step}", bytes=1 << 20)]  # fmt: skip
+        return len(self.unsent) - before
+
+    async def heartbeat(self, client: httpx.AsyncClient, tally: Tally) -> None:
+        attempts = [] if self.launch is None else [
+            {"job_id": self.launch["job_id"], "attempt": self.launch["attempt"], "state": "running"}]  # fmt: skip
+        body = {"clock": time.time(), "attempts": attempts, "stats": {"processes": len(attempts) * 8}}
+        answer = await tally.call("heartbeat", client, f"/api/v1/agents/{self.name}/heartbeat", self.token, json=body)
+        for command in (answer or {}).get("commands", []):
+            if command["type"] == "launch":
+                self.launch, self.launched_at = command, time.time()
+                self.seq.clear()
+                self.steps_done = self.checkpoints_done = 0
+
+    async def send(self, client: httpx.AsyncClient, tally: Tally) -> None:
+        tally.generated += self.produce(time.time())
+        if not self.unsent:
+            return
+        batch = self.unsent[:2000]
+        answer = await tally.call("events", client, f"/api/v1/agents/{self.name}/events", self.token,
+                                  json={"events": batch})  # fmt: skip
+        if answer is not None:  # else: kept, and sent again next period, as the agent's spool does
+            del self.unsent[: len(batch)]
+            tally.accepted += answer["accepted"]
+            tally.duplicates += answer["duplicates"]
+
+    async def run(self, client: httpx.AsyncClient, tally: Tally, until: float) -> None:
+        period = self.load.heartbeat
+        await asyncio.sleep(random.uniform(0, period))  # agents start at random phases
+        while time.monotonic() < until:
+            started = time.monotonic()
+            await self.heartbeat(client, tally)
+            await asyncio.sleep(max(0.0, started + period / 2 - time.monotonic()))
+            await self.send(client, tally)
+            await asyncio.sleep(max(0.0, started + period - time.monotonic()))
+
+
+async def drive(url: str, load: Load, admin: str, user: str, agents: list[SimAgent]) -> dict:
+    limits = httpx.Limits(max_connections=len(agents) + 8, max_keepalive_connections=len(agents) + 8)
+    tally = Tally()
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+        gate = asyncio.Semaphore(64)
+
+        async def register(agent: SimAgent) -> None:
+            async with gate:
+                body = {"name": agent.name, "address": "127.0.0.1", "slots": load.ranks_per_node}
+                await tally.call("register", client, "/api/v1/agents/register", agent.token, json=body)
+
+        await asyncio.gather(*(register(a) for a in agents))
+        for i in range(len(agents) // load.nodes_per_job):
+            spec = {"name": f"load-{i}", "nodes": load.nodes_per_job, "procs_per_node": load.ranks_per_node,
+                    "entrypoint": ["true"]}  # fmt: skip
+            while (response := await client.post("/api/v1/jobs", json=spec, headers={"Authorization": f"Bearer {user}"})
+                   ).status_code == 429:  # the user's own rate limit: submit at the pace it allows
+                await asyncio.sleep(float(response.headers["Retry-After"]))
+            response.raise_for_status()
+        before = await server_histogram(client)
+        started = time.monotonic()
+        await asyncio.gather(*(a.run(client, tally, started + load.duration) for a in agents))
+        window = time.monotonic() - started
+        after = await server_histogram(client)
+        for agent in agents:  # what is still held goes out now, as an agent's forwarder would on exit
+            while agent.unsent:
+                await agent.send(client, tally)
+    return {"tally": tally, "window": window, "server": {k: after[k] - before.get(k, 0) for k in after}}
+
+
+async def server_histogram(client: httpx.AsyncClient) -> dict[tuple[str, str], float]:
+    """Cumulative counts of ett_http_request_duration_seconds by (route, le), from /metrics."""
+    counts: dict[tuple[str, str], float] = defaultdict(float)
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith("ett_http_request_duration_seconds_bucket{"):
+            labels, value = line[line.index("{") + 1 :].rsplit("} ", 1)
+            found = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            counts[(found["route"], found["le"])] += float(value)
+    return counts
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--agents", type=int, default=2048)
+    parser.add_argument("--nodes-per-job", type=int, default=8)
+    parser.add_argument("--ranks-per-node", type=int, default=8)
+    parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between an agent's heartbeats")
+    parser.add_argument("--step", type=float, default=1.0, help="seconds per training step (rank 0's step events)")
+    parser.add_argument("--checkpoint", type=float, default=60.0, help="seconds between checkpoints (every rank)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load after registration")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    load = Load(args.agents, args.nodes_per_job, args.ranks_per_node, args.heartbeat, args.step, args.checkpoint,
+                args.duration)  # fmt: skip
+    with postgres_server("ett_load") as database_url, tempfile.TemporaryDirectory(prefix="ett-load-") as root:
+        upgrade(database_url)
+        engine = make_engine(database_url)
+        with make_session_factory(engine)() as session:
+            admin, user = create_token(session, Role.admin, "admin"), create_token(session, Role.user, "load")
+            agents = [SimAgent(f"node-{i:04d}", create_token(session, Role.agent, f"node-{i:04d}"), load)
+                      for i in range(load.agents)]  # fmt: skip
+            session.commit()
+        port = free_port()
+        env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_PORT": str(port), "ETT_DATA_DIR": root}
+        log = open(Path(root) / "service.log", "wb")
+        service = subprocess.Popen([sys.executable, "-m", "service.cli.main", "service"], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or service.poll() is not None:
+                    raise SystemExit(f"the service did not start; see {log.name}")
+                time.sleep(0.2)
+            result = asyncio.run(drive(url, load, admin, user, agents))
+        finally:
+            service.terminate()
+            service.wait(timeout=30)
+        with engine.connect() as conn:
+            stored = conn.scalar(sa.text("SELECT count(*) FROM job_events WHERE source <> 'service'"))
+            failed = conn.scalar(sa.text("SELECT count(*) FROM job_events WHERE kind = 'attempt_failed'"))
+            allocated = conn.scalar(sa.text("SELECT count(*) FROM job_events WHERE kind = 'attempt_allocated'"))
+        engine.dispose()
+    report(load, result, stored, failed, allocated, args.json)
+
+
+def report(load: Load, result: dict, stored: int, failed: int, allocated: int, json_path: Path | None) -> None:
+    tally: Tally = result["tally"]
+    figures: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
+                     "load": vars(load), "window_seconds": round(result["window"], 1), "requests": {}}  # fmt: skip
+    print(f"{load.agents} agents, heartbeat every {load.heartbeat:g} s, {load.agents // load.nodes_per_job} jobs "
+          f"of {load.nodes_per_job} nodes; {result['window']:.0f} s of load on {figures['machine']}")
+    print(f"  {'request':10} {'count':>8} {'per s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for kind, values in sorted(tally.latencies.items()):
+        row = {"count": len(values), "p50_ms": 1000 * percentile(values, 0.5), "p99_ms": 1000 * percentile(values, 0.99),
+               "max_ms": 1000 * max(values)}  # fmt: skip
+        figures["requests"][kind] = row
+        rate = len(values) / result["window"] if kind != "register" else float("nan")
+        print(f"  {kind:10} {row['count']:>8} {rate:>7.1f} {row['p50_ms']:>8.1f} {row['p99_ms']:>8.1f} {row['max_ms']:>8.1f}")
+    server = result["server"]
+    for route in sorted({r for r, _ in server if "/agents/" in r}):
+        total = server.get((route, "+Inf"), 0)
+        under = server.get((route, "0.1"), 0)
+        if total:
+            print(f"  server side {route}: {under / total:.2%} of {total:.0f} served within 100 ms")
+            figures["requests"].setdefault("server", {})[route] = {"served": total, "within_100ms": under / total}
+    errors = dict(tally.errors)
+    figures |= {"errors": errors, "events_generated": tally.generated, "events_accepted": tally.accepted,
+                "events_duplicates": tally.duplicates, "events_stored": stored, "attempts_allocated": allocated,
+                "attempts_failed": failed}  # fmt: skip
+    print(f"  errors: {errors or 'none'}; attempts allocated {allocated}, failed {failed}")
+    print(f"  events generated {tally.generated}, accepted {tally.accepted} (+{tally.duplicates} repeats), "
+          f"stored {stored}: {'nothing lost' if stored == tally.generated else f'{tally.generated - stored} missing'}")
+    if json_path:
+        json_path.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The byte-level corpus and the per-rank, resumable batch loader."""
+
+import sysconfig
+
+import pytest
+import torch
+
+from trainer.data import ByteBatchLoader, DataConfig, SourceCorpus
+
+
+@pytest.fixture(scope="module")
+def stdlib() -> SourceCorpus:
+    return SourceCorpus()
+
+
+@pytest.fixture
+def small_corpus(tmp_path) -> SourceCorpus:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a.py").write_bytes(bytes(range(0, 100)))
+    (tmp_path / "b" / "c.py").write_bytes(bytes(range(100, 250)))
+    (tmp_path / "notes.txt").write_bytes(b"not python")
+    return SourceCorpus(str(tmp_path))
+
+
+def test_the_default_corpus_is_the_standard_library_without_installed_packages(stdlib):
+    assert str(stdlib.root) == sysconfig.get_paths()["stdlib"]
+    assert any(p.name == "os.py" for p in stdlib.paths)
+    assert not any("site-packages" in p.parts for p in stdlib.paths)
+    assert stdlib.num_bytes > 1_000_000
+
+
+def test_the_corpus_is_the_sorted_files_as_one_stream(small_corpus):
+    assert [p.name for p in small_corpus.paths] == ["a.py", "c.py"]
+    assert small_corpus.read(95, 10) == bytes(range(95, 105))  # across the file boundary
+    assert small_corpus.read(0, 250) == bytes(range(250))
+
+
+def test_targets_are_the_inputs_shifted_by_one_byte(stdlib):
+    inputs_BT, targets_BT = ByteBatchLoader(stdlib, 4, 64, rank=0, world_size=1, seed=0).next_batch()
+    assert inputs_BT.shape == targets_BT.shape == (4, 64) and inputs_BT.dtype == torch.long
+    assert torch.equal(inputs_BT[:, 1:], targets_BT[:, :-1])
+
+
+def test_batches_are_deterministic_and_ranks_get_different_data(stdlib):
+    def first_batches(rank: int) -> list[torch.Tensor]:
+        loader = ByteBatchLoader(stdlib, 4, 64, rank=rank, world_size=2, seed=0)
+        return [loader.next_batch()[0] for _ in range(3)]
+
+    rank0, rank1 = first_batches(0), first_batches(1)
+    assert all(torch.equal(a, b) for a, b in zip(rank0, first_batches(0)))
+    assert not any(torch.equal(a, b) for a, b in zip(rank0, rank1))
+
+
+def test_a_loader_restored_from_its_state_serves_the_same_next_batches(stdlib):
+    loader = ByteBatchLoader(stdlib, 2, 32, rank=1, world_size=2, seed=3)
+    for _ in range(5):
+        loader.next_batch()
+    restored = ByteBatchLoader(stdlib, 2, 32, rank=1, world_size=2, seed=3)
+    restored.load_state_dict(loader.state_dict())
+    for _ in range(3):
+        assert torch.equal(loader.next_batch()[0], restored.next_batch()[0])
+
+
+def test_each_epoch_splits_every_window_between_the_ranks_in_a_new_order(small_corpus):
+    def windows_per_epoch(rank: int) -> list[set[int]]:
+        loader = ByteBatchLoader(small_corpus, batch_size=2, seq_len=10, rank=rank, world_size=2, seed=0)
+        assert loader.num_windows == 24 and loader.batches_per_epoch == 6
+        # window w starts at byte w * 10 of the stream, whose byte values are their offsets
+        return [{b // 10 for _ in range(6) for b in loader.next_batch()[0][:, 0].tolist()} for _ in range(2)]
+
+    (rank0_epoch0, rank0_epoch1), (rank1_epoch0, _) = windows_per_epoch(0), windows_per_epoch(1)
+    assert rank0_epoch0 | rank1_epoch0 == set(range(24)) and not rank0_epoch0 & rank1_epoch0
+    assert rank0_epoch0 != rank0_epoch1
+
+
+def test_a_folder_without_python_files_or_missing_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="data.root"):
+        SourceCorpus(str(tmp_path))
+    with pytest.raises(ValueError, match="data.root"):
+        DataConfig(root=str(tmp_path / "missing")).validate()

@@ -1,0 +1,105 @@
+"""The event spool: the writer itself, and the streams of real runs (conftest.py) against
+schema v1 of DESIGN.md and its rules."""
+
+import json
+import time
+
+import pytest
+
+from tests.trainer.trainer_runs import read_events
+from trainer.events import EventWriter
+
+TRAINER_KINDS = {"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
+                 "ckpt_committed", "ckpt_failed", "train_end"}
+
+
+def assert_schema_v1(events: list[dict], rank: int, attempt: int) -> None:
+    for event in events:
+        assert set(event) == {"kind", "ts", "attempt", "source", "seq", "step", "data"}, event
+        assert event["kind"] in TRAINER_KINDS
+        assert isinstance(event["ts"], float) and isinstance(event["data"], dict)
+        assert event["step"] is None or (isinstance(event["step"], int) and event["step"] >= 0)
+        assert event["attempt"] == attempt and event["source"] == f"rank:{rank}"
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(set(seqs)), "seq must increase strictly"
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+
+
+def kinds(events: list[dict]) -> list[str]:
+    return [e["kind"] for e in events]
+
+
+def test_nothing_is_written_without_a_spool_folder(tmp_path):
+    writer = EventWriter(None, rank=0, attempt=0)
+    writer.emit("init_start", pid=1)
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_each_event_reaches_the_file_before_close(tmp_path):
+    writer = EventWriter(str(tmp_path), rank=3, attempt=2)
+    writer.emit("step", step=1, duration=0.5, tokens=64, loss=2.5)
+    deadline = time.monotonic() + 5
+    while not read_events(tmp_path / "rank-3.jsonl") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    [event] = read_events(tmp_path / "rank-3.jsonl")
+    assert event["source"] == "rank:3" and event["attempt"] == 2 and event["seq"] == 0
+    assert event["data"] == {"duration": 0.5, "tokens": 64, "loss": 2.5}
+    writer.close()
+
+
+def test_a_restarted_rank_continues_the_seq_of_its_attempt_after_a_torn_line(tmp_path):
+    spool = tmp_path / "rank-0.jsonl"
+    spool.write_text(
+        json.dumps({"kind": "step", "ts": 1.0, "attempt": 1, "source": "rank:0", "seq": 0, "step": 1, "data": {}}) + "\n"
+        + json.dumps({"kind": "step", "ts": 2.0, "attempt": 1, "source": "rank:0", "seq": 7, "step": 2, "data": {}}) + "\n"
+        + '{"kind": "step", "ts": 3.0, "att'  # killed mid-line
+    )
+    for attempt, expected_seq in ((1, 8), (2, 0)):
+        writer = EventWriter(str(tmp_path), rank=0, attempt=attempt)
+        writer.emit("init_start", pid=42)
+        writer.close()
+        assert read_events(spool)[-1]["seq"] == expected_seq
+
+
+def test_the_straight_run_follows_the_schema_and_the_rules(straight_run):
+    events_0, events_1 = straight_run.events(0), straight_run.events(1)
+    assert_schema_v1(events_0, rank=0, attempt=0)
+    assert_schema_v1(events_1, rank=1, attempt=0)
+    for events in (events_0, events_1):
+        assert kinds(events)[:2] == ["init_start", "init_end"] and kinds(events)[-1] == "train_end"
+        assert isinstance(events[0]["data"]["pid"], int)
+        assert "restore_start" not in kinds(events)  # nothing to resume from
+
+    steps = [e for e in events_0 if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, 9))  # one per step, rank 0 only
+    assert "step" not in kinds(events_1)
+    for e in steps:
+        assert e["data"]["duration"] > 0 and e["data"]["tokens"] == 2 * 4 * 32 and e["data"]["loss"] > 0
+
+    for saved in (2, 4, 6, 8):
+        of_save = [e for e in events_0 if e["step"] == saved and e["kind"].startswith("ckpt_")]
+        assert kinds(of_save) == ["ckpt_start", "ckpt_staged", "ckpt_committed"]
+        committed = of_save[-1]["data"]
+        assert committed["path"].endswith(f"step-{saved:08d}") and committed["bytes"] > 0
+        # saved right after its step (the loop goes on after ckpt_staged, before the commit)
+        before_start = events_0[: events_0.index(of_save[0])]
+        assert [e["step"] for e in before_start if e["kind"] == "step"][-1] == saved
+    assert kinds([e for e in events_1 if e["kind"].startswith("ckpt_")]) == ["ckpt_start", "ckpt_staged"] * 4
+
+
+def test_the_resumed_run_reports_its_restore(resumed_run):
+    for rank in (0, 1):
+        events = resumed_run.events(rank)
+        assert_schema_v1(events, rank=rank, attempt=1)
+        assert kinds(events)[:4] == ["init_start", "init_end", "restore_start", "restore_end"]
+        assert events[3]["step"] == 4
+    assert [e["step"] for e in resumed_run.events(0) if e["kind"] == "step"] == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_killed_run_left_no_commit_for_the_torn_save(killed_run, rank):
+    events = killed_run.run.events(rank)
+    assert_schema_v1(events, rank=rank, attempt=0)
+    assert "train_end" not in kinds(events)
+    assert not any(e["kind"] == "ckpt_committed" and e["step"] == 8 for e in events)
