@@ -10,10 +10,12 @@
   none is bisected until the bad events stand alone.
 - Disk use is bounded by what is not yet forwarded: the forwarded start of a live spool gives
   its blocks back (a hole is punched; offsets stay valid), and the spool of an ended attempt is
-  deleted once all of it is forwarded. The disk the spools use is counted, and a warning is
+  deleted once all of it is forwarded (its logs move to DATA_DIR/finished, so the spool folder
+  only ever holds live or unforwarded attempts and scanning it stays cheap). The disk the spools use is counted, and a warning is
   logged while it is above its bound (events are never dropped to get under it).
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -81,6 +83,7 @@ class Forwarder:
         self.config = config
         self.offsets_file = state_dir / "forward-offsets.json"
         self.dead_letter_file = state_dir / "dead-letters.jsonl"
+        self.finished_root = state_dir / "finished"
         self.acked: dict[str, int] = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
         self.read_to: dict[str, int] = dict(self.acked)
         self.released: dict[str, int] = {}
@@ -92,10 +95,13 @@ class Forwarder:
     def run(self, stop: threading.Event, poll_seconds: float = 0.1) -> None:
         """The forwarding thread: until `stop`, then one last try to send what is read."""
         while not stop.is_set():
-            if not self.forward_once(flush=False):
-                stop.wait(self._backoff())
-            else:
-                stop.wait(poll_seconds)
+            try:
+                forwarded = self.forward_once(flush=False)
+            except Exception:  # a bug or a full disk must not end forwarding for good
+                log.exception("forwarding failed")
+                self.failures += 1
+                forwarded = False
+            stop.wait(poll_seconds if forwarded else self._backoff())
         self.forward_once(flush=True)
 
     def forward_once(self, flush: bool) -> bool:
@@ -165,7 +171,9 @@ class Forwarder:
             log.warning("forwarding %d events: service answered %d %s", len(items), response.status_code,
                         response.text[:200])
             return False
-        detail = response.json() if response.status_code == 422 else None
+        detail = response.text
+        with contextlib.suppress(ValueError):
+            detail = response.json()
         named = {i for i in rejected_indices(detail) if i < len(items)}
         for i in named:
             self._dead_letter(items[i], detail)
@@ -222,15 +230,22 @@ class Forwarder:
             backlog += size - acked
         for attempt_dir, done in forwarded.items():
             if done and AttemptPaths(attempt_dir).ended_marker.exists():
-                self._forget(attempt_dir)
+                self._retire(attempt_dir)
                 del sizes[attempt_dir]
         total = sum(sizes.values())
         if total > self.config.spool_max_bytes >= self.stats.spool_bytes:
             log.warning("event spools use %d bytes, above their bound of %d", total, self.config.spool_max_bytes)
         self.stats.spool_bytes, self.stats.backlog_bytes = total, backlog
 
-    def _forget(self, attempt_dir: Path) -> None:
+    def _retire(self, attempt_dir: Path) -> None:
+        """An ended attempt, all forwarded: its events go, the rest (logs) moves out of the spool."""
         shutil.rmtree(AttemptPaths(attempt_dir).events_dir)
+        finished = self.finished_root / attempt_dir.relative_to(self.spool_root)
+        shutil.rmtree(finished, ignore_errors=True)
+        finished.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(attempt_dir, finished)
+        with contextlib.suppress(OSError):
+            attempt_dir.parent.rmdir()  # the job's folder, once its last attempt is out
         prefix = f"{attempt_dir.relative_to(self.spool_root)}/"
         self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
         self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}

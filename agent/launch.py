@@ -22,8 +22,8 @@ def trainer_argv(trainer: TrainerSpec, ckpt: CheckpointSpec) -> list[str]:
     if ckpt.dir is not None:
         argv += ["--checkpoint.dir", ckpt.dir]
     argv += ["--checkpoint.interval_steps", str(ckpt.interval_steps), "--checkpoint.keep", str(ckpt.keep)]
-    # The service chose the resume point; "none" keeps the trainer from guessing one of its own.
-    argv += ["--checkpoint.resume_from", ckpt.resume_from or "none"]
+    # No checkpoint named by the service (its catalog may lag the disk): the newest that verifies.
+    argv += ["--checkpoint.resume_from", ckpt.resume_from or "auto"]
     return argv
 
 

@@ -7,6 +7,9 @@
         control/                fault-injection requests read by the rank runners
         torchrun.log            torchrun's and the ranks' stdout and stderr
         ended                   written when the group is over: the spool may go once forwarded
+
+Once an ended attempt is all forwarded, its events/ folder is deleted and the rest of the folder
+moves to DATA_DIR/finished/JOB_ID/ATTEMPT/ (agent.forward).
 """
 
 import ctypes

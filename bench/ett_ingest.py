@@ -4,8 +4,11 @@ For each backend (SQLite file, throwaway PostgreSQL) and each size (step events 
 - the engine alone: the same events through service.ett.memory.MemoryJob (events/s);
 - HTTP: one uvicorn process serving the app; one client posts pre-encoded batches to the admin
   replay endpoint, one after the other (events/s, client and server on the same machine);
-- GET /api/v1/jobs/{id}/ett latency (p50/p99 over sequential requests), against the baseline a
-  service without per-job aggregates would pay: reading the job's events and folding them.
+- GET /api/v1/jobs/{id}/ett latency (p50/p99 over sequential requests), against two baselines
+  measured in the same run: GET /healthz (the floor of an HTTP round trip on this machine now)
+  and what a service without per-job aggregates would pay: reading the job's events and folding
+  them. Wall-clock figures depend on the machine's load; the server process's CPU seconds
+  (from /proc) are given beside them: events per server CPU-second, server CPU ms per GET.
 
 The timeline: attempt 0 runs half the steps and fails, attempt 1 restores the last checkpoint and
 runs the rest; a checkpoint every 100 steps. Usage:
@@ -89,11 +92,20 @@ def engine_rate(events: list[dict]) -> float:
     return len(parsed) / (time.perf_counter() - started)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
 def served(database_url: str, data_dir: Path):
     """One uvicorn process serving the app on loopback."""
     port = free_port()
-    env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_DATA_DIR": str(data_dir)}
+    # No agents exist, so the scheduler has nothing to do: its periodic tick is slowed down so
+    # that its work is not counted in the server's CPU time.
+    env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_DATA_DIR": str(data_dir),
+                        "ETT_SCHEDULER_PERIOD_SECONDS": "3600"}
     argv = [sys.executable, "-m", "uvicorn", "service.main:create_app", "--factory", "--host", "127.0.0.1",
             "--port", str(port), "--log-level", "warning", "--no-access-log"]  # fmt: skip
     proc = subprocess.Popen(argv, env=env, cwd=Path(__file__).resolve().parents[1])
@@ -109,7 +121,7 @@ def served(database_url: str, data_dir: Path):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the service did not start (exit code {proc.poll()})")
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -145,7 +157,7 @@ def run_backend(database_url: str, sizes: list[int], gets: int, data_dir: Path) 
         admin, user = create_token(session, Role.admin, "bench"), create_token(session, Role.user, "bench")
         session.commit()
     results = []
-    with served(database_url, data_dir) as url:
+    with served(database_url, data_dir) as (url, pid):
         admin_client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=600)
         user_client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {user}"}, timeout=60)
         for n in sizes:
@@ -153,25 +165,37 @@ def run_backend(database_url: str, sizes: list[int], gets: int, data_dir: Path) 
             job_id = user_client.post("/api/v1/jobs", json=spec).raise_for_status().json()["id"]
             events = timeline(n, time.time() - n * 0.2 - 3600)
             bodies = [json.dumps({"events": events[lo : lo + BATCH]}).encode() for lo in range(0, len(events), BATCH)]
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), cpu_seconds(pid)
             for body in bodies:
                 admin_client.post(f"/api/v1/jobs/{job_id}/events", content=body,
                                   headers={"content-type": "application/json"}).raise_for_status()  # fmt: skip
             http_rate = len(events) / (time.perf_counter() - started)
-            latencies = []
+            http_cpu_rate = len(events) / (cpu_seconds(pid) - cpu)
+            latencies, floor = [], []
+            cpu = cpu_seconds(pid)
             for _ in range(gets):
                 t = time.perf_counter()
                 user_client.get(f"/api/v1/jobs/{job_id}/ett").raise_for_status()
                 latencies.append((time.perf_counter() - t) * 1000)
+            get_cpu_ms = (cpu_seconds(pid) - cpu) / gets * 1000
+            for _ in range(gets):
+                t = time.perf_counter()
+                user_client.get("/healthz").raise_for_status()
+                floor.append((time.perf_counter() - t) * 1000)
             report = user_client.get(f"/api/v1/jobs/{job_id}/ett").json()
             result = {
                 "backend": engine.dialect.name, "step_events": n, "events": len(events),
                 "engine_events_per_s": round(engine_rate(events)),
                 "http_events_per_s": round(http_rate),
+                "http_events_per_server_cpu_s": round(http_cpu_rate),
                 "get_ett_p50_ms": round(percentile(latencies, 0.5), 2),
                 "get_ett_p99_ms": round(percentile(latencies, 0.99), 2),
+                "get_ett_server_cpu_ms": round(get_cpu_ms, 2),
+                "healthz_p50_ms": round(percentile(floor, 0.5), 2),
+                "healthz_p99_ms": round(percentile(floor, 0.99), 2),
                 "naive_report_ms": round(naive_report_ms(sessions, job_id, 1 if n >= 10**6 else 3), 1),
                 "ett_percent": round(report["ett_percent"], 3),
+                "load1": float(Path("/proc/loadavg").read_text().split()[0]),
             }
             print(json.dumps(result), flush=True)
             results.append(result)
@@ -185,8 +209,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=["sqlite", "postgresql"], default=["sqlite", "postgresql"])
     parser.add_argument("--gets", type=int, default=300, help="GET /ett requests per size")
     args = parser.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-          flush=True)  # fmt: skip
+    load = Path("/proc/loadavg").read_text().split()[0]
+    print(f"# {platform.machine()}, {os.cpu_count()} CPUs, load {load}, Python {platform.python_version()}", flush=True)
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ett-bench-")))
         for backend in args.backends:

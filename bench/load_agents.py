@@ -27,6 +27,7 @@ import os
 import platform
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.db import make_engine, make_session_factory  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
-from service.models import Role  # noqa: E402
+from service.models import JobEvent, Role  # noqa: E402
 from service.security import create_token  # noqa: E402
 from tests.support.postgres import free_port, postgres_server  # noqa: E402
 
@@ -212,7 +213,9 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=float, default=60.0, help="seconds between checkpoints (every rank)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load after registration")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--service-log", type=Path, default=Path(tempfile.gettempdir()) / "ett-load-service.log")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the service and PostgreSQL are stopped
     load = Load(args.agents, args.nodes_per_job, args.ranks_per_node, args.heartbeat, args.step, args.checkpoint,
                 args.duration)  # fmt: skip
     with postgres_server("ett_load") as database_url, tempfile.TemporaryDirectory(prefix="ett-load-") as root:
@@ -225,7 +228,7 @@ def main() -> None:
             session.commit()
         port = free_port()
         env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_PORT": str(port), "ETT_DATA_DIR": root}
-        log = open(Path(root) / "service.log", "wb")
+        log = open(args.service_log, "wb")
         service = subprocess.Popen([sys.executable, "-m", "service.cli.main", "service"], env=env, stdout=log,
                                    stderr=subprocess.STDOUT)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -245,9 +248,9 @@ def main() -> None:
             service.terminate()
             service.wait(timeout=30)
         with engine.connect() as conn:
-            stored = conn.scalar(sa.text("SELECT count(*) FROM job_events WHERE source <> 'service'"))
-            failed = conn.scalar(sa.text("SELECT count(*) FROM job_events WHERE kind = 'attempt_failed'"))
-            allocated = conn.scalar(sa.text("SELECT count(*) FROM job_events WHERE kind = 'attempt_allocated'"))
+            count = lambda *where: conn.scalar(sa.select(sa.func.count()).select_from(JobEvent).where(*where))  # noqa: E731
+            stored = count(JobEvent.source != "service")
+            failed, allocated = count(JobEvent.kind == "attempt_failed"), count(JobEvent.kind == "attempt_allocated")
         engine.dispose()
     report(load, result, stored, failed, allocated, args.json)
 

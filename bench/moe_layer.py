@@ -47,10 +47,13 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     moe = MoE(args.dim, MoEConfig(num_experts=args.experts, top_k=args.top_k, expert_hidden_dim=args.expert_hidden))

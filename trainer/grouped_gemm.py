@@ -31,12 +31,37 @@ def grouped_mm(
     if use_grouped_mm:
         offsets_E = counts_E.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x_SK, w_EKN, offs=offsets_E)
-    # Every expert takes part, even with zero rows, so each weight gets a (zero) gradient
-    # and data-parallel gradient reductions see the same set of tensors on every rank.
-    # unbind, not w_EKN[e]: its backward stacks the E gradients once, where indexing would
-    # add E zero-filled copies of the whole weight.
-    slices = x_SK.split(counts_E.tolist())
-    return torch.cat([x_e @ w_KN for x_e, w_KN in zip(slices, w_EKN.unbind(0), strict=True)])
+    return _SliceLoopMM.apply(x_SK, w_EKN, counts_E.tolist())
+
+
+class _SliceLoopMM(torch.autograd.Function):
+    """One matmul per expert over its contiguous slice of rows, written straight into the output
+    and into the gradient buffers (no per-expert temporaries to concatenate or stack). Experts
+    with zero rows get a zero weight gradient, so every rank reduces the same set of tensors."""
+
+    @staticmethod
+    def forward(ctx, x_SK: torch.Tensor, w_EKN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        out_SN = x_SK.new_empty(x_SK.shape[0], w_EKN.shape[2])
+        for x_nK, w_KN, out_nN in zip(x_SK.split(counts), w_EKN, out_SN.split(counts), strict=True):
+            torch.mm(x_nK, w_KN, out=out_nN)
+        ctx.save_for_backward(x_SK, w_EKN)
+        ctx.counts = counts
+        return out_SN
+
+    @staticmethod
+    def backward(ctx, grad_SN: torch.Tensor):
+        x_SK, w_EKN = ctx.saved_tensors
+        grad_SN = grad_SN.contiguous()
+        grad_x_SK = torch.empty_like(x_SK) if ctx.needs_input_grad[0] else None
+        grad_w_EKN = torch.empty_like(w_EKN) if ctx.needs_input_grad[1] else None
+        grad_x_slices = grad_x_SK.split(ctx.counts) if grad_x_SK is not None else [None] * len(ctx.counts)
+        slices = zip(x_SK.split(ctx.counts), grad_SN.split(ctx.counts), grad_x_slices, strict=True)
+        for e, (x_nK, grad_nN, grad_x_nK) in enumerate(slices):
+            if grad_x_nK is not None:
+                torch.mm(grad_nN, w_EKN[e].t(), out=grad_x_nK)
+            if grad_w_EKN is not None:
+                torch.mm(x_nK.t(), grad_nN, out=grad_w_EKN[e])
+        return grad_x_SK, grad_w_EKN, None
 
 
 def grouped_swiglu(

@@ -25,3 +25,6 @@ def setup_logging(cfg: LogConfig, rank: int) -> None:
     root.handlers[:] = [handler]
     root.propagate = False  # DCP's checkpoint process configures the root logger its own way
     root.setLevel(cfg.level.upper() if rank == 0 else logging.WARNING)
+    # Process-based checkpointing pickles DTensors to the checkpoint process, where torch warns
+    # on every save that their mesh cannot find its groups for torch.compile, which we do not use.
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)

@@ -99,7 +99,7 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
     state = {"app": ModelOptimizerState(model, optimizer), "data": data, "rng": RNGState(rank), "progress": progress}
     checkpointer = Checkpointer(cfg.checkpoint, events, model)
     metrics = MetricsLogger(cfg.log, model, cfg.train.seq_len, world_size, device)
-    logger.info("%d ranks on %s; %.1fM parameters (%.1fM active)", world_size, device,
+    logger.info("%d ranks on %s; %.2fM parameters (%.2fM active)", world_size, device,
                 model.num_params() / 1e6, model.num_params(active_only=True) / 1e6)
     events.emit("init_end")
 
@@ -157,4 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Everything is written and closed by now. Skip the interpreter's finalization: torch's C++
+    # destructors can deadlock in it (seen: both ranks stuck garbage-collecting after a clean run).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

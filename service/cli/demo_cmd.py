@@ -42,7 +42,7 @@ def demo_job() -> dict[str, Any]:
                                                         "parallel.zero": 3}},
         "max_restarts": 3,
         "checkpoint": {"interval_steps": 10, "keep": 3, "dir": None},
-        "hang_timeout_seconds": 10,
+        "hang_timeout_seconds": 20,
         # A rank of node 0 is SIGKILLed in the first attempt; a rank of node 1 hangs in the second.
         "faults": [
             {"attempt": 0, "rank": 1, "at_step": 25, "action": "kill"},

@@ -30,7 +30,7 @@ def launch_command(*fake_args: str, nproc: int = 2, **fields: Any) -> LaunchComm
     return command_adapter.validate_python(command)
 
 
-def run_to_end(supervisor: Supervisor, timeout: float = 60.0) -> dict[str, Any]:
+def run_to_end(supervisor: Supervisor, timeout: float = 120.0) -> dict[str, Any]:
     """Polls like the daemon's monitor loop until the only attempt ends; its final report."""
     [key] = supervisor.groups
     deadline = time.monotonic() + timeout

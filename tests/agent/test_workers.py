@@ -60,14 +60,14 @@ def test_killed_by_signal(supervisor):
 
 
 def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
-    command = launch_command("--steps", "1000", "--hang-at-step", "2", hang_timeout_seconds=1.0)
+    command = launch_command("--steps", "1000", "--hang-at-step", "2", hang_timeout_seconds=2.0)
     supervisor.launch(command)
     report = run_to_end(supervisor)
 
     assert (report["state"], report["cause"]) == ("failed", "hang")
     [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
     assert hang["step"] == 2 and hang["data"]["phase"] == "train"
-    assert 1.0 <= hang["data"]["seconds_without_progress"] < 3.0
+    assert 2.0 <= hang["data"]["seconds_without_progress"] < 4.0
     exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
     assert sorted(exits, key=lambda d: d["rank"]) == [{"rank": 0, "signal": "SIGKILL"}, {"rank": 1, "signal": "SIGKILL"}]
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
@@ -108,7 +108,7 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
 ])  # fmt: skip
 def test_fault_injection_at_a_step(supervisor, action, rank, expected):
     fault = {"attempt": 0, "rank": rank, "at_step": 3, "action": action, "code": 5}
-    command = launch_command("--steps", "1000", faults=[fault], hang_timeout_seconds=1.0)
+    command = launch_command("--steps", "1000", faults=[fault], hang_timeout_seconds=2.0 if action == "hang" else 60)
     supervisor.launch(command)
     report = run_to_end(supervisor)
 
@@ -151,4 +151,4 @@ def test_a_crashed_agent_leaves_no_orphan(tmp_path):
     finally:
         agent.send_signal(signal.SIGKILL)
         agent.wait()
-    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 5, "the guard to clear the group")
+    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the guard to clear the group")

@@ -34,7 +34,8 @@ def bind_mounts(compose: dict) -> list[tuple[str, Path, str]]:
 
 
 def test_compose_has_the_deployment_and_every_mounted_file_exists(compose):
-    assert set(compose["services"]) == {"postgres", "migrate", "agent-token", "service", "agent", "prometheus", "grafana"}
+    expected = {"postgres", "migrate", "agent-token", "service", "agent", "prometheus", "grafana"}
+    assert set(compose["services"]) == expected
     mounts = bind_mounts(compose)
     assert {(s, t) for s, _, t in mounts} >= {
         ("prometheus", "/etc/prometheus/prometheus.yml"), ("prometheus", "/etc/prometheus/alerts.yml"),

@@ -31,10 +31,22 @@ def tool(name: str) -> str:
     return path
 
 
+def promtool(*args: str | Path) -> None:
+    result = subprocess.run([tool("promtool"), *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_promtool_accepts_the_config_and_the_rules():
-    for check, path in (("config", DEPLOY / "prometheus" / "prometheus.yml"), ("rules", ALERTS)):
-        result = subprocess.run([tool("promtool"), "check", check, str(path)], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
+    promtool("check", "config", DEPLOY / "prometheus" / "prometheus.yml")
+    promtool("check", "rules", ALERTS)
+
+
+def test_each_alert_fires_on_its_case_and_not_beside_it():
+    cases = Path(__file__).with_name("alerts_test.yml")
+    promtool("test", "rules", cases)
+    tested = {t["alertname"] for case in yaml.safe_load(cases.read_text())["tests"] for t in case["alert_rule_test"]}
+    rules = {r["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for r in group["rules"]}
+    assert tested == rules, "every alert rule has its case in alerts_test.yml"
 
 
 def queries() -> list[str]:

@@ -18,6 +18,7 @@ from service.ett.engine import CATEGORIES
 from service.ett.memory import MemoryJob
 from service.pages.timeline import SaveSpan, Steps, build_timeline
 from tests.deploy.replayed import replayed_job
+from tests.service.factories import submit
 from tests.service.ett.timelines import Timeline
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -82,7 +83,8 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
         "recommended_checkpoint_interval_seconds": api["recommended_checkpoint_interval_seconds"],
         **{f"seconds.{c}": v for c, v in api["seconds"].items()},
         **{f"checkpoints.{k}": v for k, v in api["checkpoints"].items()},
-        **{f"failures.{i}.{k}": f[k] for i, f in enumerate(api["failures"]) for k in ("time_to_recover_seconds", "lost_steps")},
+        **{f"failures.{i}.{k}": f[k] for i, f in enumerate(api["failures"])
+           for k in ("time_to_recover_seconds", "lost_steps")},
     }  # fmt: skip
     assert set(page.figures) == set(expected)
     for name, value in expected.items():  # the page rounds to 0.1 (seconds by category: 0.01)
@@ -95,9 +97,12 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
     for i, failure in enumerate(api["failures"]):
         ttr = page.figures[f"failures.{i}.time_to_recover_seconds"]
         assert f"attempt {failure['attempt']}: {failure['cause']:9} time to recover {ttr}" in table
-    # The jobs list shows the same ETT.
+    # The jobs list shows the same ETT; a job not allocated yet has a page without a timeline.
     jobs = alice.get("/jobs").text
     assert f"/jobs/{job.id}" in jobs and page.figures["ett_percent"] in jobs
+    waiting = submit(alice, nodes=8)
+    page = alice.get(f"/jobs/{waiting['id']}")
+    assert page.status_code == 200 and "Not allocated yet" in page.text and not PageDom(page.text).lanes
 
 
 @SQLITE_ONLY

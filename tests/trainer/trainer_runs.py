@@ -80,9 +80,26 @@ def run_trainer(
         _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_tree(process.pid)
             process.wait()
     return TrainerRun(process.returncode, stderr, event_dir, checkpoint_dir)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and its descendants (torchrun starts each rank in a session of its own)."""
+    pids, i = [pid], 0
+    while i < len(pids):
+        for task in Path(f"/proc/{pids[i]}/task").glob("*"):
+            try:
+                pids += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        i += 1
+    for victim in pids:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def has_event(events: list[dict], kind: str, step: int | None = None) -> bool:
