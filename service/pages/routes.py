@@ -12,17 +12,16 @@ from typing import Annotated, Any
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
-from sqlalchemy import select
 
 from service.api.deps import get_visible_job
 from service.api.ett import fleet_mtbf_seconds, job_report
 from service.api.jobs import list_jobs
 from service.db import SessionDep
 from service.ett.engine import CATEGORIES, JobAccount
-from service.event_log import step_events
-from service.models import Checkpoint, Job, JobAccountRow, JobState
+from service.models import Job, JobAccountRow, JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
-from service.pages.timeline import SaveSpan, Steps, build_timeline
+from service.pages.timeline import build_timeline, frame_of
+from service.pages.timeline_data import checkpoint_saves, step_time
 
 router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
 templates = Jinja2Templates(directory=Path(__file__).resolve().parents[1] / "templates")
@@ -83,16 +82,11 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
     report = job_report(session, job, now)
     row = session.get(JobAccountRow, job.id)
     account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
-    steps = Steps.from_rows(step_events(session, job.id))
-    saves = [
-        SaveSpan(*row)
-        for row in session.execute(
-            select(Checkpoint.attempt, Checkpoint.started_at, Checkpoint.staged_at).where(
-                Checkpoint.job_id == job.id, Checkpoint.started_at.is_not(None), Checkpoint.staged_at.is_not(None)
-            )
-        )
-    ]
-    timeline = build_timeline(account, now=now, steps=steps, saves=saves)
+    frame = frame_of(account, now)
+    timeline = None
+    if frame is not None:
+        steps = step_time(session, job.id, account, frame)
+        timeline = build_timeline(account, frame, steps, checkpoint_saves(session, job.id))
     return render(request, "job.html", {"caller": caller, "job": job, "report": report, "timeline": timeline})
 
 

@@ -3,13 +3,13 @@ runs of pixel columns, so a lane costs at most `columns` SVG elements whatever i
 
 The lanes' bounds, their start-up (init, restore) and their tail (recovery or idle) are the
 report's own pieces (service/ett/report.py); only the inside of an attempt's training stretch is
-laid out here, from its step events and checkpoint saves. Each column of a lane takes the
-category that fills most of it, and neighbouring columns of one category become one run.
+laid out here, from its step time (summed per column by the database: timeline_data.py)
+and its checkpoint saves. Each column of a lane takes the category that fills most of it, and
+neighbouring columns of one category become one run.
 """
 
-import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,19 +22,37 @@ IDLE = CATEGORIES.index("idle")
 
 
 @dataclass(frozen=True)
-class Steps:
-    """Rank 0's step events as columns (one array each): a job may have millions."""
+class Frame:
+    """The drawing's time axis: the job's window cut into `columns` equal columns."""
+
+    start: float
+    end: float
+    columns: int
+
+    @property
+    def column_seconds(self) -> float:
+        return max(self.end - self.start, 1e-9) / self.columns
+
+
+def frame_of(account: JobAccount, now: float, columns: int = 1000) -> Frame | None:
+    """None before the job's first allocation: nothing to draw."""
+    window = window_of(account, now)
+    return None if window is None else Frame(window[0], window[1], columns)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Stretches of step time, one array each: [start, start + seconds) of an attempt, kept or not."""
 
     attempt: np.ndarray
-    step: np.ndarray
-    end: np.ndarray  # the event's ts
-    duration: np.ndarray
+    wasted: np.ndarray  # bool
+    start: np.ndarray
+    seconds: np.ndarray
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Sequence[float]]) -> "Steps":
-        """From (attempt, step, ts, duration) rows."""
-        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=float, count=4 * len(rows))
-        return cls(*flat.reshape(-1, 4).T)
+    def from_rows(cls, rows: list[tuple[int, bool, float, float]]) -> "StepTime":
+        columns = list(zip(*rows)) if rows else [(), (), (), ()]
+        return cls(*(np.asarray(c, dtype=t) for c, t in zip(columns, (int, bool, float, float), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -67,14 +85,16 @@ class Lane:
 
 @dataclass(frozen=True)
 class Timeline:
-    start: float
-    end: float
-    columns: int
+    frame: Frame
     lanes: list[Lane]
+
+    @property
+    def columns(self) -> int:
+        return self.frame.columns
 
     def ticks(self, most: int = 8) -> list[tuple[float, str]]:
         """Axis marks at round durations since the window's start: (column, label)."""
-        width = self.end - self.start
+        width = self.frame.end - self.frame.start
         if width <= 0:
             return [(0.0, "0 s")]
         day = _TICK_STEPS[-1]
@@ -146,17 +166,11 @@ def _rasterize(intervals: _Intervals, lo: float, hi: float, edges: np.ndarray) -
     return runs
 
 
-def build_timeline(
-    account: JobAccount, *, now: float, steps: Steps, saves: Iterable[SaveSpan], columns: int = 1000
-) -> Timeline | None:
-    """The timeline of a job's settled account; None before its first allocation."""
-    window = window_of(account, now)
-    if window is None:
-        return None
-    origin, end = window
-    width = max(end - origin, 1e-9)
-    edges = np.linspace(0.0, width, columns + 1)
-    spans = attempt_spans(account, end)
+def build_timeline(account: JobAccount, frame: Frame, steps: StepTime, saves: Iterable[SaveSpan]) -> Timeline:
+    """The timeline of a job's settled account, with its step time and saves."""
+    origin, columns = frame.start, frame.columns
+    edges = np.arange(columns + 1) * frame.column_seconds  # seconds since the window's start
+    spans = attempt_spans(account, frame.end)
     finished = account.finished_at is not None
     intervals = {s.summary.attempt: _Intervals() for s in spans}
     training: dict[int, Piece] = {}
@@ -167,25 +181,24 @@ def build_timeline(
         training[span.summary.attempt] = middle
     for number, middle in training.items():
         mine = steps.attempt == number
-        lo = np.maximum(steps.end[mine] - steps.duration[mine], middle.lo) - origin
-        hi = np.minimum(steps.end[mine], middle.hi) - origin
-        cut = account.attempts[number].rolled_back_to
-        wasted = steps.step[mine] > cut if cut is not None else np.zeros(len(lo), dtype=bool)
-        intervals[number].add("productive", lo[~wasted], hi[~wasted])
-        intervals[number].add("wasted", lo[wasted], hi[wasted])
+        # A column's summed time starts at the column's edge: kept inside the training stretch.
+        lo = np.clip(steps.start[mine], middle.lo, middle.hi)
+        hi = np.minimum(lo + steps.seconds[mine], middle.hi)
+        wasted = steps.wasted[mine]
+        intervals[number].add("productive", lo[~wasted] - origin, hi[~wasted] - origin)
+        intervals[number].add("wasted", lo[wasted] - origin, hi[wasted] - origin)
     for c in saves:
         middle = training.get(c.attempt)
         if middle is not None:
             lo, hi = max(c.started_at, middle.lo), min(c.staged_at, middle.hi)
             intervals[c.attempt].add("checkpoint_save", lo - origin, hi - origin)
     failures = {f["attempt"]: f for f in failures_of(spans)}
-    to_column = lambda t: min(max((t - origin) / width, 0.0), 1.0) * columns  # noqa: E731
     lanes = []
     for span in spans:
         number = span.summary.attempt
         raster = _rasterize(intervals[number], span.start - origin, span.end - origin, edges)
         runs = [Run(CATEGORIES[c], a, b, origin + edges[a], origin + edges[b]) for c, a, b in raster]
         failure = failures.get(number)
-        mark = to_column(failure["at"]) if failure is not None else None
+        mark = min(max(failure["at"] - origin, 0.0), edges[-1]) / frame.column_seconds if failure else None
         lanes.append(Lane(number, span.start, span.end, runs, failure, mark))
-    return Timeline(origin, end, columns, lanes)
+    return Timeline(frame, lanes)

@@ -31,7 +31,10 @@ def fake_rank_timeline(attempt: int = 0, steps: int = STEPS) -> list[tuple]:
 
 
 def test_service_killed_and_restarted_mid_job_loses_and_doubles_nothing(tmp_path):
-    with cluster(tmp_path) as c:
+    # The default heartbeat deadline (30 s): an outage shorter than it must not cost a restart.
+    # (A longer one does: on restart the scheduler sees every node silent for longer than the
+    # deadline and declares them lost; docs/reliability.md.)
+    with cluster(tmp_path, ETT_HEARTBEAT_TIMEOUT_SECONDS=30) as c:
         c.start_agent("node-0")
         job_id = c.submit(fake_rank_job(steps=STEPS, step_seconds=STEP_SECONDS))
         wait_for(lambda: len(c.events(job_id, kind="step")) >= 5, 60, "the first steps to be stored")
@@ -81,3 +84,51 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def tiny_job(name: str, checkpoint_dir, steps: int, interval: int, faults: list[dict]) -> dict:
+    return {"name": name, "nodes": 1, "procs_per_node": 2, "max_restarts": 2, "faults": faults,
+            "trainer": {"preset": "tiny", "overrides": {"train.steps": steps}},
+            "checkpoint": {"interval_steps": interval, "keep": 3, "dir": str(checkpoint_dir)}}  # fmt: skip
+
+
+def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_committed(tmp_path):
+    # Rank 1 is SIGKILLed the moment rank 0 reports step 8, whose checkpoint then starts.
+    kill = {"attempt": 0, "rank": 1, "at_step": 8, "action": "kill"}
+    with cluster(tmp_path) as c:
+        c.start_agent("node-0")
+        job_id = c.submit(tiny_job("ckpt-kill", tmp_path / "ckpt", steps=12, interval=4, faults=[kill]))
+        job = c.wait_job(job_id, timeout=180)
+        committed = {(e.attempt, e.step) for e in c.events(job_id, kind="ckpt_committed", source="rank:0")}
+        restored = c.events(job_id, kind="restore_end", source="rank:0")
+        report = c.report(job_id)
+    print(f"\ncommitted (attempt, step): {sorted(committed)}; attempt 1 restored step "
+          f"{[e.step for e in restored]}; failure: {report['failures']}")
+    assert job["state"] == "succeeded" and len(job["attempts"]) == 2
+    assert (0, 4) in committed and (0, 8) not in committed  # step 8's save never completed
+    assert job["attempts"][1]["resume_from"].endswith("step-00000004")
+    assert [(e.attempt, e.step) for e in restored] == [(1, 4)]
+    assert report["failures"][0]["cause"] == "signal" and report["failures"][0]["lost_steps"] >= 4
+
+
+def test_corrupt_newest_checkpoint_is_skipped_and_resume_falls_back_saying_so(tmp_path):
+    fail = {"attempt": 0, "rank": 1, "at_step": 10, "action": "exit", "code": 1}
+    checkpoints = tmp_path / "ckpt"
+    with cluster(tmp_path, ETT_RESTART_BACKOFF_SECONDS=2) as c:
+        c.start_agent("node-0")
+        job_id = c.submit(tiny_job("ckpt-corrupt", checkpoints, steps=12, interval=4, faults=[fail]))
+        wait_for(lambda: c.job(job_id)["attempts"][0]["state"] == "failed", 120, "attempt 0 to fail")
+        # Between the attempts (the restart backoff), one shard of the newest checkpoint rots.
+        shard = sorted((checkpoints / "step-00000008").glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        job = c.wait_job(job_id, timeout=180)
+        restored = c.events(job_id, kind="restore_end", source="rank:0")
+        logs = "\n".join(c.logs().values())
+    assert job["state"] == "succeeded"
+    # The service offered the newest committed checkpoint; the trainer found it corrupt, said so
+    # and went back to the one before.
+    assert job["attempts"][1]["resume_from"].endswith("step-00000008")
+    assert [(e.attempt, e.step) for e in restored] == [(1, 4)]
+    assert f"skipping checkpoint {checkpoints / 'step-00000008'}: {shard.name} fails its CRC-32 check" in logs

@@ -16,13 +16,19 @@ import pytest
 from service.cli.render import report_table
 from service.ett.engine import CATEGORIES
 from service.ett.memory import MemoryJob
-from service.pages.timeline import SaveSpan, Steps, build_timeline
+from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
 from tests.deploy.replayed import replayed_job
 from tests.service.factories import submit
 from tests.service.ett.timelines import Timeline
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+# The categories drawn in each lane of tests/deploy/replayed.py's job.
+LANES = {
+    0: {"init", "productive", "checkpoint_save", "wasted", "recovery"},
+    1: {"init", "restore", "wasted", "recovery"},
+    2: {"init", "restore", "productive", "checkpoint_save", "idle"},
+}
 
 
 class PageDom(HTMLParser):
@@ -87,6 +93,8 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
            for k in ("time_to_recover_seconds", "lost_steps")},
     }  # fmt: skip
     assert set(page.figures) == set(expected)
+    assert {a: set(runs) for a, runs in page.lanes.items()} == LANES
+    assert page.failure_marks == {0: "exit", 1: "hang"}
     for name, value in expected.items():  # the page rounds to 0.1 (seconds by category: 0.01)
         assert number(page.figures[name]) == pytest.approx(value, abs=0.051), name
     # `ett report` prints the same figures, to the same digits.
@@ -170,11 +178,7 @@ def test_job_page_in_headless_chromium_draws_lanes_and_failure_marks(service, tm
     shot.unlink(missing_ok=True)
     dom = chromium("--dump-dom", f"--screenshot={shot}", "--window-size=1280,1100", url, profile=tmp_path)
     page = PageDom(dom)
-    assert {a: set(runs) for a, runs in page.lanes.items()} == {
-        0: {"init", "productive", "checkpoint_save", "wasted", "recovery"},
-        1: {"init", "restore", "wasted", "recovery"},
-        2: {"init", "restore", "productive", "checkpoint_save", "idle"},
-    }
+    assert {a: set(runs) for a, runs in page.lanes.items()} == LANES
     assert page.failure_marks == {0: "exit", 1: "hang"}
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
@@ -199,10 +203,16 @@ def test_timeline_of_ten_attempts_and_1e5_steps_is_small_and_true_to_the_report(
     job = MemoryJob("big")
     job.ingest(tl.events)
     report = job.report(now=t + 100)
-    steps = Steps.from_rows([(e.attempt, e.step, e.ts, e.data["duration"]) for e in tl.events if e.kind == "step"])
-    assert len(steps.step) == 100_000
+    cut = {n: a.rolled_back_to for n, a in job.account.attempts.items()}  # the engine's settled rollbacks
+    steps = [e for e in tl.events if e.kind == "step"]
+    assert len(steps) == 100_000
+    # One stretch per step here; the page has the database sum them per column (timeline_data.py).
+    step_time = StepTime.from_rows([
+        (e.attempt, cut[e.attempt] is not None and e.step > cut[e.attempt], e.ts - e.data["duration"], e.data["duration"])
+        for e in steps
+    ])  # fmt: skip
     saves = [SaveSpan(c.attempt, c.started_at, c.staged_at) for c in job.checkpoints.values()]
-    timeline = build_timeline(job.account, now=t + 100, steps=steps, saves=saves)
+    timeline = build_timeline(job.account, frame_of(job.account, t + 100), step_time, saves)
     assert [lane.attempt for lane in timeline.lanes] == list(range(10))
     assert [lane.failure is not None for lane in timeline.lanes] == [True] * 9 + [False]
     runs = [run for lane in timeline.lanes for run in lane.runs]

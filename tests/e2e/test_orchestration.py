@@ -1,0 +1,109 @@
+"""End to end: the real service, real agent daemons, real torchrun ranks training the MoE on CPU."""
+
+import math
+import os
+import signal
+
+import pytest
+from sqlalchemy import select
+
+from service.models import Checkpoint, JobEvent
+from tests.agent.helpers import pids_with_env
+from tests.support.cluster import Cluster, cluster, trainer_job, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def events(c: Cluster, job_id: str, kind: str) -> list[JobEvent]:
+    with c.service.app.state.sessions() as session:
+        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == kind).order_by(JobEvent.ts)
+        return list(session.scalars(query))
+
+
+def assert_categories_sum_to_wall(report: dict) -> None:
+    assert math.isclose(sum(report["seconds"].values()), report["wall_seconds"], abs_tol=1e-6)
+    assert all(v >= 0 for v in report["seconds"].values())
+
+
+def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a"), c.start_agent("node-b")
+        job_id = c.submit(**trainer_job(faults=[{"attempt": 0, "rank": 1, "at_step": 13, "action": "kill"}]))
+        job = c.wait_job(job_id)
+        assert job["state"] == "succeeded", c.logs()
+        first, second = job["attempts"]
+        assert first["cause"] == "signal" and second["state"] == "succeeded"
+
+        failed_at = events(c, job_id, "attempt_failed")[0].ts
+        with c.service.app.state.sessions() as session:
+            committed = session.scalars(select(Checkpoint).where(
+                Checkpoint.job_id == job_id, Checkpoint.attempt == 0, Checkpoint.committed_at <= failed_at)).all()
+        newest = max(ckpt.step for ckpt in committed)
+        assert second["resume_from"].endswith(f"step-{newest:08d}")
+        [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
+        assert restore.step == newest
+
+        steps = events(c, job_id, "step")
+        last_of_first = max(e.step for e in steps if e.attempt == 0)
+        assert max(e.step for e in steps if e.attempt == 1) == 24
+        report = c.report(job_id)
+        [failure] = report["failures"]
+        assert failure["cause"] == "signal" and failure["lost_steps"] == last_of_first - newest
+        assert report["restarts"] == 1 and report["seconds"]["restore"] > 0
+        assert_categories_sum_to_wall(report)
+
+
+def test_hang_is_detected_and_recovered(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a"), c.start_agent("node-b")
+        spec = trainer_job(hang_timeout_seconds=8, faults=[{"attempt": 0, "rank": 2, "at_step": 8, "action": "hang"}])
+        job = c.wait_job(c.submit(**spec))
+        assert job["state"] == "succeeded", c.logs()
+        assert [a["cause"] for a in job["attempts"]] == ["hang", None]
+        assert_categories_sum_to_wall(c.report(job["id"]))
+
+
+def test_killed_agent_is_replaced_by_a_spare(tmp_path):
+    with cluster(tmp_path, heartbeat_timeout_seconds=5) as c:
+        for name in ("node-a", "node-b", "node-c"):
+            c.start_agent(name)
+        job_id = c.submit(**trainer_job())
+        wait_for(lambda: any(e.step >= 3 for e in events(c, job_id, "step")), 180, "step 3")
+        victim = c.job(job_id)["attempts"][0]["nodes"][1]
+        os.kill(c.agents[victim].pid, signal.SIGKILL)  # no goodbye: only missing heartbeats tell
+        job = c.wait_job(job_id)
+        assert job["state"] == "succeeded", c.logs()
+        first, second = job["attempts"]
+        assert first["cause"] == "node_lost" and victim in first["detail"]
+        assert victim not in second["nodes"] and len(second["nodes"]) == 2
+        assert pids_with_env("ETT_JOB_ID", job_id) == []
+
+
+def test_configuration_error_fails_without_retry(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        spec = trainer_job(nodes=1, procs_per_node=1, trainer={"preset": "tiny", "overrides": {"moe.top_k": 99}})
+        job = c.wait_job(c.submit(**spec))
+        assert job["state"] == "failed" and len(job["attempts"]) == 1
+        assert "configuration error" in job["reason"]
+
+
+def test_max_restarts_is_honoured(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        faults = [{"attempt": n, "rank": 0, "at_step": 2, "action": "exit", "code": 7} for n in range(3)]
+        job = c.wait_job(c.submit(**trainer_job(nodes=1, procs_per_node=1, max_restarts=1, faults=faults)))
+        assert job["state"] == "failed" and len(job["attempts"]) == 2, c.logs()
+        assert all(a["cause"] == "exit" for a in job["attempts"])
+
+
+def test_cancel_leaves_no_process(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        spec = trainer_job(nodes=1, trainer={"preset": "tiny", "overrides": {"train.steps": 100000}})
+        job_id = c.submit(**spec)
+        wait_for(lambda: events(c, job_id, "step"), 120, "a first step")
+        assert pids_with_env("ETT_JOB_ID", job_id)
+        assert c.user.post(f"/api/v1/jobs/{job_id}/cancel").json()["state"] == "cancelled"
+        wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 30, "every process of the job to end")
+        assert c.job(job_id)["attempts"][0]["state"] == "stopped"

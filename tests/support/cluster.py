@@ -1,0 +1,114 @@
+"""A whole ETT on this machine for end-to-end tests: a live service, agent daemons as real
+processes (each a "node"), real torchrun ranks under them."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from service.migrate import upgrade
+from service.settings import Settings
+from tests.support.live import LiveService, live_service
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@dataclass
+class Cluster:
+    service: LiveService
+    root: Path
+    user: httpx.Client
+    admin: httpx.Client
+    agents: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start_agent(self, name: str, slots: int = 2, **settings: str) -> subprocess.Popen:
+        env = {
+            **os.environ,
+            "ETT_AGENT_SERVICE_URL": self.service.url, "ETT_AGENT_TOKEN": self.service.token("agent", name),
+            "ETT_AGENT_NAME": name, "ETT_AGENT_SLOTS": str(slots), "ETT_AGENT_DATA_DIR": str(self.root / name),
+            "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
+            "ETT_AGENT_STOP_GRACE_SECONDS": "3",
+            **{f"ETT_AGENT_{k.upper()}": v for k, v in settings.items()},
+        }  # fmt: skip
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process's life)
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "agent"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.agents[name] = proc
+        wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
+        return proc
+
+    def _registered(self, name: str) -> bool:
+        from service.models import Node
+
+        with self.service.app.state.sessions() as session:
+            return session.query(Node).filter_by(name=name).count() == 1
+
+    def submit(self, **spec: Any) -> str:
+        response = self.user.post("/api/v1/jobs", json=spec)
+        assert response.status_code == 201, response.text
+        return response.json()["id"]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.user.get(f"/api/v1/jobs/{job_id}").raise_for_status().json()
+
+    def report(self, job_id: str) -> dict[str, Any]:
+        return self.user.get(f"/api/v1/jobs/{job_id}/ett").raise_for_status().json()
+
+    def wait_job(self, job_id: str, states: tuple[str, ...] = TERMINAL, timeout: float = 240) -> dict[str, Any]:
+        return wait_for(lambda: (j := self.job(job_id))["state"] in states and j, timeout,
+                        f"job {job_id} to be {'/'.join(states)}", interval=0.5)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.root.glob("*.log"))
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+    return result
+
+
+def trainer_job(name: str = "e2e", **overrides: Any) -> dict[str, Any]:
+    """A small real MoE job: 2 nodes x 2 ranks, EP 2, ZeRO-3, checkpoints every 5 steps."""
+    spec: dict[str, Any] = {
+        "name": name, "nodes": 2, "procs_per_node": 2,
+        "trainer": {"preset": "tiny", "overrides": {"train.steps": 24, "parallel.ep": 2, "parallel.zero": 3}},
+        "max_restarts": 2, "checkpoint": {"interval_steps": 5, "keep": 3}, "hang_timeout_seconds": 15,
+    }  # fmt: skip
+    return spec | overrides
+
+
+@contextmanager
+def cluster(tmp_path: Path, **settings: Any) -> Iterator[Cluster]:
+    """The service on SQLite (short deadlines for tests); agents are added with start_agent."""
+    config = Settings(
+        database_url=f"sqlite:///{tmp_path / 'ett.db'}", data_dir=tmp_path / "service",
+        checkpoint_root=tmp_path / "checkpoints", restart_backoff_seconds=0.5, scheduler_period_seconds=0.25,
+        **settings,
+    )  # fmt: skip
+    upgrade(config.resolved_database_url)
+    with live_service(config) as live:
+        with live.client(live.token("user", "alice")) as user, live.client(live.token("admin")) as admin:
+            c = Cluster(service=live, root=tmp_path, user=user, admin=admin)
+            try:
+                yield c
+            finally:
+                for proc in c.agents.values():
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                for proc in c.agents.values():
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
