@@ -11,8 +11,9 @@
 - Disk use is bounded by what is not yet forwarded: the forwarded start of a live spool gives
   its blocks back (a hole is punched; offsets stay valid), and the spool of an ended attempt is
   deleted once all of it is forwarded (its logs move to DATA_DIR/finished, so the spool folder
-  only ever holds live or unforwarded attempts and scanning it stays cheap). The disk the spools use is counted, and a warning is
-  logged while it is above its bound (events are never dropped to get under it).
+  only ever holds live or unforwarded attempts and scanning it stays cheap). The disk the
+  spools use is counted, and a warning is logged while it is above its bound (events are never
+  dropped to get under it).
 """
 
 import contextlib
@@ -166,6 +167,8 @@ class Forwarder:
             for item in items:
                 item.done = True
             self.stats.events_forwarded += len(items)
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                self.stats.events_repeated += int(response.json().get("duplicates", 0))
             return True
         if response.status_code not in (413, 422):
             log.warning("forwarding %d events: service answered %d %s", len(items), response.status_code,

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 class AgentStats:
     processes: int = 0  # live ranks of all worker groups
     events_forwarded: int = 0  # accepted by the service (repeats it ignored included)
+    events_repeated: int = 0  # of those, the ones it already had (resent after a restart)
     events_buffered: int = 0  # read from the spools, not yet accepted
     backlog_bytes: int = 0  # spool bytes past the persisted read positions
     dead_letters: int = 0
@@ -36,6 +37,8 @@ class StatsCollector(Collector):
         s = self.stats
         yield GaugeMetricFamily("ett_agent_processes", "Live ranks of the worker groups on this node", s.processes)
         yield CounterMetricFamily("ett_agent_events_forwarded", "Events the service accepted", s.events_forwarded)
+        yield CounterMetricFamily("ett_agent_events_repeated", "Events the service already had",
+                                  s.events_repeated)
         yield GaugeMetricFamily("ett_agent_events_buffered", "Events read and not yet accepted", s.events_buffered)
         yield GaugeMetricFamily("ett_agent_backlog_bytes", "Spool bytes not yet forwarded", s.backlog_bytes)
         yield CounterMetricFamily("ett_agent_dead_letters", "Events the service refused, set aside", s.dead_letters)

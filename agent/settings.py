@@ -41,6 +41,9 @@ class AgentSettings(BaseSettings):
     spool_max_bytes: int = Field(1 << 30, ge=1)
     # The agent's own /metrics; 0 turns the endpoint off.
     metrics_port: int = Field(0, ge=0, le=65535)
+    # Tests only: pretend this node's clock is this far off. Every time the service gets from
+    # the node (the heartbeat's clock, each event's ts) is shifted by it, as a skewed clock would.
+    clock_offset_seconds: float = 0.0
 
     @field_validator("name")
     @classmethod

@@ -91,6 +91,7 @@ class WorkerGroup:
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = self._last_progress = clock()
         self._last_step: int | None = None
+        self._progress_marks: dict[str, int] = {}
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
         self._kill_at: float | None = None
 
@@ -178,6 +179,16 @@ class WorkerGroup:
                     step = record.get("step")
                     if isinstance(step, int):
                         self._last_step = max(step, self._last_step or 0)
+        # Every rank's progress mark (trainer/events.py): nodes without rank 0 see no step events.
+        for path in self.paths.events_dir.glob("progress-rank-*"):
+            try:
+                step = int(path.read_bytes().strip() or 0)
+            except (OSError, ValueError):
+                continue
+            if step > self._progress_marks.get(path.name, 0):
+                self._progress_marks[path.name] = step
+                self._last_progress = now
+                self._last_step = max(step, self._last_step or 0)
         if self._last_step is not None and self._faults.pending and self._ending is None:
             self._faults.on_step(self._last_step, self.rank_pids, self.runner_pids)
 

@@ -65,8 +65,8 @@ def timeline(n_steps: int, t0: float) -> list[dict]:
         if a < ATTEMPTS - 1:
             add("attempt_failed", t + 1, "service", cause="signal")
             t, start = t + 10, last_saved
-    events.append({"kind": "job_finished", "ts": t + 1, "attempt": ATTEMPTS - 1, "source": "service", "seq": 10**6,
-                   "step": None, "data": {"state": "succeeded"}})  # fmt: skip
+    events.append({"kind": "job_finished", "ts": t + 1, "attempt": ATTEMPTS - 1, "source": "service",
+                   "seq": 10**6, "step": None, "data": {"state": "succeeded"}})  # fmt: skip
     return events
 
 
@@ -100,8 +100,9 @@ def run(n_steps: int, repeat: int) -> None:
             api_wall, api_cpu, _ = timed(client, f"/api/v1/jobs/{job_id}/ett", repeat)
             page_wall, page_cpu, html = timed(client, f"/jobs/{job_id}", repeat)
             elements = html.count("<rect") + html.count('class="failure-mark"')
-            print(f"{n_steps:>8} steps  page p50 {page_wall:8.1f} ms  cpu {page_cpu:8.1f} ms | report p50 "
-                  f"{api_wall:6.1f} ms  cpu {api_cpu:6.1f} ms | {len(html) // 1024} KiB, {elements} SVG shapes")  # fmt: skip
+            print(f"{n_steps:>8} steps  page p50 {page_wall:8.1f} ms  cpu {page_cpu:8.1f} ms"
+                  f" | report p50 {api_wall:6.1f} ms  cpu {api_cpu:6.1f} ms"
+                  f" | {len(html) // 1024} KiB, {elements} SVG shapes")  # fmt: skip
 
 
 def main() -> None:

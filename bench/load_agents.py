@@ -120,8 +120,11 @@ class SimAgent:
             at = self.launched_at + self.checkpoints_done * self.load.checkpoint
             step = int(self.checkpoints_done * self.load.checkpoint / self.load.step)
             for rank in ranks:
-                self.unsent += [self._event("ckpt_start", rank, at, step), self._event("ckpt_staged", rank, at + 0.1, step),
-                                self._event("ckpt_committed", rank, at + 1, step, path=f"/ckpt/{step}", bytes=1 << 20)]  # fmt: skip
+                self.unsent += [
+                    self._event("ckpt_start", rank, at, step),
+                    self._event("ckpt_staged", rank, at + 0.1, step),
+                    self._event("ckpt_committed", rank, at + 1, step, path=f"/ckpt/{step}", bytes=1 << 20),
+                ]
         return len(self.unsent) - before
 
     async def heartbeat(self, client: httpx.AsyncClient, tally: Tally) -> None:
@@ -248,7 +251,9 @@ def main() -> None:
             service.terminate()
             service.wait(timeout=30)
         with engine.connect() as conn:
-            count = lambda *where: conn.scalar(sa.select(sa.func.count()).select_from(JobEvent).where(*where))  # noqa: E731
+            def count(*where) -> int:
+                return conn.scalar(sa.select(sa.func.count()).select_from(JobEvent).where(*where))
+
             stored = count(JobEvent.source != "service")
             failed, allocated = count(JobEvent.kind == "attempt_failed"), count(JobEvent.kind == "attempt_allocated")
         engine.dispose()
@@ -263,11 +268,12 @@ def report(load: Load, result: dict, stored: int, failed: int, allocated: int, j
           f"of {load.nodes_per_job} nodes; {result['window']:.0f} s of load on {figures['machine']}")
     print(f"  {'request':10} {'count':>8} {'per s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for kind, values in sorted(tally.latencies.items()):
-        row = {"count": len(values), "p50_ms": 1000 * percentile(values, 0.5), "p99_ms": 1000 * percentile(values, 0.99),
-               "max_ms": 1000 * max(values)}  # fmt: skip
+        row = {"count": len(values), "p50_ms": 1000 * percentile(values, 0.5),
+               "p99_ms": 1000 * percentile(values, 0.99), "max_ms": 1000 * max(values)}  # fmt: skip
         figures["requests"][kind] = row
         rate = len(values) / result["window"] if kind != "register" else float("nan")
-        print(f"  {kind:10} {row['count']:>8} {rate:>7.1f} {row['p50_ms']:>8.1f} {row['p99_ms']:>8.1f} {row['max_ms']:>8.1f}")
+        print(f"  {kind:10} {row['count']:>8} {rate:>7.1f} {row['p50_ms']:>8.1f} {row['p99_ms']:>8.1f} "
+              f"{row['max_ms']:>8.1f}")
     server = result["server"]
     for route in sorted({r for r, _ in server if "/agents/" in r}):
         total = server.get((route, "+Inf"), 0)

@@ -118,6 +118,7 @@ class EttCollector(Collector):
         yield seconds
         yield from c.values()
         yield self._blocking_histogram(session, names)
+        yield self._failed_saves(session, names)
         wall = sum(fleet.values())
         yield GaugeMetricFamily(
             "ett_fleet_ett_ratio", "ETT ratio over the jobs exported here (running and recently finished).",
@@ -129,6 +130,20 @@ class EttCollector(Collector):
         for category, value in fleet.items():
             fleet_seconds.add_metric([category], value)
         yield fleet_seconds
+
+    @staticmethod
+    def _failed_saves(session: Session, names: dict[str, str]) -> CounterMetricFamily:
+        """Checkpoint saves that failed (ckpt_failed) per job, 0 for a job without one."""
+        family = CounterMetricFamily("ett_job_checkpoints_failed", "Checkpoint saves that failed.", labels=JOB_LABELS)
+        query = (
+            select(Checkpoint.job_id, func.count())
+            .where(Checkpoint.job_id.in_(list(names)), Checkpoint.failed_at.is_not(None))
+            .group_by(Checkpoint.job_id)
+        )
+        failed = dict(session.execute(query).all()) if names else {}
+        for job_id, name in names.items():
+            family.add_metric([job_id, name], failed.get(job_id, 0))
+        return family
 
     @staticmethod
     def _blocking_histogram(session: Session, names: dict[str, str]) -> HistogramMetricFamily:

@@ -234,15 +234,15 @@ class Checkpointer:
 
     def save(self, step: int, state: dict) -> None:
         """Blocks only for staging; the write and the commit go on in the background."""
+        self.events.emit("ckpt_start", step=step)
         self.wait()  # the stager reuses its CPU buffers: the previous save must be written first
         folder = step_folder(self.cfg.dir, step)
-        self.events.emit("ckpt_start", step=step)
         if self.rank == 0:  # a folder left by an abandoned run is rewritten: uncommit it first
             folder.mkdir(parents=True, exist_ok=True)
             (folder / MARKER).unlink(missing_ok=True)
         try:
             upload = dcp.async_save(
-                state, storage_writer=FileSystemWriter(folder, sync_files=True), process_group=self.group,
+                state, storage_writer=FileSystemWriter(folder, sync_files=True, overwrite=True), process_group=self.group,
                 async_checkpointer_type=self.mode, async_stager=self.stager,
             )
         except Exception as error:

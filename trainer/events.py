@@ -3,6 +3,10 @@
 `emit` only stamps the event and puts it on a queue (a few microseconds); a background thread
 serialises, writes and flushes each line, so the agent sees it within milliseconds and a slow
 disk never stalls a training step.
+
+Only rank 0 sends `step` events, so every rank also keeps a progress mark: its last finished
+step, overwritten in place in `progress-rank-{RANK}` beside the spool. It is not an event and is
+not forwarded; the agent of each node reads it to detect hangs and time faults of its own ranks.
 """
 
 import json
@@ -13,6 +17,7 @@ import time
 from pathlib import Path
 
 _CLOSE = object()
+PROGRESS_WIDTH = 20  # fixed, so an overwrite never leaves digits of a longer number behind
 
 
 class EventWriter:
@@ -20,6 +25,7 @@ class EventWriter:
         self.source = f"rank:{rank}"
         self.attempt = attempt
         self.path = Path(spool_dir) / f"rank-{rank}.jsonl" if spool_dir else None
+        self.progress_path = Path(spool_dir) / f"progress-rank-{rank}" if spool_dir else None
         self._lock = threading.Lock()  # seq order must equal file order across emitting threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -43,6 +49,11 @@ class EventWriter:
             self._seq += 1
             self._queue.put(event)
 
+    def progress(self, step: int) -> None:
+        """Marks `step` done on this rank (for the agent; see the module's docstring)."""
+        if self._thread is not None:
+            self._queue.put(step)
+
     def close(self) -> None:
         """Write out everything emitted so far and stop the writer thread."""
         if self._thread is not None:
@@ -64,7 +75,7 @@ class EventWriter:
         return last + 1
 
     def _write_loop(self) -> None:
-        with open(self.path, "ab") as spool:
+        with open(self.path, "ab") as spool, open(self.progress_path, "wb", buffering=0) as progress:
             if spool.tell() > 0:
                 # A kill may have left a partial last line: start ours on a fresh line.
                 with open(self.path, "rb") as existing:
@@ -82,7 +93,11 @@ class EventWriter:
                     except queue.Empty:
                         break
                 closing = _CLOSE in lines
-                spool.write(b"".join(json.dumps(e).encode() + b"\n" for e in lines if e is not _CLOSE))
+                steps = [e for e in lines if isinstance(e, int)]
+                if steps:
+                    os.pwrite(progress.fileno(), str(steps[-1]).rjust(PROGRESS_WIDTH).encode(), 0)
+                events = [e for e in lines if isinstance(e, dict)]
+                spool.write(b"".join(json.dumps(e).encode() + b"\n" for e in events))
                 spool.flush()
                 if closing:
                     break

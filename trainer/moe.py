@@ -157,7 +157,7 @@ class MoE(nn.Module):
             kept_counts_E = counts_E
         token_S = order_S // k
 
-        x_SD = x_TD[token_S]
+        x_SD = x_TD.index_select(0, token_S)  # backward is one index_add
         if self.ep_group is None:
             y_SD = self.experts(x_SD, kept_counts_E)
         else:
@@ -195,10 +195,10 @@ class MoE(nn.Module):
         # Arrivals are ordered (source rank, local expert); the experts want (local expert, source rank).
         local_ids_R = torch.arange(local_experts, device=x_SD.device).repeat(ep).repeat_interleave(recv_counts_RL.flatten())
         perm_R = torch.argsort(local_ids_R, stable=True)
-        y_sorted_RD = self.experts(x_recv_RD[perm_R], recv_counts_RL.sum(dim=0))
+        y_sorted_RD = self.experts(x_recv_RD.index_select(0, perm_R), recv_counts_RL.sum(dim=0))
         inverse_R = torch.empty_like(perm_R)
         inverse_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
-        return funcol.all_to_all_single_autograd(y_sorted_RD[inverse_R], send_splits, recv_splits, group)
+        return funcol.all_to_all_single_autograd(y_sorted_RD.index_select(0, inverse_R), send_splits, recv_splits, group)
 
     @torch.no_grad()
     def _update_load(self, counts_E: torch.Tensor, dropped: int) -> None:

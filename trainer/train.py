@@ -124,6 +124,7 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
         mean_loss, stopped = mean_loss_and_stop(loss, sigterm.requested)
         progress.step = step
 
+        events.progress(step)  # every rank: its agent watches it for hangs and faults
         if rank == 0:  # right at the step's end: the agent injects faults on it
             events.emit("step", step=step, duration=time.perf_counter() - start, tokens=tokens_per_step, loss=mean_loss)
             metrics.record(step, tokens_per_step, mean_loss, lr, grad_norm.item())

@@ -1,14 +1,15 @@
 """Event ingestion's two doors: the agents' batches and the admin's replay of a timeline."""
 
 from fastapi import APIRouter, HTTPException, Request, status
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from service.api.agents import OwnNode
 from service.api.deps import AdminDep
 from service.db import SessionDep
 from service.ingest import EventRejected, ingest
-from service.models import Job
-from service.schemas.events import AgentEventBatch, EventBatch, EventIn, IngestOut
+from service.models import Attempt, AttemptNode, Job, Node
+from service.schemas.events import AgentEventBatch, AgentEventIn, EventBatch, EventIn, IngestOut
 from service.settings import Settings
 
 router = APIRouter(tags=["events"])
@@ -27,6 +28,18 @@ def _store(
     return IngestOut(accepted=result.accepted, duplicates=result.duplicates)
 
 
+def _first_not_given(session: Session, node: Node, events: list[AgentEventIn]) -> int | None:
+    """Index of the first event of an attempt the scheduler did not give this node (None: none).
+    Events of unknown jobs are left to ingestion, which refuses them with 422 naming the field."""
+    asked = list({(e.job_id, e.attempt) for e in events})
+    known = set(session.scalars(select(Job.id).where(Job.id.in_({job for job, _ in asked}))))
+    given = {tuple(row) for row in session.execute(
+        select(Attempt.job_id, Attempt.number).join(AttemptNode)
+        .where(AttemptNode.node_id == node.id, tuple_(Attempt.job_id, Attempt.number).in_(asked))
+    )}  # fmt: skip
+    return next((i for i, e in enumerate(events) if e.job_id in known and (e.job_id, e.attempt) not in given), None)
+
+
 @router.post("/agents/{name}/events")
 def agent_events(body: AgentEventBatch, node: OwnNode, session: SessionDep, request: Request) -> IngestOut:
     """An agent's batch: its ranks' and its own events, each naming its job. Their times are
@@ -36,6 +49,11 @@ def agent_events(body: AgentEventBatch, node: OwnNode, session: SessionDep, requ
             detail = [{"field": f"events.{i}.source", "msg": f"agent {node.name} may send only its ranks' "
                        f"events and node:{node.name}'s, not {e.source}'s", "type": "value_error"}]  # fmt: skip
             raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+    stranger = _first_not_given(session, node, body.events)
+    if stranger is not None:
+        e = body.events[stranger]
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"events.{stranger}: attempt {e.attempt} of job {e.job_id} "
+                            f"was not given to agent {node.name}; it may report only its own attempts")  # fmt: skip
     batch = [(e.job_id, e) for e in body.events]
     return _store(session, batch, request.app.state.settings, node.clock_offset_seconds)
 

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     steps = sum(e["kind"] == "step" for e in events)
-    print(f"ett simulate: {model.days:g} days of a {model.nodes:,}-node job ({model.nodes * model.gpus_per_node:,} GPUs), "
+    gpus = model.nodes * model.gpus_per_node
+    print(f"ett simulate: {model.days:g} days of a {model.nodes:,}-node job ({gpus:,} GPUs), "
           f"MTBF {model.mtbf_seconds / 3600:.2f} h, seed {model.seed}: {len(events):,} events, a step event per "
           f"{model.steps_per_event} steps of {model.step_seconds:g} s ({steps:,} of them)")  # fmt: skip
     print(report_table(report, max_failures=None if args.all_failures else 5))

@@ -76,8 +76,6 @@ class Run:
 @dataclass(frozen=True)
 class Lane:
     attempt: int
-    start: float
-    end: float
     runs: list[Run]
     failure: dict[str, Any] | None  # the report's entry for this attempt's failure
     failure_column: float | None
@@ -200,5 +198,5 @@ def build_timeline(account: JobAccount, frame: Frame, steps: StepTime, saves: It
         runs = [Run(CATEGORIES[c], a, b, origin + edges[a], origin + edges[b]) for c, a, b in raster]
         failure = failures.get(number)
         mark = min(max(failure["at"] - origin, 0.0), edges[-1]) / frame.column_seconds if failure else None
-        lanes.append(Lane(number, span.start, span.end, runs, failure, mark))
+        lanes.append(Lane(number, runs, failure, mark))
     return Timeline(frame, lanes)

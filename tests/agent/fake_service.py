@@ -1,4 +1,5 @@
-"""A small real HTTP server speaking the service's agent endpoints, for forwarding tests.
+"""A small real HTTP server speaking the service's agent events endpoint, for forwarder tests
+that need to steer its answers (a refusal naming no event, an outage at a chosen moment).
 
 It keeps the first copy of each event by its idempotency key, like the service, counts repeats,
 and refuses (422, FastAPI-style `loc`) events whose kind is not a schema-v1 kind. Its store
@@ -22,9 +23,6 @@ class FakeService:
         self.url = f"http://127.0.0.1:{port}"
         self.events: dict[tuple, dict[str, Any]] = {}
         self.duplicates = 0
-        self.heartbeats: list[dict[str, Any]] = []
-        self.commands: list[dict[str, Any]] = []
-        self.registered: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -57,13 +55,6 @@ class FakeService:
 
     def handle(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         with self._lock:
-            if path == "/api/v1/agents/register":
-                self.registered.append(body)
-                return 200, body
-            if re.fullmatch(r"/api/v1/agents/[^/]+/heartbeat(\?.*)?", path):
-                self.heartbeats.append(body)
-                commands, self.commands = self.commands, []
-                return 200, {"commands": commands, "server_time": 0.0}
             if re.fullmatch(r"/api/v1/agents/[^/]+/events", path):
                 return self._ingest(body["events"])
         return 404, {"detail": "not found"}

@@ -1,10 +1,7 @@
 """Event forwarding: exactly once through outages and agent restarts, dead letters, spool upkeep."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +11,8 @@ from agent.metrics import AgentStats
 from agent.settings import AgentSettings
 from agent.spool import AttemptPaths, disk_bytes
 from tests.agent.fake_service import FakeService
-from tests.agent.helpers import FAKE_RANK, free_port, pids_with_env, wait_for
+from tests.agent.helpers import free_port, pids_with_env, wait_for
+from tests.proofs.cluster import cluster, fake_rank_job
 
 
 @pytest.fixture
@@ -133,51 +131,34 @@ def test_rejected_indices_reads_fastapi_locs_and_messages():
     assert rejected_indices({"detail": "too large"}) == set()
 
 
-def start_agent(service, data_dir):
-    env = os.environ | {
-        "ETT_AGENT_SERVICE_URL": service.url, "ETT_AGENT_TOKEN": "t", "ETT_AGENT_NAME": "node-a",
-        "ETT_AGENT_DATA_DIR": str(data_dir), "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "0.3",
-        "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "0", "ETT_AGENT_BATCH_MAX_EVENTS": "20",
-        "ETT_AGENT_BATCH_MAX_AGE_SECONDS": "0.1", "ETT_AGENT_RETRY_BASE_SECONDS": "0.1",
-        "ETT_AGENT_RETRY_MAX_SECONDS": "0.5", "ETT_AGENT_STOP_GRACE_SECONDS": "1",
-    }  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "agent.cli"], env=env)
-
-
 @pytest.mark.slow
-def test_service_outage_and_agent_crash_lose_and_repeat_nothing(fake_service, tmp_path):
-    job_id = os.urandom(16).hex()
-    fake_service.commands.append({
-        "type": "launch", "job_id": job_id, "attempt": 0, "node_rank": 0, "nnodes": 1, "nproc_per_node": 2,
-        "master_addr": "127.0.0.1", "master_port": free_port(), "hang_timeout_seconds": 30,
-        "entrypoint": [sys.executable, str(FAKE_RANK), "--steps", "100000", "--step-seconds", "0.01"],
-    })  # fmt: skip
-    first = start_agent(fake_service, tmp_path)
-    try:
-        wait_for(lambda: len(fake_service.events) >= 50, 120, "events to flow")
-        fake_service.stop()
-        paths = AttemptPaths.of(tmp_path / "spool", job_id, 0)
+def test_service_outage_and_agent_crash_lose_and_repeat_nothing(tmp_path):
+    """The real service goes down mid-job, the agent crashes, a new agent starts, the service
+    comes back: every spooled event is stored once, and only the batch in flight is resent."""
+    with cluster(tmp_path) as c:
+        first = c.start_agent("node-a", ETT_AGENT_BATCH_MAX_EVENTS="20")
+        job_id = c.submit(fake_rank_job(steps=100000, step_seconds=0.01, max_restarts=0))
+        wait_for(lambda: len(c.events(job_id)) >= 50, 120, "events to flow")
+        c.kill_service()
+        paths = AttemptPaths.of(tmp_path / "node-a" / "spool", job_id, 0)
         spooled = paths.events_dir / "rank-0.jsonl"
         size = spooled.stat().st_size
         wait_for(lambda: spooled.stat().st_size > size + 2000, 30, "events to pile up while the service is down")
-    finally:
         first.send_signal(signal.SIGKILL)  # a crash: no goodbye, read positions as they were
         first.wait()
-    wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the workers to die with their agent")
+        wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the workers to die with their agent")
 
-    second = start_agent(fake_service, tmp_path)
-    try:
+        c.start_agent("node-a", ETT_AGENT_BATCH_MAX_EVENTS="20")  # the same data dir; the service is still down
         wait_for(lambda: paths.ended_marker.exists(), 60, "the restarted agent to close the dead attempt")
         lines = [json.loads(line) for f in sorted(paths.events_dir.glob("*.jsonl"))
                  for line in f.read_text().splitlines()]
-        fake_service.start()
-        wait_for(lambda: not paths.root.exists(), 60, "the backlog to be forwarded and the spool deleted")
-    finally:
-        second.send_signal(signal.SIGTERM)
-        assert second.wait(timeout=15) == 0
+        c.start_service()
+        wait_for(lambda: not paths.root.exists(), 60, "the backlog to be forwarded and the spool retired")
 
-    expected = {(job_id, e["attempt"], e["source"], e["seq"]) for e in lines}
-    assert len(expected) == len(lines) > 60
-    assert set(fake_service.events) == expected
-    assert fake_service.duplicates <= 20  # at most the one batch in flight when the first agent died
-    assert any(a["state"] == "failed" and a["job_id"] == job_id for h in fake_service.heartbeats for a in h["attempts"])
+        stored = {(e.attempt, e.source, e.seq) for e in c.events(job_id) if e.source != "service"}
+        assert len(lines) > 60
+        assert stored == {(e["attempt"], e["source"], e["seq"]) for e in lines}
+        stats = wait_for(lambda: (n := c.node("node-a")).stats.get("events_buffered") == 0 and n.stats, 30,
+                         "a heartbeat after the backlog")
+        assert stats["events_repeated"] <= 20  # at most the one batch in flight when the first agent died
+        assert c.job(job_id)["attempts"][0]["state"] == "failed"

@@ -36,9 +36,9 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
                     "--checkpoint.resume_from", "/ckpt/j/step-00000040"]
 
 
-def test_no_resume_point_is_said_explicitly(tmp_path):
+def test_no_resume_point_named_means_the_newest_that_verifies(tmp_path):
     argv = torchrun_argv(trainer_command(), AttemptPaths.of(tmp_path, "j", 0))
-    assert argv[-2:] == ["--checkpoint.resume_from", "none"]
+    assert argv[-2:] == ["--checkpoint.resume_from", "auto"]
 
 
 def test_worker_env_adds_the_spool_and_ids_and_hides_the_agent_token(tmp_path, monkeypatch):

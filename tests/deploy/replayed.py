@@ -8,7 +8,7 @@ from tests.support.live import LiveService
 
 
 def three_attempts(t0: float) -> Timeline:
-    """Attempt 0 fails (exit) after a checkpoint, attempt 1 hangs before its own, attempt 2 finishes
+    """Attempt 0 fails (exit) after a checkpoint, attempt 1 hangs in its own save, attempt 2 finishes
     from attempt 0's checkpoint: attempt 0's later steps and all of attempt 1's are wasted."""
     tl = Timeline()
     tl.start_attempt(0, allocated=0, init_end=5)
@@ -18,6 +18,8 @@ def three_attempts(t0: float) -> Timeline:
     tl.service("attempt_failed", 67, 0, cause="exit", detail="rank 1 exit code 1")
     tl.start_attempt(1, allocated=70, init_end=74, restore=(74, 76, 40))
     tl.steps(1, 41, 55, start=76, duration=1)  # ends 91
+    tl.rank0("ckpt_start", 91, 1, 55)
+    tl.rank0("ckpt_failed", 99, 1, 55)  # its save never stages: no blocking time, one failed save
     tl.add("hang_detected", 100, 1, "node:n1")
     tl.service("attempt_failed", 101, 1, cause="hang")
     tl.start_attempt(2, allocated=104, init_end=108, restore=(108, 110, 40))

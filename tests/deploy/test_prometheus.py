@@ -91,6 +91,17 @@ def test_every_metric_of_the_dashboard_and_the_alerts_is_exported(service):
             assert name in from_service, f"{name} is not among the service's metrics"
 
 
+def test_failed_checkpoint_saves_are_counted_per_job(service):
+    job = replayed_job(service, time.time() - 200)
+    samples = {
+        s.labels["job_id"]: s.value
+        for family in text_string_to_metric_families(service.client().get("/metrics").text)
+        for s in family.samples
+        if s.name == "ett_job_checkpoints_failed_total"
+    }
+    assert samples == {job.id: 1.0}  # attempt 1's save of step 55
+
+
 @contextmanager
 def prometheus(config: dict, folder: Path) -> Iterator[str]:
     """A real Prometheus on loopback for the block: its URL."""

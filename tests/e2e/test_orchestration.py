@@ -92,7 +92,8 @@ def test_max_restarts_is_honoured(tmp_path):
     with cluster(tmp_path) as c:
         c.start_agent("node-a")
         faults = [{"attempt": n, "rank": 0, "at_step": 2, "action": "exit", "code": 7} for n in range(3)]
-        job = c.wait_job(c.submit(**trainer_job(nodes=1, procs_per_node=1, max_restarts=1, faults=faults)))
+        spec = trainer_job(nodes=1, procs_per_node=1, max_restarts=1, faults=faults, trainer={"preset": "tiny"})
+        job = c.wait_job(c.submit(**spec))
         assert job["state"] == "failed" and len(job["attempts"]) == 2, c.logs()
         assert all(a["cause"] == "exit" for a in job["attempts"])
 

@@ -1,13 +1,15 @@
 """A real ETT cluster for the proofs: `ett service` and `ett agent` processes on loopback, SQLite
-in a temporary folder, each process's output in its own log file, everything stopped at the end."""
+in a temporary folder, each process's output in its own log file, everything stopped at the end.
+
+Unlike tests/support/cluster.py (the service in a thread of the test), the service here is a
+process of its own, so a proof can SIGKILL it and start it again on the same database."""
 
 import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from service.db import make_engine, make_session_factory
 from service.migrate import upgrade
 from service.models import JobEvent, Node, Role
 from service.security import create_token
+from tests.support.cluster import wait_for
 from tests.support.postgres import free_port
 
 FAKE_RANK = Path(__file__).parents[1] / "agent" / "scripts" / "fake_rank.py"
@@ -28,15 +31,6 @@ SERVICE_ENV = {"ETT_HEARTBEAT_TIMEOUT_SECONDS": "5", "ETT_RESTART_BACKOFF_SECOND
 AGENT_ENV = {"ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
              "ETT_AGENT_BATCH_MAX_AGE_SECONDS": "0.1", "ETT_AGENT_STOP_GRACE_SECONDS": "2",
              "ETT_AGENT_RETRY_MAX_SECONDS": "1"}  # fmt: skip
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-    return result
 
 
 def fake_rank_job(name: str = "fake", nodes: int = 1, steps: int = 40, step_seconds: float = 0.1, **spec) -> dict:

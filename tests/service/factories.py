@@ -32,3 +32,18 @@ def register_agent(client: httpx.Client, name: str = "node-a", slots: int = 2) -
     response = client.post("/api/v1/agents/register", json={"name": name, "address": "127.0.0.1", "slots": slots})
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def give_attempt(service, job_id: str, node_name: str, attempt: int = 0) -> None:
+    """Records that the node runs the job's attempt, as the scheduler would but without its events:
+    an agent may report events only for attempts given to its node."""
+    from sqlalchemy import select
+
+    from service.models import Attempt, AttemptNode, Node
+
+    with service.app.state.sessions() as session:
+        node = session.scalar(select(Node).where(Node.name == node_name))
+        row = Attempt(job_id=job_id, number=attempt, master_addr=node.address, master_port=29500)
+        row.nodes.append(AttemptNode(node=node, node_rank=0))
+        session.add(row)
+        session.commit()

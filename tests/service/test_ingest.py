@@ -12,7 +12,7 @@ from service.ett.memory import MemoryJob
 from service.models import Checkpoint, JobEvent
 from tests.service.ett.test_engine_timelines import crash_with_rollback
 from tests.service.ett.timelines import T0, Timeline
-from tests.service.factories import register_agent, submit
+from tests.service.factories import give_attempt, register_agent, submit
 
 # Jobs here need more nodes than the tests register, so the scheduler leaves them alone.
 SPEC = {"nodes": 8}
@@ -85,6 +85,7 @@ def test_agent_events_are_moved_onto_the_service_clock(service):
     alice = service.client(service.token("user", "alice"))
     register_agent(agent, "node-a")
     job = submit(alice, **SPEC)
+    give_attempt(service, job["id"], "node-a")
     # The node's clock is 40 s behind the service's.
     agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time() - 40}).raise_for_status()
     agent_now = time.time() - 40

@@ -7,7 +7,7 @@ import time
 from sqlalchemy import func, select
 
 from service.models import Checkpoint, JobAccountRow, JobEvent
-from tests.service.factories import register_agent, submit
+from tests.service.factories import give_attempt, register_agent, submit
 
 
 def good(seq: int, **change) -> dict:
@@ -87,6 +87,7 @@ def test_agent_batch_naming_an_unknown_or_no_job(service):
     agent = service.client(service.token("agent", "node-a"))
     register_agent(agent, "node-a")
     job = submit(service.client(service.token("user")), nodes=8)
+    give_attempt(service, job["id"], "node-a")
     for events, field in (
         ([good(0) | {"job_id": job["id"]}, good(1) | {"job_id": "f" * 32}], "events.1.job_id"),
         ([good(0)], "events.0.job_id"),

@@ -207,10 +207,10 @@ def test_timeline_of_ten_attempts_and_1e5_steps_is_small_and_true_to_the_report(
     steps = [e for e in tl.events if e.kind == "step"]
     assert len(steps) == 100_000
     # One stretch per step here; the page has the database sum them per column (timeline_data.py).
-    step_time = StepTime.from_rows([
-        (e.attempt, cut[e.attempt] is not None and e.step > cut[e.attempt], e.ts - e.data["duration"], e.data["duration"])
-        for e in steps
-    ])  # fmt: skip
+    wasted = [cut[e.attempt] is not None and e.step > cut[e.attempt] for e in steps]
+    step_time = StepTime.from_rows(
+        [(e.attempt, w, e.ts - e.data["duration"], e.data["duration"]) for e, w in zip(steps, wasted, strict=True)]
+    )
     saves = [SaveSpan(c.attempt, c.started_at, c.staged_at) for c in job.checkpoints.values()]
     timeline = build_timeline(job.account, frame_of(job.account, t + 100), step_time, saves)
     assert [lane.attempt for lane in timeline.lanes] == list(range(10))
