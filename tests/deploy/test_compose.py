@@ -98,7 +98,7 @@ def test_commands_are_real_ett_commands(compose):
     argv = re.search(r"\bett (token create [^>]*)>", mint).group(1).split()
     assert parser.parse_args(argv).role == "agent"
     (start,) = services["agent"]["command"]
-    assert start.endswith("exec python -m agent.cli") and (ROOT / "agent" / "cli.py").exists()
+    assert start.endswith("exec ett agent") and parser.parse_args(["agent"]).command == "agent"
     agent_env = services["agent"]["environment"]
     fields = {f"ETT_AGENT_{name.upper()}" for name in AgentSettings.model_fields}
     assert set(agent_env) <= fields, set(agent_env) - fields
