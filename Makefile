@@ -16,8 +16,7 @@ $(BIN)/ett: pyproject.toml
 setup: $(BIN)/ett
 
 demo: setup
-	$(BIN)/ett service migrate
-	$(BIN)/ett service
+	$(BIN)/ett demo
 
 service: setup
 	$(BIN)/ett service migrate

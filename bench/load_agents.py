@@ -249,7 +249,11 @@ def main() -> None:
             result = asyncio.run(drive(url, load, admin, user, agents))
         finally:
             service.terminate()
-            service.wait(timeout=30)
+            try:
+                service.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                service.kill()
+                service.wait()
         with engine.connect() as conn:
             def count(*where) -> int:
                 return conn.scalar(sa.select(sa.func.count()).select_from(JobEvent).where(*where))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, _async_process_executor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -317,3 +317,8 @@ class Checkpointer:
         self.wait()
         self.committer.shutdown()
         self.stager.close()
+        daemon = _async_process_executor._CHECKPOINT_PROCESS
+        if daemon is not None:
+            # DCP has no public call to stop its checkpoint process. Ask it to exit, without the
+            # handle's __del__, which would wait 5 s for it; left alone it dies on EOF with a traceback.
+            daemon._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)

@@ -101,7 +101,7 @@ def cpu_demo() -> JobConfig:
 
 
 def gpu_moe() -> JobConfig:
-    """One GPU node: ~1.4B-parameter MoE (32 experts, top-2, ~0.3B active), bf16, ZeRO-3.
+    """One GPU node: 1.26B-parameter MoE (32 experts, top-2, 0.13B active), bf16, ZeRO-3.
     Set --parallel.ep to the GPU count (it must divide 32) for expert parallelism."""
     return JobConfig(
         model=ModelConfig(dim=1024, n_layers=12, n_heads=16, max_seq_len=2048),

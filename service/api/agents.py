@@ -93,7 +93,9 @@ async def heartbeat(
             return taken
 
     node_id = await run_in_threadpool(record)
-    if beat.attempts:
+    # Only an attempt that ended may need the scheduler now (a restart, a finish): a busy node
+    # lists its running attempt in every heartbeat, and waking on each would run it non-stop.
+    if any(report.state != "running" for report in beat.attempts):
         request.app.state.wake_scheduler()
     deadline = time.monotonic() + wait
     pending = await run_in_threadpool(take, node_id)

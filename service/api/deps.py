@@ -17,6 +17,10 @@ def current_token(
     session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Token:
     token = find_token(session, credentials.credentials) if credentials else None
+    # End the read now: the connection goes back to the pool instead of being held for the whole
+    # request (a heartbeat long-polls, and opens sessions of its own: holding this one too could
+    # exhaust the pool under load). The token stays loaded (expire_on_commit=False).
+    session.commit()
     if token is None:
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
