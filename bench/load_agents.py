@@ -185,9 +185,17 @@ async def drive(url: str, load: Load, admin: str, user: str, agents: list[SimAge
         await asyncio.gather(*(a.run(client, tally, started + load.duration) for a in agents))
         window = time.monotonic() - started
         after = await server_histogram(client)
-        for agent in agents:  # what is still held goes out now, as an agent's forwarder would on exit
-            while agent.unsent:
+        # What is still held goes out now, as an agent's forwarder would on exit (for 2 minutes at
+        # most: what is left after that counts as lost).
+        flush_until = time.monotonic() + 120
+
+        async def flush(agent: SimAgent) -> None:
+            while agent.unsent and time.monotonic() < flush_until:
                 await agent.send(client, tally)
+                if agent.unsent:
+                    await asyncio.sleep(1)
+
+        await asyncio.gather(*(flush(a) for a in agents))
     return {"tally": tally, "window": window, "server": {k: after[k] - before.get(k, 0) for k in after}}
 
 
