@@ -62,8 +62,17 @@ def restore(folder: Path, model, optimizer, data: ByteBatchLoader, events: Event
     return state["step"]
 
 
+def init_process_group() -> None:
+    """torchrun keeps its store across restarts and gloo's keys in it are not per restart, so a
+    restarted group reads the dead one's addresses and fails to connect: prefix them."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"restart-{restart}", store), rank=rank, world_size=world_size)
+
+
 def train(cfg: JobConfig, events: EventWriter) -> None:
-    dist.init_process_group("gloo")
+    init_process_group()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.train.seed)
     model = Transformer(cfg.model, cfg.moe)

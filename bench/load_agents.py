@@ -202,7 +202,11 @@ async def drive(url: str, load: Load, admin: str, user: str, agents: list[SimAge
 async def server_histogram(client: httpx.AsyncClient) -> dict[tuple[str, str], float]:
     """Cumulative counts of ett_http_request_duration_seconds by (route, le), from /metrics."""
     counts: dict[tuple[str, str], float] = defaultdict(float)
-    for line in (await client.get("/metrics")).text.splitlines():
+    try:
+        text = (await client.get("/metrics", timeout=180)).text
+    except httpx.HTTPError:  # an overloaded service may not answer: the client's figures remain
+        return counts
+    for line in text.splitlines():
         if line.startswith("ett_http_request_duration_seconds_bucket{"):
             labels, value = line[line.index("{") + 1 :].rsplit("} ", 1)
             found = dict(re.findall(r'(\w+)="([^"]*)"', labels))

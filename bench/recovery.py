@@ -36,13 +36,14 @@ from service.ett.memory import MemoryJob  # noqa: E402
 from service.models import JobEvent  # noqa: E402
 from tests.support.cluster import cluster, trainer_job  # noqa: E402
 
-PARTS = ("detection", "teardown", "relaunch+init", "restore", "first step")
+PARTS = ("detection", "teardown", "relaunch", "init", "restore", "first step")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def recovery_parts(events: list[Event], attempt: int) -> dict[str, float]:
     """Time to recover from the failure of `attempt`, cut at the events that bound each part:
-    last activity | attempt_failed | next attempt_allocated | restore_start | restore_end | first step start."""
+    last activity | attempt_failed | next attempt_allocated | its rank 0's init_start | restore_start
+    | restore_end | first step start."""
     at: dict[tuple[int, str], list[float]] = defaultdict(list)
     step_starts: dict[int, list[float]] = defaultdict(list)
     for e in events:
@@ -55,7 +56,7 @@ def recovery_parts(events: list[Event], attempt: int) -> dict[str, float]:
     restore_start = min(at[(nxt, "restore_start")] or at[(nxt, "init_end")])
     restore_end = min(at[(nxt, "restore_end")] or at[(nxt, "init_end")])
     cuts = [last_activity, min(at[(attempt, "attempt_failed")]), min(at[(nxt, "attempt_allocated")]),
-            restore_start, restore_end, min(step_starts[nxt])]  # fmt: skip
+            min(at[(nxt, "init_start")]), restore_start, restore_end, min(step_starts[nxt])]  # fmt: skip
     return {part: b - a for part, a, b in zip(PARTS, cuts, cuts[1:], strict=False)}
 
 
@@ -96,21 +97,25 @@ def read_spool(path: Path) -> list[dict]:
 
 
 def watch_torchrun_log(stream, log: Path, marks: list[tuple[float, str]]) -> None:
-    """Copies torchrun's stderr to `log`, noting when its agent declares the group failed and
-    when it starts a worker group (its own INFO lines, timed on arrival)."""
+    """Copies torchrun's stderr to `log`, noting (timed on arrival) when its agent starts a worker
+    group and when it first acts on a failure: its first 'closing signal' to the survivors, or
+    'Worker group FAILED' if none was left to close."""
+    failing = False
     with open(log, "w") as out:
         for line in stream:
             now = time.time()
             out.write(line)
-            if "Worker group FAILED" in line:
-                marks.append((now, "failed"))
-            elif "Starting worker group" in line:
+            if "Starting worker group" in line:
                 marks.append((now, "started"))
+                failing = False
+            elif not failing and ("closing signal" in line or "Worker group FAILED" in line):
+                marks.append((now, "failed"))
+                failing = True
 
 
 def baseline_service_events(launched: float, finished: float, rc: int, marks: list[tuple[float, str]]) -> list[Event]:
     """attempt_allocated of attempt 0 = torchrun's launch; attempt_failed of attempt n = torchrun's
-    n-th 'Worker group FAILED'; attempt_allocated of attempt n+1 = its next 'Starting worker group'
+    n-th failure mark (see watch_torchrun_log); attempt_allocated of attempt n+1 = its next 'Starting worker group'
     (the old group stopped, rendezvous done, about to spawn); job_finished = torchrun's exit."""
     events = [("attempt_allocated", launched, 0, {})]
     attempt = 0

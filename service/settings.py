@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
     # An agent clock further off than this is flagged in the node's state.
     max_clock_skew_seconds: float = Field(5.0, gt=0)
+    # A clock offset sample this much above the current estimate is a real clock change, not delay.
+    clock_resync_seconds: float = Field(0.5, gt=0)
     # How often the scheduler looks for work it has not been woken for (lost nodes, backoffs).
     scheduler_period_seconds: float = Field(0.5, gt=0)
     # Pause between a failed attempt and the next one, so a crash loop does not spin.

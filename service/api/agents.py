@@ -52,9 +52,23 @@ def register(body: AgentRegister, session: SessionDep, caller: AgentDep) -> Node
     return node_out(node)
 
 
+def clock_offset(current: float, sample: float, settings: Settings) -> float:
+    """The node's clock offset from a new sample (service receipt time minus agent clock).
+
+    A sample is the true offset plus the request's delay, which jitters by milliseconds to
+    seconds under load; correcting event times by each raw sample would shift them back and
+    forth between batches. So keep the smallest sample (least delayed, as NTP does) and take a
+    new one only when it is smaller, or larger by more than any plausible delay (the agent's
+    clock was set back).
+    """
+    if sample < current or sample - current > settings.clock_resync_seconds:
+        return sample
+    return current
+
+
 def record_heartbeat(session: Session, settings: Settings, node: Node, beat: Heartbeat, received: float) -> None:
     node.last_heartbeat_at = utcnow()
-    node.clock_offset_seconds = received - beat.clock
+    node.clock_offset_seconds = clock_offset(node.clock_offset_seconds, received - beat.clock, settings)
     node.clock_skew_flagged = abs(node.clock_offset_seconds) > settings.max_clock_skew_seconds
     node.stats = dict(beat.stats)
     if node.state == NodeState.lost:

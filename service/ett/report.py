@@ -59,8 +59,13 @@ class Piece:
 
 def _with_idle(lo: float, hi: float, seconds: dict[str, float]) -> Piece:
     seconds = {k: max(0.0, v) for k, v in seconds.items() if v}
-    rest = max(0.0, (hi - lo) - sum(seconds.values()))
-    return Piece(lo, hi, seconds | {"idle": seconds.get("idle", 0.0) + rest})
+    total, length = sum(seconds.values()), max(0.0, hi - lo)
+    if total > length:
+        # Timings that overlap (steps timed on one clock, events stamped on another, clock
+        # corrections between batches) must not count a second twice: share the piece out.
+        seconds = {k: v * length / total for k, v in seconds.items()}
+        total = length
+    return Piece(lo, hi, seconds | {"idle": seconds.get("idle", 0.0) + length - total})
 
 
 def attempt_pieces(span: AttemptSpan, job_finished: bool) -> list[Piece]:
