@@ -129,7 +129,7 @@ def baseline_service_events(launched: float, finished: float, rc: int, marks: li
     return [Event(kind, ts, n, "service", seq, None, data) for seq, (kind, ts, n, data) in enumerate(events)]
 
 
-def run_baseline(args, root: Path) -> tuple[dict, list[Event], list[float]]:
+def run_baseline(args, root: Path) -> tuple[dict, list[Event]]:
     spool, ckpt = root / "spool", root / "checkpoints"
     root.mkdir(parents=True)
     flags = {**trainer_flags(args), "checkpoint.dir": str(ckpt), "checkpoint.interval_steps": str(args.interval)}
@@ -142,17 +142,17 @@ def run_baseline(args, root: Path) -> tuple[dict, list[Event], list[float]]:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     reader = threading.Thread(target=watch_torchrun_log, args=(proc.stderr, root / "torchrun.log", marks))
     reader.start()
-    kill_times: list[float] = []
+    killed = 0  # faults injected so far: the next one is for attempt `killed`
     try:
         while proc.poll() is None:
-            attempt = len(kill_times)
+            attempt = killed
             if attempt < len(args.kill_steps):
                 steps = [e["step"] for e in read_spool(spool / "rank-0.jsonl") if e["kind"] == "step" and e["attempt"] == attempt]
                 if steps and max(steps) >= args.kill_steps[attempt]:
                     target = spool / f"rank-{args.kill_rank}.jsonl"
                     [pid] = [e["data"]["pid"] for e in read_spool(target) if e["kind"] == "init_start" and e["attempt"] == attempt]
                     os.kill(pid, signal.SIGKILL)
-                    kill_times.append(time.time())
+                    killed += 1
             time.sleep(0.05)
     finally:
         if proc.poll() is None:
@@ -160,14 +160,14 @@ def run_baseline(args, root: Path) -> tuple[dict, list[Event], list[float]]:
         rc = proc.wait()
         reader.join()
     finished = time.time()
+    if rc != 0:
+        raise SystemExit(f"baseline torchrun exited {rc}; see {root / 'torchrun.log'}")
     events = [Event(e["kind"], e["ts"], e["attempt"], e["source"], e["seq"], e["step"], e["data"])
               for path in sorted(spool.glob("rank-*.jsonl")) for e in read_spool(path)]  # fmt: skip
     events += baseline_service_events(launched, finished, rc, marks)
-    if rc != 0:
-        raise SystemExit(f"baseline torchrun exited {rc}; see {root / 'torchrun.log'}")
     job = MemoryJob("baseline")
     job.ingest(events)
-    return job.report(finished), events, kill_times
+    return job.report(finished), events
 
 
 def mean(values: list[float]) -> float | None:
@@ -215,7 +215,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     ett_report, ett_events = run_ett(args, root / "ett")
     print(f"ETT done; load average {os.getloadavg()}", flush=True)
-    base_report, base_events, _ = run_baseline(args, root / "baseline")
+    base_report, base_events = run_baseline(args, root / "baseline")
     print(f"baseline done; load average {os.getloadavg()}\n", flush=True)
     shutil.rmtree(root)  # kept, with the logs, when a run fails
     ett, base = summary(ett_report, ett_events), summary(base_report, base_events)

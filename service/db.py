@@ -20,6 +20,15 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
+            dbapi_conn.isolation_level = None  # we send BEGIN ourselves (below)
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn) -> None:
+            # pysqlite would begin a transaction only at its first write, so a read-modify-write
+            # (an ETT account folded by two batches at once, a scheduler tick) could lose an
+            # update. BEGIN IMMEDIATE takes the write lock first: SQLite's stand-in for the
+            # row locks PostgreSQL takes.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -94,9 +95,11 @@ async def run_scheduler(app: FastAPI, wake: asyncio.Event, stop: asyncio.Event) 
     """Ticks the scheduler when woken (a submit, an attempt report) or every period at the latest."""
     settings: Settings = app.state.settings
 
+    up_since = time.time()
+
     def tick_once() -> None:
         with app.state.sessions() as session:
-            scheduler.tick(session, settings)
+            scheduler.tick(session, settings, up_since=up_since)
             session.commit()
 
     while not stop.is_set():

@@ -105,10 +105,12 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
         job.state, job.reason, job.finished_at = JobState.cancelled, "cancelled", _at(now)
 
 
-def tick(session: Session, settings: Settings, now: float | None = None) -> None:
-    """One pass of the scheduler: lost nodes, stragglers, then allocation."""
+def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> None:
+    """One pass of the scheduler: lost nodes, stragglers, then allocation. `up_since`: when this
+    service started; a service that was down gives its agents a full deadline to call back."""
     now = time.time() if now is None else now
-    _declare_lost_nodes(session, settings, now)
+    if up_since is None or now - up_since >= settings.heartbeat_timeout_seconds:
+        _declare_lost_nodes(session, settings, now)
     _give_up_stragglers(session, settings, now)
     _allocate(session, settings, now)
 
