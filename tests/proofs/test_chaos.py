@@ -95,8 +95,13 @@ def tiny_job(name: str, checkpoint_dir, steps: int, interval: int, faults: list[
 
 
 def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_committed(tmp_path):
-    # Rank 1 is SIGKILLed the moment rank 0 reports step 8, whose checkpoint then starts.
+    # Rank 1 is SIGKILLed the moment rank 0 reports step 8, whose checkpoint then starts. Its
+    # shard file is a named pipe, so the write stalls like a hung disk: the kill always lands
+    # mid-write, however fast the machine.
     kill = {"attempt": 0, "rank": 1, "at_step": 8, "action": "kill"}
+    stalled = tmp_path / "ckpt" / "step-00000008"
+    stalled.mkdir(parents=True)
+    os.mkfifo(stalled / "__1_0.distcp")
     with cluster(tmp_path) as c:
         c.start_agent("node-0")
         job_id = c.submit(tiny_job("ckpt-kill", tmp_path / "ckpt", steps=12, interval=4, faults=[kill]))
