@@ -119,6 +119,8 @@ class WorkerGroup:
         log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 
     def stop(self, reason: str) -> None:
+        if not self.state.is_terminal and self._proc is not None:
+            self._read_rank_records(self.clock())  # a rank that already failed here is the cause, not the stop
         if self.state.is_terminal or self._ending is not None or self._proc is None:
             return  # already ending: the first cause stands
         self._ending = GroupEnd(WorkerState.STOPPED, None, f"stopped: {reason}" if reason else "stopped")

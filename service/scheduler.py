@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service import commands
-from service.models import Attempt, AttemptNode, AttemptState, Job, JobState, Node, NodeState
+from service.models import Attempt, AttemptNode, AttemptState, Job, JobEvent, JobState, Node, NodeState
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 from service.timeline import emit
@@ -63,6 +63,13 @@ def fail_attempt(
     session: Session, attempt: Attempt, cause: str, detail: str, now: float, exit_code: int | None = None
 ) -> None:
     """Ends an attempt as failed, stops its other nodes, and fails the job if it may not restart."""
+    if attempt.state == AttemptState.failed and _names_the_root_cause(cause, attempt.cause):
+        # A killed rank's peers see their collectives break and exit too; whichever node reports
+        # first ends the attempt, and the root cause corrects the record when it arrives.
+        attempt.cause, attempt.detail = cause, detail
+        first_report = session.scalar(select(func.min(JobEvent.ts)).where(
+            JobEvent.job_id == attempt.job_id, JobEvent.attempt == attempt.number, JobEvent.kind == "attempt_failed"))
+        emit(session, attempt.job_id, attempt.number, "attempt_failed", first_report, {"cause": cause, "detail": detail})
     if attempt.state not in ACTIVE:
         return
     attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, _at(now)
@@ -76,6 +83,11 @@ def fail_attempt(
                    now)
     elif job.restarts >= job.spec["max_restarts"]:
         finish_job(session, job, JobState.failed, f"failed after {job.restarts} restarts: {detail}", now)
+
+
+def _names_the_root_cause(cause: str, recorded: str | None) -> bool:
+    """A signal or a hang explains a peer's plain exit; never the other way round."""
+    return recorded == "exit" and cause in ("signal", "hang")
 
 
 def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:

@@ -76,6 +76,10 @@ class CheckpointRecord:
         return max(0.0, self.committed_at - self.started_at)
 
 
+def _cause_rank(cause: str | None) -> tuple[int, str]:
+    return (1 if cause == "exit" else 0, str(cause))
+
+
 def _min(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else min(a, b)
 
@@ -170,8 +174,10 @@ class JobAccount:
         if e.kind == "attempt_allocated":
             a.allocated_at = _min(a.allocated_at, e.ts)
         elif e.kind == "attempt_failed":
-            # The earliest report wins; ties broken on the cause so any order agrees.
-            if a.failed_at is None or (e.ts, str(e.data.get("cause"))) < (a.failed_at, str(a.failure_cause)):
+            # The earliest report wins; at the same time the root cause (a signal or hang over a
+            # peer's exit, service/scheduler.py) wins, so any order of arrival agrees.
+            key = (e.ts, _cause_rank(e.data.get("cause")))
+            if a.failed_at is None or key < (a.failed_at, _cause_rank(a.failure_cause)):
                 a.failed_at, a.failure_cause = e.ts, e.data.get("cause")
         elif e.kind == "attempt_stopped":
             a.stopped_at = _min(a.stopped_at, e.ts)

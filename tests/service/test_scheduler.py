@@ -10,7 +10,9 @@ from sqlalchemy.orm import Session
 
 from service import commands, scheduler
 from service.db import make_engine, make_session_factory
-from service.models import AgentCommand, Attempt, AttemptState, Job, JobState, Node, NodeState, Role, Token, utcnow
+from service.models import (
+    AgentCommand, Attempt, AttemptState, Job, JobEvent, JobState, Node, NodeState, Role, Token, utcnow,
+)
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 from tests.service.factories import job_spec
@@ -100,6 +102,22 @@ def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, setti
     relaunch_a, relaunch_b = taken(session, a)[0], taken(session, b)[0]
     assert (relaunch_a["attempt"], relaunch_a["node_rank"], relaunch_b["node_rank"]) == (1, 0, 1)
     assert relaunch_b["faults"] == [job.spec["faults"][0]] and relaunch_a["faults"] == []
+
+
+def test_the_killed_rank_names_the_cause_when_its_peer_reports_first(session, settings):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session)
+    tick(session, settings, T0)
+    report(session, b, job, 0, "failed", T0 + 5, cause="exit", detail="rank 2 exit code 1", exit_code=1)
+    report(session, a, job, 0, "failed", T0 + 6, cause="signal", detail="rank 1 killed by SIGKILL")
+    session.refresh(job)
+    attempt = job.attempts[0]
+    assert (attempt.cause, attempt.detail) == ("signal", "rank 1 killed by SIGKILL")
+    failed = session.scalars(select(JobEvent).where(JobEvent.kind == "attempt_failed")).all()
+    assert [(e.ts, e.data["cause"]) for e in failed] == [(T0 + 5, "exit"), (T0 + 5, "signal")]
+    report(session, a, job, 0, "failed", T0 + 7, cause="exit", detail="late", exit_code=1)  # never demoted
+    session.refresh(job)
+    assert job.attempts[0].cause == "signal" and job.restarts == 0
 
 
 def test_configuration_error_is_not_retried(session, settings):

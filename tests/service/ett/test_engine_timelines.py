@@ -86,6 +86,17 @@ def test_crash_with_rollback():
     assert r["recommended_checkpoint_interval_seconds"] == pytest.approx(math.sqrt(2 * 0.5 * 58))
 
 
+@pytest.mark.parametrize("order", ["peer first", "root cause first"])
+def test_root_cause_amends_a_peers_exit_in_any_order(order):
+    tl = crash_with_rollback()
+    # The scheduler's amendment: same time as the first report, the killed rank's cause.
+    tl.service("attempt_failed", 30, 0, cause="exit", detail="rank 2 exit code 1")
+    if order == "peer first":
+        tl.events = tl.events[-1:] + tl.events[:-1]
+    r = report_of(tl, now=100)
+    assert [(f["cause"], f["at"]) for f in r["failures"]] == [("signal", T0 + 30)]
+
+
 def test_two_failures_second_dies_before_its_first_checkpoint():
     tl = Timeline()
     tl.start_attempt(0, allocated=0, init_end=5)
