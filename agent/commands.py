@@ -34,6 +34,7 @@ class CheckpointSpec(Incoming):
     interval_steps: int | Literal["auto"] = 50
     keep: int = Field(3, ge=1)
     dir: str | None = None
+    # Node-local fast folder; the service leaves it out and the agent names its own (agent.supervisor).
     local_dir: str | None = None
     resume_from: str | None = None
 

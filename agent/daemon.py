@@ -25,6 +25,7 @@ from agent.forward import ForwardConfig, Forwarder
 from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.supervisor import Supervisor
+from agent.warm import WarmServer
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,13 @@ class Agent:
         self.settings = settings
         self.stats = AgentStats()
         self.client = ServiceClient(settings)
-        self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds)
+        self.warm = WarmServer((settings.data_dir / "warm.sock").resolve(), ["trainer.train", "torch.distributed.run"],
+                               settings.data_dir / "warm.log")
+        warm_socket = self.warm.socket_path if settings.warm_start and self.warm.usable else None
+        if settings.warm_start and warm_socket is None:
+            log.warning("no warm start: the socket path %s is too long; ranks start fresh", self.warm.socket_path)
+        self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
+                                     settings.local_checkpoint_root, warm_socket)
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
@@ -50,7 +57,10 @@ class Agent:
         if self.settings.metrics_port:
             serve_metrics(self.stats, self.settings.metrics_port)
         self.supervisor.recover()
+        if self.supervisor.warm_socket is not None:
+            self.warm.ensure_running()  # its imports overlap registration
         if not self._register():
+            self.warm.stop()
             return
         threads = [
             threading.Thread(target=self._long_poll, name="long-poll", daemon=True),
@@ -63,6 +73,7 @@ class Agent:
             self._monitor()
         finally:
             self.supervisor.shutdown()
+            self.warm.stop()
             self._heartbeats_done.set()
             self._report_now.set()
             self._send_heartbeat(wait=0)  # the stopped attempts, said once more on the way out
@@ -77,6 +88,8 @@ class Agent:
                 self._carry_out(self.commands.get_nowait())
             if self.supervisor.poll():
                 self._report_now.set()
+            if self.supervisor.warm_socket is not None:
+                self.warm.ensure_running()
             self.stats.processes = self.supervisor.live_ranks
             self.stopping.wait(self.settings.monitor_interval_seconds)
 

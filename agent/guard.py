@@ -6,26 +6,16 @@ The agent starts torchrun through this small process. The guard asks the kernel 
 when the agent dies (PR_SET_PDEATHSIG), and then SIGKILLs every process carrying the group's
 marker (agent.procs), so even a rank's own children, which no parent-death signal covers, go.
 Otherwise it only waits for torchrun (its child, in its process group) and exits as torchrun
-did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores it.
+did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores it; a torchrun
+forked by the agent's warm server (agent.warm) is in a group of its own: the guard passes it on.
 """
 
-import ctypes
 import os
 import signal
-import subprocess
 import sys
 
-from agent.procs import GROUP_MARKER_ENV, signal_marked
-
-PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def set_parent_death_signal(signum: int = signal.SIGKILL) -> None:
-    if _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
-
+from agent.procs import GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
+from agent.warm import WARM_SOCKET_ENV, WarmProcess, start_process
 
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
@@ -35,12 +25,18 @@ def main(argv: list[str]) -> int:
     def sweep(_signum: int = 0, _frame: object = None) -> None:
         signal_marked(GROUP_MARKER_ENV, marker, signal.SIGKILL, spare=os.getpid())
 
+    child = None
+
+    def pass_on_sigterm(_signum: int, _frame: object) -> None:
+        if isinstance(child, WarmProcess):
+            child.send_signal(signal.SIGTERM)
+
     signal.signal(signal.SIGUSR1, sweep)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # a handler, not SIG_IGN, which torchrun would inherit
+    signal.signal(signal.SIGTERM, pass_on_sigterm)  # a handler, not SIG_IGN, which torchrun would inherit
     set_parent_death_signal(signal.SIGUSR1)
     if os.getppid() != int(argv[0]):
         return 1  # the agent died before the request above took hold
-    child = subprocess.Popen(argv[2:], preexec_fn=set_parent_death_signal)
+    child = start_process(argv[2:], os.environ.get(WARM_SOCKET_ENV))
     returncode = child.wait()
     return returncode if returncode >= 0 else 128 - returncode
 

@@ -3,11 +3,13 @@
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from agent.commands import CheckpointSpec, LaunchCommand, TrainerSpec
 from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
+from agent.warm import WARM_SOCKET_ENV
 
 
 def override_value(value: Any) -> str:
@@ -21,6 +23,8 @@ def trainer_argv(trainer: TrainerSpec, ckpt: CheckpointSpec) -> list[str]:
         argv += [f"--{name}", override_value(value)]
     if ckpt.dir is not None:
         argv += ["--checkpoint.dir", ckpt.dir]
+    if ckpt.local_dir is not None:
+        argv += ["--checkpoint.local_dir", ckpt.local_dir]
     argv += ["--checkpoint.interval_steps", str(ckpt.interval_steps), "--checkpoint.keep", str(ckpt.keep)]
     # No checkpoint named by the service (its catalog may lag the disk): the newest that verifies.
     argv += ["--checkpoint.resume_from", ckpt.resume_from or "auto"]
@@ -55,7 +59,8 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths) -> list[str]:
     ]  # fmt: skip
 
 
-def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str) -> dict[str, str]:
+def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None
+               ) -> dict[str, str]:
     # The agent's own settings (its token among them) are no business of the job.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")}
     env.update(command.env)
@@ -66,4 +71,8 @@ def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str) -> dict
         GROUP_MARKER_ENV: marker,
         "PYTHONUNBUFFERED": "1",
     })  # fmt: skip
+    # Warm start only for the trainer with no job environment: variables read while torch is
+    # imported (in the warm server, long before) could not take effect.
+    if warm_socket is not None and command.entrypoint is None and not command.env:
+        env[WARM_SOCKET_ENV] = str(warm_socket)
     return env

@@ -4,11 +4,22 @@ torchrun starts each rank in a session of its own, so no single process group ho
 group. Every process inherits the group's marker variable instead, and /proc tells us who has it.
 """
 
+import ctypes
 import os
+import signal
 from pathlib import Path
 
 # Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
 GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def set_parent_death_signal(signum: int = signal.SIGKILL) -> None:
+    """Ask the kernel for signum when our parent (the thread that forked us) dies."""
+    if _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
 
 
 def marked_pids(name: str, value: str) -> list[int]:

@@ -7,6 +7,8 @@ Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts and `{"rank", 
 stopped rank can act on them). SIGUSR1 is the agent's "exit" fault: the runner kills the rank and
 exits with the code written in D/rank-R.exit, so torchrun and the agent see a real non-zero exit.
 The rank lives in its own process group, so torchrun's signals reach it once, through here.
+With $ETT_WARM_SOCKET set, a rank the agent's warm server can start is forked from there, its
+imports already done (agent.warm); otherwise, or when the server cannot, it is a fresh process.
 """
 
 import argparse
@@ -16,8 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.guard import set_parent_death_signal
+from agent.procs import set_parent_death_signal
 from agent.spool import append_json_line
+from agent.warm import WARM_SOCKET_ENV, start_process
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -41,7 +44,8 @@ def main(argv: list[str]) -> int:
     if os.getppid() == 1:
         return 1  # torchrun died before the request above took hold
     try:
-        child = subprocess.Popen(rank_argv, process_group=0, preexec_fn=set_parent_death_signal)
+        # Not the rank's business: it is forked warm or started fresh here.
+        child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), process_group=0)
     except OSError as exc:
         append_json_line(args.ranks_file, {"rank": rank, "exit_code": 127, "error": str(exc)})
         return 127

@@ -24,6 +24,10 @@ class AgentSettings(BaseSettings):
     address: str = "127.0.0.1"
     slots: int = Field(1, ge=1)
     data_dir: Path = Path("agent-data")
+    # Node-local fast disk where the ranks save checkpoints first (default DATA_DIR/checkpoints).
+    local_checkpoint_dir: Path | None = None
+    # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm).
+    warm_start: bool = True
 
     heartbeat_interval_seconds: float = Field(3.0, gt=0)
     # A heartbeat long-polls this long for commands; at most the service's own limit is used.
@@ -62,3 +66,7 @@ class AgentSettings(BaseSettings):
     @property
     def spool_root(self) -> Path:
         return self.data_dir / "spool"
+
+    @property
+    def local_checkpoint_root(self) -> Path:
+        return (self.local_checkpoint_dir or self.data_dir / "checkpoints").resolve()

@@ -1,6 +1,7 @@
 """All worker groups of this node, and the attempt reports the heartbeats carry to the service."""
 
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -40,18 +41,25 @@ class ReportBook:
                     del self._reports[key]
 
 
-def attempt_report(job_id: str, attempt: int, state: WorkerState, end: GroupEnd | None) -> dict[str, Any]:
-    return {"job_id": job_id, "attempt": attempt, "state": state.reported,
+def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) -> dict[str, Any]:
+    return {"job_id": job_id, "attempt": attempt, "state": state,
             "cause": end.cause if end else None, "detail": end.detail[:512] if end else "",
             "exit_code": end.exit_code if end else None}
 
 
 class Supervisor:
-    def __init__(self, spool_root: Path, node_name: str, stop_grace_seconds: float) -> None:
+    def __init__(self, spool_root: Path, node_name: str, stop_grace_seconds: float,
+                 local_checkpoint_root: Path | None = None, warm_socket: Path | None = None) -> None:
         self.spool_root = spool_root
+        # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
+        self.local_checkpoint_root = local_checkpoint_root
+        self.warm_socket = warm_socket  # where the agent's warm server listens (agent.warm), if it runs one
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
+        # Launches held back while a group of this node is still being torn down (a failure is
+        # reported before its processes are gone), so an attempt never starts beside the last one.
+        self.held: dict[AttemptKey, tuple[LaunchCommand, float]] = {}
         self.reports = ReportBook()
 
     @property
@@ -67,15 +75,23 @@ class Supervisor:
             end = GroupEnd(WorkerState.FAILED, "signal", "the agent restarted; its worker group was killed with it")
             paths.ended_marker.write_text(end.state.value)
             job_id, attempt = attempt_dir.parent.name, int(attempt_dir.name)
-            self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state, end))
+            self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state.value, end))
             log.warning("attempt %s/%d: %s", job_id, attempt, end.detail)
 
     def launch(self, command: LaunchCommand) -> None:
-        if command.key in self.groups:
+        if command.key in self.groups or command.key in self.held:
             log.info("attempt %s/%d already launched here; ignored", *command.key)
             return
+        if self.groups:
+            log.info("attempt %s/%d waits for the previous group of this node to be gone", *command.key)
+            self.held[command.key] = (command, time.monotonic() + self.stop_grace_seconds + 5.0)
+            return
+        self._start(command)
+
+    def _start(self, command: LaunchCommand) -> None:
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
-        group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds)
+        group = WorkerGroup(self._with_local_checkpoints(command), paths, self.node_name, self.stop_grace_seconds,
+                            warm_socket=self.warm_socket)
         self.groups[command.key] = group
         try:
             group.start()
@@ -83,12 +99,23 @@ class Supervisor:
             group.end, group.state = GroupEnd(WorkerState.FAILED, "exit", f"launch failed: {exc}"), WorkerState.FAILED
         self._report(group)
 
+    def _with_local_checkpoints(self, command: LaunchCommand) -> LaunchCommand:
+        """The service knows no node's disks: the agent names the job's node-local folder."""
+        ckpt = command.checkpoint
+        if self.local_checkpoint_root is None or ckpt.dir is None or ckpt.local_dir is not None:
+            return command
+        local = ckpt.model_copy(update={"local_dir": str(self.local_checkpoint_root / command.job_id)})
+        return command.model_copy(update={"checkpoint": local})
+
     def refuse(self, job_id: str, attempt: int, detail: str) -> None:
         """A launch the agent could not read still gets an answer, so the service can move on."""
         end = GroupEnd(WorkerState.FAILED, "exit", detail)
-        self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state, end))
+        self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state.value, end))
 
     def stop(self, command: StopCommand) -> None:
+        if self.held.pop(command.key, None) is not None:  # never started: nothing to tear down
+            self.reports.set(command.key, attempt_report(*command.key, WorkerState.STOPPED.value, None))
+            return
         group = self.groups.get(command.key)
         if group is None:
             log.info("stop for attempt %s/%d, which does not run here; ignored", *command.key)
@@ -100,17 +127,27 @@ class Supervisor:
         """Polls every group once; True when an attempt's reported state changed."""
         changed = False
         for key, group in list(self.groups.items()):
-            before = group.state.reported
+            before = group.reported_state
             group.poll()
-            if group.state.reported != before:
+            if group.reported_state != before:
                 self._report(group)
                 changed = True
             if group.state.is_terminal:
                 del self.groups[key]
+            if group.state == WorkerState.SUCCEEDED and group.command.checkpoint.local_dir:
+                # The job is done: no attempt will resume from the local copies.
+                shutil.rmtree(group.command.checkpoint.local_dir, ignore_errors=True)
+        for key, (command, deadline) in list(self.held.items()):
+            if not self.groups or time.monotonic() >= deadline:  # past the deadline, a stuck group is not waited for
+                del self.held[key]
+                self._start(command)
+                changed = True
         return changed
 
     def shutdown(self) -> None:
         """Stops every group (SIGTERM, then SIGKILL after the grace) and waits for them to go."""
+        for key in list(self.held):
+            self.stop(StopCommand(type="stop", job_id=key[0], attempt=key[1], reason="agent shutting down"))
         for group in self.groups.values():
             group.stop("agent shutting down")
         deadline = time.monotonic() + self.stop_grace_seconds + 5.0
@@ -125,4 +162,5 @@ class Supervisor:
 
     def _report(self, group: WorkerGroup) -> None:
         command = group.command
-        self.reports.set(command.key, attempt_report(command.job_id, command.attempt, group.state, group.end))
+        report = attempt_report(command.job_id, command.attempt, group.reported_state, group.outcome)
+        self.reports.set(command.key, report)

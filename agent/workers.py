@@ -5,9 +5,13 @@
         +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
 
 A rank that fails makes torchrun tear the others down; the first failure recorded by a rank runner
-is the attempt's cause. A hang is torn down at once with SIGKILL: the group is broken and its
-last committed checkpoint is all that counts. A stop gets SIGTERM, then SIGKILL after a grace.
-Whatever happens, every process carrying the group's marker is SIGKILLed at the end.
+is the attempt's cause, reported the moment it is recorded (`reported_state`), before the group is
+gone: the service stops the other nodes and plans the restart meanwhile. Once every local rank has
+exited after a failure or a stop, torchrun is not waited for (it takes seconds to wind down). A
+hang is torn down at once with SIGKILL: the group is broken and its last committed checkpoint is
+all that counts. A stop gets SIGTERM, then SIGKILL after a grace. Whatever happens, every process
+carrying the group's marker is SIGKILLed at the end (processes forked by the warm server do not
+carry it: they die with the runner that asked for them, agent.warm).
 """
 
 import enum
@@ -17,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import Any
 
@@ -72,8 +77,9 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
 
 class WorkerGroup:
     def __init__(self, command: LaunchCommand, paths: AttemptPaths, node_name: str, stop_grace_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, warm_socket: Path | None = None) -> None:
         self.command = command
+        self.warm_socket = warm_socket  # the agent's warm server (agent.warm), if it runs one
         self.paths = paths
         self.stop_grace_seconds = stop_grace_seconds
         self.clock = clock
@@ -100,6 +106,18 @@ class WorkerGroup:
         return 0 if self.state.is_terminal else len(self.rank_pids) - len(self.exited)
 
     @property
+    def outcome(self) -> GroupEnd | None:
+        """How the group ends, known from the moment it is decided."""
+        return self.end or self._ending
+
+    @property
+    def reported_state(self) -> str:
+        """The attempt state the service is told: a failure as soon as it is decided."""
+        if not self.state.is_terminal and self._ending is not None and self._ending.state == WorkerState.FAILED:
+            return WorkerState.FAILED.value
+        return self.state.reported
+
+    @property
     def _all_exited(self) -> bool:
         return len(self.exited) == self.command.nproc_per_node
 
@@ -107,7 +125,7 @@ class WorkerGroup:
         with open(self.paths.log_file, "ab") as log_file:
             self._proc = subprocess.Popen(
                 torchrun_argv(self.command, self.paths),
-                env=worker_env(self.command, self.paths, self.marker),
+                env=worker_env(self.command, self.paths, self.marker, self.warm_socket),
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
@@ -170,6 +188,8 @@ class WorkerGroup:
             self.state = WorkerState.RUNNING
         if self._all_exited and self._kill_at is None:
             self._kill_at = now + self.stop_grace_seconds  # torchrun should follow its ranks out
+        if self._all_exited and self._ending is not None:
+            self._kill_at = now  # a failed or stopped group: nothing of torchrun's own teardown is needed
 
     def _read_progress(self, now: float) -> None:
         for path in sorted(self.paths.events_dir.glob("rank-*.jsonl")):

@@ -5,10 +5,12 @@ For each backend (SQLite file, throwaway PostgreSQL) and each size (step events 
 - HTTP: one uvicorn process serving the app; one client posts pre-encoded batches to the admin
   replay endpoint, one after the other (events/s, client and server on the same machine);
 - GET /api/v1/jobs/{id}/ett latency (p50/p99 over sequential requests), against two baselines
-  measured in the same run: GET /healthz (the floor of an HTTP round trip on this machine now)
+  measured in the same run: GET /healthz (the floor of an HTTP round trip on this machine now,
+  requested in turn with GET /ett)
   and what a service without per-job aggregates would pay: reading the job's events and folding
   them. Wall-clock figures depend on the machine's load; the server process's CPU seconds
-  (from /proc) are given beside them: events per server CPU-second, server CPU ms per GET.
+  (from /proc) are given beside them: events per server CPU-second, server CPU ms per GET, and
+  on PostgreSQL the database server's CPU per event (its processes share the same cores).
 
 The timeline: attempt 0 runs half the steps and fails, attempt 1 restores the last checkpoint and
 runs the rest; a checkpoint every 100 steps. Usage:
@@ -30,7 +32,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import make_url, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,10 +95,30 @@ def engine_rate(events: list[dict]) -> float:
     return len(parsed) / (time.perf_counter() - started)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
+def cpu_seconds(pid: int, *, with_children: bool = False) -> float:
+    """User + system CPU time of a process (Linux /proc), and of its children that have exited."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if with_children else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def database_cpu_seconds(database_url: str) -> float | None:
+    """CPU time of the PostgreSQL server behind the URL: its postmaster and every backend it
+    forked (None for SQLite, whose work is done inside the service process)."""
+    if not database_url.startswith("postgresql"):
+        return None
+    port = make_url(database_url).port
+    processes = {}  # pid -> (parent pid, argv)
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            processes[int(proc.name)] = (parent, (proc / "cmdline").read_bytes().split(b"\0"))
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+    postmaster = next(pid for pid, (_, argv) in processes.items()
+                      if argv[0].endswith(b"postgres") and str(port).encode() in argv)  # fmt: skip
+    backends = [pid for pid, (parent, _) in processes.items() if parent == postmaster]
+    return cpu_seconds(postmaster, with_children=True) + sum(cpu_seconds(pid) for pid in backends)
 
 
 @contextmanager
@@ -167,29 +189,32 @@ def run_backend(database_url: str, sizes: list[int], gets: int, naive_max: int, 
             job_id = user_client.post("/api/v1/jobs", json=spec).raise_for_status().json()["id"]
             events = timeline(n, time.time() - n * 0.2 - 3600)
             bodies = [json.dumps({"events": events[lo : lo + BATCH]}).encode() for lo in range(0, len(events), BATCH)]
-            started, cpu = time.perf_counter(), cpu_seconds(pid)
+            started, cpu, db_cpu = time.perf_counter(), cpu_seconds(pid), database_cpu_seconds(database_url)
             for body in bodies:
                 admin_client.post(f"/api/v1/jobs/{job_id}/events", content=body,
                                   headers={"content-type": "application/json"}).raise_for_status()  # fmt: skip
             http_rate = len(events) / (time.perf_counter() - started)
             http_cpu_rate = len(events) / (cpu_seconds(pid) - cpu)
-            latencies, floor = [], []
+            if db_cpu is not None:
+                db_cpu = (database_cpu_seconds(database_url) - db_cpu) / len(events) * 1e6
             cpu = cpu_seconds(pid)
             for _ in range(gets):
-                t = time.perf_counter()
                 user_client.get(f"/api/v1/jobs/{job_id}/ett").raise_for_status()
-                latencies.append((time.perf_counter() - t) * 1000)
             get_cpu_ms = (cpu_seconds(pid) - cpu) / gets * 1000
+            # Latency: the two requests alternate, so that the floor sees the same moments of load.
+            latencies, floor = [], []
             for _ in range(gets):
-                t = time.perf_counter()
-                user_client.get("/healthz").raise_for_status()
-                floor.append((time.perf_counter() - t) * 1000)
+                for path, samples in ((f"/api/v1/jobs/{job_id}/ett", latencies), ("/healthz", floor)):
+                    t = time.perf_counter()
+                    user_client.get(path).raise_for_status()
+                    samples.append((time.perf_counter() - t) * 1000)
             report = user_client.get(f"/api/v1/jobs/{job_id}/ett").json()
             result = {
                 "backend": engine.dialect.name, "step_events": n, "events": len(events),
                 "engine_events_per_s": round(engine_rate(events)),
                 "http_events_per_s": round(http_rate),
                 "http_events_per_server_cpu_s": round(http_cpu_rate),
+                "database_cpu_us_per_event": round(db_cpu, 1) if db_cpu is not None else None,
                 "get_ett_p50_ms": round(percentile(latencies, 0.5), 2),
                 "get_ett_p99_ms": round(percentile(latencies, 0.99), 2),
                 "get_ett_server_cpu_ms": round(get_cpu_ms, 2),

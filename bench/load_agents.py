@@ -1,23 +1,25 @@
 """Benchmark: a fleet of simulated agents against one service process on PostgreSQL (loopback).
 
-Each simulated agent is a coroutine (asyncio + one shared httpx client: no process, no thread
-per agent) that does what `ett agent` does on the wire:
+Each simulated agent is a coroutine with its own keep-alive connections (asyncio on uvloop: no
+process, no thread per agent) that does what `ett agent` does on the wire:
 - registers, then heartbeats every `--heartbeat` seconds (no long-poll, so a heartbeat's
   latency is the service's work), listing its running attempt in every heartbeat as the real
   agent does;
 - carries out the launch commands the scheduler sends back: from then on its "ranks" produce
   events (every rank: init_start, init_end, and a checkpoint's start/staged/committed every
   `--checkpoint` seconds; rank 0: a step every `--step` seconds), which the agent posts as one
-  batch per heartbeat period, half a period after its heartbeat; a batch that fails is sent again.
+  batch per heartbeat period, half a period after its heartbeat, on a connection and schedule of
+  their own as the real agent's forwarder does; a batch that fails is sent again.
 Jobs of `--nodes-per-job` nodes are submitted once all agents are registered, so the service's
-own scheduler allocates every node. After `--duration` seconds the agents stop, send what they
-hold, and the events stored in PostgreSQL are counted against the events generated.
+own scheduler allocates every node. The first `--warmup` seconds (the launches) are not measured;
+after `--duration` more seconds the agents stop, send what they hold, and the events stored in
+PostgreSQL are counted against the events generated.
 
 Latencies are measured by the client, per request, from send to answer (they include the load
 generator's own delays, so they are an upper bound); the service's own histogram
 (ett_http_request_duration_seconds, from /metrics) gives the server's view of the same window.
 
-    .venv/bin/python bench/load_agents.py --agents 2048 --duration 120
+    .venv/bin/python bench/load_agents.py --agents 2048 --warmup 30 --duration 60
 """
 
 import argparse
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import sqlalchemy as sa
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -58,6 +61,7 @@ class Load:
     step: float
     checkpoint: float
     duration: float
+    warmup: float
 
 
 @dataclass
@@ -67,19 +71,72 @@ class Tally:
     generated: int = 0
     accepted: int = 0
     duplicates: int = 0
+    measure_from: float = 0.0  # perf_counter time: latencies of requests sent earlier are not kept (warm-up)
 
-    async def call(self, kind: str, client: httpx.AsyncClient, path: str, token: str, **kwargs) -> dict | None:
+    async def call(self, kind: str, connection: "AgentConnection", path: str, body: dict) -> dict | None:
         started = time.perf_counter()
         try:
-            response = await client.post(path, headers={"Authorization": f"Bearer {token}"}, **kwargs)
-        except httpx.HTTPError as exc:
+            status, answer = await connection.post(path, body)
+        except (OSError, EOFError, TimeoutError, ValueError) as exc:  # ValueError: a malformed answer
+            connection.close()
             self.errors[f"{kind}: {type(exc).__name__}"] += 1
             return None
-        self.latencies[kind].append(time.perf_counter() - started)
-        if response.status_code != 200:
-            self.errors[f"{kind}: HTTP {response.status_code}"] += 1
+        if started >= self.measure_from or kind == "register":
+            self.latencies[kind].append(time.perf_counter() - started)
+        if status != 200:
+            self.errors[f"{kind}: HTTP {status}"] += 1
             return None
-        return response.json()
+        return answer
+
+
+class AgentConnection:
+    """One agent's keep-alive HTTP/1.1 connection to the service: POST JSON, read the JSON answer
+    (uvicorn always sends Content-Length). A client this small costs the load generator a sixth of
+    httpx's CPU per request; with httpx, the generator (one process) saturated its core before the
+    service did at 2,048 agents, and its own delays dominated the latencies it measured."""
+
+    # Idle connections are closed before the service's keep-alive (20 s) would close them, as
+    # httpx does, so no request is sent on a connection the service is closing.
+    KEEPALIVE_SECONDS = 10.0
+
+    def __init__(self, host: str, port: int, token: str, timeout: float = 60.0) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self.idle_since = 0.0
+        self.head = f"Host: {host}:{port}\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n"
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict) -> tuple[int, dict | None]:
+        payload = json.dumps(body).encode()
+        request = f"POST {path} HTTP/1.1\r\n{self.head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+        if self.writer is not None and time.monotonic() - self.idle_since > self.KEEPALIVE_SECONDS:
+            self.close()
+        async with asyncio.timeout(self.timeout):
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            self.writer.write(request)
+            answer = await self._answer()
+        self.idle_since = time.monotonic()
+        return answer
+
+    async def _answer(self) -> tuple[int, dict | None]:
+        status = int((await self.reader.readuntil(b"\r\n")).split()[1])
+        length, close = 0, False
+        while (line := await self.reader.readuntil(b"\r\n")) != b"\r\n":
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+            elif name.lower() == b"connection" and value.strip().lower() == b"close":
+                close = True
+        body = await self.reader.readexactly(length)
+        if close:
+            self.close()
+        return status, json.loads(body) if status == 200 else None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
 
 
 class SimAgent:
@@ -127,50 +184,60 @@ class SimAgent:
                 ]
         return len(self.unsent) - before
 
-    async def heartbeat(self, client: httpx.AsyncClient, tally: Tally) -> None:
+    async def heartbeat(self, client: AgentConnection, tally: Tally) -> None:
         attempts = [] if self.launch is None else [
             {"job_id": self.launch["job_id"], "attempt": self.launch["attempt"], "state": "running"}]  # fmt: skip
         body = {"clock": time.time(), "attempts": attempts, "stats": {"processes": len(attempts) * 8}}
-        answer = await tally.call("heartbeat", client, f"/api/v1/agents/{self.name}/heartbeat", self.token, json=body)
+        answer = await tally.call("heartbeat", client, f"/api/v1/agents/{self.name}/heartbeat", body)
         for command in (answer or {}).get("commands", []):
             if command["type"] == "launch":
                 self.launch, self.launched_at = command, time.time()
                 self.seq.clear()
                 self.steps_done = self.checkpoints_done = 0
 
-    async def send(self, client: httpx.AsyncClient, tally: Tally) -> None:
+    async def send(self, client: AgentConnection, tally: Tally) -> None:
         tally.generated += self.produce(time.time())
         if not self.unsent:
             return
         batch = self.unsent[:2000]
-        answer = await tally.call("events", client, f"/api/v1/agents/{self.name}/events", self.token,
-                                  json={"events": batch})  # fmt: skip
+        answer = await tally.call("events", client, f"/api/v1/agents/{self.name}/events", {"events": batch})
         if answer is not None:  # else: kept, and sent again next period, as the agent's spool does
             del self.unsent[: len(batch)]
             tally.accepted += answer["accepted"]
             tally.duplicates += answer["duplicates"]
 
-    async def run(self, client: httpx.AsyncClient, tally: Tally, until: float) -> None:
+    async def run(self, beats: AgentConnection, batches: AgentConnection, tally: Tally, until: float) -> None:
+        """Heartbeats and event batches each on their own schedule and connection, as the real
+        agent's heartbeat loop and forwarder: a slow batch does not put off the next heartbeat."""
         period = self.load.heartbeat
         await asyncio.sleep(random.uniform(0, period))  # agents start at random phases
-        while time.monotonic() < until:
-            started = time.monotonic()
-            await self.heartbeat(client, tally)
-            await asyncio.sleep(max(0.0, started + period / 2 - time.monotonic()))
-            await self.send(client, tally)
-            await asyncio.sleep(max(0.0, started + period - time.monotonic()))
+        await asyncio.gather(every(period, 0, lambda: self.heartbeat(beats, tally), until),
+                             every(period, period / 2, lambda: self.send(batches, tally), until))  # fmt: skip
+
+
+async def every(period: float, offset: float, call, until: float) -> None:
+    """Calls `call` every `period` seconds from `offset` on (at once when a call ran late)."""
+    await asyncio.sleep(offset)
+    while time.monotonic() < until:
+        started = time.monotonic()
+        await call()
+        await asyncio.sleep(max(0.0, started + period - time.monotonic()))
 
 
 async def drive(url: str, load: Load, admin: str, user: str, agents: list[SimAgent]) -> dict:
-    limits = httpx.Limits(max_connections=len(agents) + 8, max_keepalive_connections=len(agents) + 8)
     tally = Tally()
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+    # A connection per agent, as each real agent has (a client shared by thousands of agents would
+    # measure its own queueing). httpx only for the user's and the scrapes' few requests.
+    address = httpx.URL(url)
+    own = {a.name: AgentConnection(address.host, address.port, a.token) for a in agents}
+    forwarders = {a.name: AgentConnection(address.host, address.port, a.token) for a in agents}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         gate = asyncio.Semaphore(64)
 
         async def register(agent: SimAgent) -> None:
             async with gate:
                 body = {"name": agent.name, "address": "127.0.0.1", "slots": load.ranks_per_node}
-                await tally.call("register", client, "/api/v1/agents/register", agent.token, json=body)
+                await tally.call("register", own[agent.name], "/api/v1/agents/register", body)
 
         await asyncio.gather(*(register(a) for a in agents))
         for i in range(len(agents) // load.nodes_per_job):
@@ -180,10 +247,15 @@ async def drive(url: str, load: Load, admin: str, user: str, agents: list[SimAge
                    ).status_code == 429:  # the user's own rate limit: submit at the pace it allows
                 await asyncio.sleep(float(response.headers["Retry-After"]))
             response.raise_for_status()
-        before = await server_histogram(client)
         started = time.monotonic()
-        await asyncio.gather(*(a.run(client, tally, started + load.duration) for a in agents))
-        window = time.monotonic() - started
+        tally.measure_from = time.perf_counter() + load.warmup
+        until = started + load.warmup + load.duration
+        runs = asyncio.gather(*(a.run(own[a.name], forwarders[a.name], tally, until) for a in agents))
+        await asyncio.sleep(load.warmup)  # the launches: allocation, first events
+        measured = time.monotonic()
+        before = await server_histogram(client)
+        await runs
+        window = min(time.monotonic(), until) - measured  # agents finish their last period after `until`
         after = await server_histogram(client)
         # What is still held goes out now, as an agent's forwarder would on exit (for 2 minutes at
         # most: what is left after that counts as lost).
@@ -191,11 +263,13 @@ async def drive(url: str, load: Load, admin: str, user: str, agents: list[SimAge
 
         async def flush(agent: SimAgent) -> None:
             while agent.unsent and time.monotonic() < flush_until:
-                await agent.send(client, tally)
+                await agent.send(forwarders[agent.name], tally)
                 if agent.unsent:
                     await asyncio.sleep(1)
 
         await asyncio.gather(*(flush(a) for a in agents))
+    for connection in [*own.values(), *forwarders.values()]:
+        connection.close()
     return {"tally": tally, "window": window, "server": {k: after[k] - before.get(k, 0) for k in after}}
 
 
@@ -215,7 +289,8 @@ async def server_histogram(client: httpx.AsyncClient) -> dict[tuple[str, str], f
 
 
 def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=1000)[int(q * 1000) - 1] if len(values) > 1 else values[0]
+    # inclusive: a quantile between observed values, never beyond the largest (as exclusive may be)
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 1000) - 1] if len(values) > 1 else values[0]
 
 
 def main() -> None:
@@ -226,13 +301,15 @@ def main() -> None:
     parser.add_argument("--heartbeat", type=float, default=5.0, help="seconds between an agent's heartbeats")
     parser.add_argument("--step", type=float, default=1.0, help="seconds per training step (rank 0's step events)")
     parser.add_argument("--checkpoint", type=float, default=60.0, help="seconds between checkpoints (every rank)")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load after registration")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load measured, after the warm-up")
+    parser.add_argument("--warmup", type=float, default=0.0,
+                        help="seconds of load first, not measured (the jobs' launches: allocation, first events)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--service-log", type=Path, default=Path(tempfile.gettempdir()) / "ett-load-service.log")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the service and PostgreSQL are stopped
     load = Load(args.agents, args.nodes_per_job, args.ranks_per_node, args.heartbeat, args.step, args.checkpoint,
-                args.duration)  # fmt: skip
+                args.duration, args.warmup)  # fmt: skip
     with postgres_server("ett_load") as database_url, tempfile.TemporaryDirectory(prefix="ett-load-") as root:
         upgrade(database_url)
         engine = make_engine(database_url)
@@ -258,7 +335,8 @@ def main() -> None:
                 if time.monotonic() > deadline or service.poll() is not None:
                     raise SystemExit(f"the service did not start; see {log.name}")
                 time.sleep(0.2)
-            result = asyncio.run(drive(url, load, admin, user, agents))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                result = runner.run(drive(url, load, admin, user, agents))
         finally:
             service.terminate()
             try:
@@ -281,7 +359,8 @@ def report(load: Load, result: dict, stored: int, failed: int, allocated: int, j
     figures: dict = {"machine": f"{platform.node()} {os.cpu_count()} CPUs, Python {platform.python_version()}",
                      "load": vars(load), "window_seconds": round(result["window"], 1), "requests": {}}  # fmt: skip
     print(f"{load.agents} agents, heartbeat every {load.heartbeat:g} s, {load.agents // load.nodes_per_job} jobs "
-          f"of {load.nodes_per_job} nodes; {result['window']:.0f} s of load on {figures['machine']}")
+          f"of {load.nodes_per_job} nodes; {result['window']:.0f} s of load measured after {load.warmup:g} s of "
+          f"warm-up on {figures['machine']}")
     print(f"  {'request':10} {'count':>8} {'per s':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for kind, values in sorted(tally.latencies.items()):
         row = {"count": len(values), "p50_ms": 1000 * percentile(values, 0.5),

@@ -5,7 +5,10 @@ masked loop and a dense SwiGLU FFN with the same active FLOPs, in one run.
     .venv/bin/python bench/moe_layer.py --device cuda --dtype bfloat16
 
 The three variants run in turn inside each repetition (so load changes hit them alike);
-the median time per variant is reported, with tokens/s, TFLOP/s and the ratios.
+the median time per variant is reported, with tokens/s, TFLOP/s and the ratios. The input
+requires a gradient, as it does for every layer but the first (--no-input-grad: it does not).
+On a shared CPU the ratios are also given in CPU time of the (single) computing thread,
+which leaves out the time the thread waited for a core.
 """
 
 import argparse
@@ -19,8 +22,9 @@ from trainer.moe import FeedForward, MoE, MoEConfig
 
 
 def masked_loop_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
-    """The common reference (HF Mixtral): per expert, find its tokens through a mask, gather
-    them, run the expert, scatter-add the weighted result."""
+    """The common reference, as HF transformers' MixtralSparseMoeBlock writes it: per expert,
+    find its tokens through a mask, gather them, run the expert, add the weighted result in
+    place (`index_add_`) into one output."""
     routing = moe.router(x_TD)
     out_TD = torch.zeros_like(x_TD)
     expert_mask_EKT = F.one_hot(routing.experts_TK, moe.cfg.num_experts).permute(2, 1, 0)
@@ -30,7 +34,7 @@ def masked_loop_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
         slot, token_idx = torch.where(expert_mask_EKT[e])
         x_e = x_TD[token_idx]
         y_e = (F.silu(x_e @ w1_DF) * (x_e @ w3_DF)) @ w2_FD
-        out_TD = out_TD.index_add(0, token_idx, y_e * routing.weights_TK[token_idx, slot, None].to(y_e.dtype))
+        out_TD.index_add_(0, token_idx, y_e * routing.weights_TK[token_idx, slot, None].to(y_e.dtype))
     return out_TD
 
 
@@ -50,6 +54,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-input-grad", action="store_true", help="the input needs no gradient")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if args.threads:
@@ -61,7 +66,7 @@ def main() -> None:
     for p in [*moe.parameters(), *dense.parameters()]:
         torch.nn.init.normal_(p, std=0.02)
     moe, dense = moe.to(device, dtype), dense.to(device, dtype)
-    x_TD = torch.randn(args.tokens, args.dim, device=device, dtype=dtype)
+    x_TD = torch.randn(args.tokens, args.dim, device=device, dtype=dtype, requires_grad=not args.no_input_grad)
     grad_TD = torch.randn_like(x_TD)
 
     def ours():
@@ -74,28 +79,37 @@ def main() -> None:
         "dense FFN": lambda: dense(x_TD).backward(grad_TD),
     }
     times = {name: [] for name in variants}
+    cpu_times = {name: [] for name in variants}
     for rep in range(args.reps + 2):  # two warm-up repetitions
         for name, run in variants.items():
             synchronize(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             run()
             synchronize(device)
             if rep >= 2:
                 times[name].append(time.perf_counter() - start)
+                cpu_times[name].append(time.thread_time() - cpu_start)
             moe.zero_grad(set_to_none=True)
             dense.zero_grad(set_to_none=True)
+            x_TD.grad = None
 
-    # Forward + backward = 3 x forward; SwiGLU = 3 matmuls of D x F per token and expert.
-    expert_flops = 3 * 2 * 3 * args.dim * args.expert_hidden * args.top_k * args.tokens
+    # SwiGLU = 3 matmuls of D x F per token and expert; the backward runs 6 more (4 without input grad).
+    matmuls = 7 if args.no_input_grad else 9
+    expert_flops = matmuls * 2 * args.dim * args.expert_hidden * args.top_k * args.tokens
     median = {name: statistics.median(t) for name, t in times.items()}
     print(f"MoE layer fwd+bwd: {args.tokens} tokens, dim {args.dim}, {args.experts} experts x hidden "
-          f"{args.expert_hidden}, top-{args.top_k}, {args.device} {args.dtype}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, median of {args.reps}")
+          f"{args.expert_hidden}, top-{args.top_k}, {args.device} {args.dtype}, input grad "
+          f"{not args.no_input_grad}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"median of {args.reps}")
     for name, seconds in median.items():
         print(f"  {name:12s} {seconds * 1e3:9.1f} ms  {args.tokens / seconds:10.0f} tokens/s  "
               f"{expert_flops / seconds / 1e12:7.3f} TFLOP/s (expert matmuls)")
     print(f"  speed-up over the masked loop: {median['masked loop'] / median['ours']:.2f}x (target >= 2x on CPU, >= 5x on GPU)")
     print(f"  time relative to the dense FFN: {median['ours'] / median['dense FFN']:.2f}x (target <= 1.5x on CPU)")
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
+        print(f"  in thread CPU time: ours {cpu['ours'] * 1e3:.1f} ms, {cpu['masked loop'] / cpu['ours']:.2f}x faster "
+              f"than the masked loop, {cpu['ours'] / cpu['dense FFN']:.2f}x the dense FFN")
 
 
 if __name__ == "__main__":

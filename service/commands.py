@@ -1,9 +1,11 @@
 """The per-agent command queue and the wake-up signal that makes heartbeats long-poll."""
 
 import asyncio
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Collection
 from typing import Any
 
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -11,14 +13,16 @@ from service.models import AgentCommand, Node, utcnow
 
 
 class CommandBell:
-    """Wakes the heartbeats waiting in this process when a command for their node is queued.
-
-    Other service processes learn of new commands by polling the table, so a bell only shortens
-    the wait; it never carries state.
+    """Wakes the heartbeats waiting in this process when a command for their node is queued: at
+    once for commands queued by this process (rung after the commit), within `watch`'s period for
+    those queued by another service process (one query a period for all waiting nodes, not one
+    per waiting heartbeat: 2,048 long-polling agents would otherwise poll 2,048 times a second).
+    A bell only shortens the wait; it never carries state.
     """
 
     def __init__(self) -> None:
         self._events: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self._waiting: Counter[int] = Counter()  # node id -> heartbeats waiting for it here
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -29,13 +33,35 @@ class CommandBell:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._events[node_id].set)
 
-    async def wait(self, node_id: int, timeout: float) -> None:
+    async def wait(self, node_id: int, timeout: float) -> bool:
+        """Waits for the node's bell; whether it rang (else the timeout passed)."""
         event = self._events[node_id]
+        self._waiting[node_id] += 1
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
-            pass
-        event.clear()
+            return False
+        finally:
+            self._waiting[node_id] -= 1
+            if not self._waiting[node_id]:
+                del self._waiting[node_id]
+            event.clear()
+        return True
+
+    async def watch(self, sessions: sessionmaker[Session], period: float = 1.0) -> None:
+        """Rings for the commands other service processes queue for nodes whose heartbeats wait here."""
+        while True:
+            await asyncio.sleep(period)
+            if self._waiting:
+                for node_id in await run_in_threadpool(_with_pending, sessions, list(self._waiting)):
+                    self._events[node_id].set()
+
+
+def _with_pending(sessions: sessionmaker[Session], node_ids: list[int]) -> list[int]:
+    with sessions() as session:
+        query = select(AgentCommand.node_id).distinct()
+        return list(session.scalars(query.where(AgentCommand.node_id.in_(node_ids), AgentCommand.delivered_at.is_(None))))
 
 
 def enqueue(session: Session, node: Node, payload: dict[str, Any]) -> None:
@@ -57,13 +83,22 @@ def ring_on_commit(sessions: sessionmaker[Session], bell: CommandBell) -> None:
 
 def take_pending(session: Session, node_id: int) -> list[dict[str, Any]]:
     """Hands out the node's undelivered commands once, oldest first."""
+    return take_pending_of(session, [node_id]).get(node_id, [])
+
+
+def take_pending_of(session: Session, node_ids: Collection[int]) -> dict[int, list[dict[str, Any]]]:
+    """take_pending for several nodes in one statement (a batch of heartbeats): by node id."""
     rows = session.execute(
         update(AgentCommand)
-        .where(AgentCommand.node_id == node_id, AgentCommand.delivered_at.is_(None))
+        .where(AgentCommand.node_id.in_(node_ids), AgentCommand.delivered_at.is_(None))
         .values(delivered_at=utcnow())
-        .returning(AgentCommand.id, AgentCommand.payload)
+        .returning(AgentCommand.id, AgentCommand.node_id, AgentCommand.payload)
+        .execution_options(synchronize_session=False)  # no command object is loaded in these sessions
     ).all()
-    return [payload for _, payload in sorted(rows)]
+    taken: dict[int, list[dict[str, Any]]] = {}
+    for _, node_id, payload in sorted(rows):
+        taken.setdefault(node_id, []).append(payload)
+    return taken
 
 
 def has_pending(session: Session, node_id: int) -> bool:

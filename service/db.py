@@ -1,11 +1,22 @@
 """Database engine and sessions; the one place that knows how to connect."""
 
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+
+T = TypeVar("T")
+
+# Worker threads for the endpoints' database work (the service sets its thread pool to this; the
+# heartbeat writer has its own two). Fewer than the pooled connections, so a thread never queues
+# for one: that ended in 500s (pool timeouts) under load, while requests held their connection
+# between thread hops. Few, because the work they do (ingesting event batches) is Python that
+# holds the GIL: more threads add no throughput, and with 10 of them the event loop and the
+# heartbeat writer waited so long for the GIL that agents were declared lost (BENCHMARKS.md, "Load").
+DB_THREADS = 4
 
 
 def make_engine(url: str) -> Engine:
@@ -31,7 +42,21 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    # No pool_pre_ping: its round trip on every checkout cost as much as a heartbeat's own
+    # queries. A connection found dead invalidates the pool; see retry_on_disconnect.
+    return create_engine(url, pool_size=10, max_overflow=20)
+
+
+def retry_on_disconnect(transaction: Callable[[], T]) -> T:
+    """Runs a whole transaction again, once, if its connection was dead (PostgreSQL restarted,
+    a connection cut while idle). The first failure empties the pool, so the retry connects
+    afresh. Endpoints outside the agents' hot paths answer that one request with a 500 instead."""
+    try:
+        return transaction()
+    except DBAPIError as exc:
+        if not exc.connection_invalidated:
+            raise
+        return transaction()
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

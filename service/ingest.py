@@ -2,10 +2,13 @@
 and the service's own events.
 
 A batch is stored whole or not at all. Per job, in one transaction: the job's accounting row is
-locked (SELECT ... FOR UPDATE on PostgreSQL; SQLite has one writer at a time), the events go in
-with one bulk INSERT ... ON CONFLICT DO NOTHING on (job, attempt, source, seq), a repeat with the
-same content is ignored and one with other content rejects the batch, and only the new events are
-folded into the job's `JobAccount` (service/ett/engine.py) and its checkpoint records.
+locked (SELECT ... FOR UPDATE on PostgreSQL; SQLite has one writer at a time), the events are
+staged in a temporary table (COPY on PostgreSQL, executemany on SQLite: no per-row work in
+Python beyond building a tuple) and moved into `events` by one INSERT ... SELECT ... ON CONFLICT
+DO NOTHING on (job, attempt, source, seq) that returns the keys it stored. A repeat with the same
+content is ignored and one with other content rejects the batch; only the new events are folded
+into the job's `JobAccount` (service/ett/engine.py), rank 0's steps one attempt at a time, and
+their checkpoint events into the job's checkpoint records.
 """
 
 import json
@@ -14,9 +17,10 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, tuple_
+import orjson
+from sqlalchemy import column, func, select, table, true, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -42,6 +46,43 @@ class IngestResult:
     duplicates: int
 
 
+class _Row(NamedTuple):
+    """An event as stored: the columns of `events` (JobEvent), `data` as JSON text."""
+
+    job_id: str
+    attempt: int
+    source: str
+    seq: int
+    kind: str
+    ts: float  # on the service's clock: the emitter's ts plus clock_offset_seconds
+    clock_offset_seconds: float
+    step: int | None
+    duration: float | None  # data.duration of `step` events, summed by the rollback lookup
+    data: str
+
+
+class _Pending(NamedTuple):
+    """An event of the batch on its way in."""
+
+    row: _Row
+    data: dict[str, Any]  # `data` as stored, decoded (NaN and infinities are null)
+    index: int  # in the request, for error messages
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        return (self.row.attempt, self.row.source, self.row.seq)
+
+
+# Each connection stages its batches in a temporary table of the same columns as `events`.
+_COLUMNS = ", ".join(_Row._fields)
+_STAGED = table("events_in", *(column(name) for name in _Row._fields))
+_STAGING_DDL = {
+    "postgresql": f"CREATE TEMP TABLE IF NOT EXISTS events_in ON COMMIT DELETE ROWS AS SELECT {_COLUMNS} "
+    "FROM events WITH NO DATA",
+    "sqlite": f"CREATE TEMP TABLE IF NOT EXISTS events_in AS SELECT {_COLUMNS} FROM events WHERE 0",
+}
+
+
 def _finite(value: Any) -> Any:
     """JSON has no NaN or infinity (PostgreSQL refuses them): a diverged loss is stored as null."""
     if isinstance(value, float):
@@ -51,6 +92,17 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
+
+
+def _encoded(data: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """`data` as stored, and its JSON: encoded once, for the size limit and the column."""
+    try:
+        encoded = orjson.dumps(data)
+    except orjson.JSONEncodeError:  # an integer over 64 bits, or nesting deeper than orjson goes
+        data = _finite(data)
+        return data, json.dumps(data, separators=(",", ":")).encode()
+    # orjson writes NaN and infinities as null: where the JSON has a null, read the stored form back.
+    return (orjson.loads(encoded) if b"null" in encoded else data), encoded
 
 
 def _insert(session: Session):
@@ -84,67 +136,54 @@ def ingest(
     to roll back. `settings` brings the limits on data size and future times (None: the
     service's own events, trusted). The caller commits."""
     now = time.time()
-    by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)  # the rows to store, per job
-    positions: dict[str, list[int]] = defaultdict(list)  # each row's index in the batch
-    first_index: dict[tuple, int] = {}
+    max_bytes = settings.max_event_data_bytes if settings is not None else math.inf
+    latest_ts = now + settings.max_event_future_seconds - clock_offset if settings is not None else math.inf
+    by_job: dict[str, dict[tuple[int, str, int], _Pending]] = defaultdict(dict)  # first of each key, per job
     duplicates = 0
     for i, (job_id, e) in enumerate(batch):
-        data = e.data
-        try:
-            size = len(json.dumps(data, separators=(",", ":"), allow_nan=False))
-        except ValueError:
-            data = _finite(data)
-            size = len(json.dumps(data, separators=(",", ":")))
-        if settings is not None:
-            if size > settings.max_event_data_bytes:
-                raise EventRejected(i, "data", f"data is over the limit of {settings.max_event_data_bytes} bytes")
-            if e.ts + clock_offset > now + settings.max_event_future_seconds:
-                ahead = e.ts + clock_offset - now
-                msg = f"ts is {ahead:.0f} s ahead of the service's clock (after skew correction)"
-                raise EventRejected(i, "ts", msg)
-        row = {
-            "job_id": job_id, "attempt": e.attempt, "source": e.source, "seq": e.seq, "kind": e.kind,
-            "ts": e.ts + clock_offset, "clock_offset_seconds": clock_offset, "step": e.step,
-            "duration": float(data["duration"]) if e.kind == "step" else None, "data": data,
-        }  # fmt: skip
-        key = (job_id, e.attempt, e.source, e.seq)
-        if key in first_index:
-            earlier = by_job[job_id][first_index[key]]
-            if _content(earlier) != _content(row):
+        data, encoded = _encoded(e.data)
+        if len(encoded) > max_bytes:
+            raise EventRejected(i, "data", f"data is over the limit of {max_bytes} bytes")
+        if e.ts > latest_ts:
+            msg = f"ts is {e.ts + clock_offset - now:.0f} s ahead of the service's clock (after skew correction)"
+            raise EventRejected(i, "ts", msg)
+        duration = float(data["duration"]) if e.kind == "step" else None
+        ts = e.ts + clock_offset
+        row = _Row(job_id, e.attempt, e.source, e.seq, e.kind, ts, clock_offset, e.step, duration, encoded.decode())
+        pending = _Pending(row, data, i)
+        earlier = by_job[job_id].setdefault(pending.key, pending)
+        if earlier is not pending:
+            if _content(earlier.row, earlier.data) != _content(row, data):
                 raise EventRejected(i, "seq", _conflict_message(e))
             duplicates += 1
-            continue
-        first_index[key] = len(by_job[job_id])
-        by_job[job_id].append(row)
-        positions[job_id].append(i)
-    _check_jobs_exist(session, positions)
+    _check_jobs_exist(session, by_job)
     accepted = 0
     for job_id in sorted(by_job):  # one lock order for every process: no deadlock between jobs
-        new, repeated = _ingest_job(session, job_id, by_job[job_id], positions[job_id])
+        new, repeated = _ingest_job(session, job_id, list(by_job[job_id].values()))
         accepted, duplicates = accepted + new, duplicates + repeated
     return IngestResult(accepted, duplicates)
 
 
-def _content(row: dict[str, Any]) -> tuple:
+def _content(row: _Row | JobEvent, data: dict[str, Any]) -> tuple:
     # The emitter's own time: a repeat sent after the node's offset changed is still a repeat.
-    return (row["kind"], round(row["ts"] - row["clock_offset_seconds"], 6), row["step"], row["data"])
+    return (row.kind, round(row.ts - row.clock_offset_seconds, 6), row.step, data)
 
 
 def _conflict_message(e: EventIn) -> str:
     return f"seq {e.seq} of {e.source} in attempt {e.attempt} was already sent with other content"
 
 
-def _check_jobs_exist(session: Session, positions: dict[str, list[int]]) -> None:
+def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, _Pending]]) -> None:
     # FOR KEY SHARE (PostgreSQL): the job before its accounting row, in the order the scheduler
     # takes them (it locks jobs, then emits events), so the two never wait on each other in a circle.
-    query = select(Job.id).where(Job.id.in_(list(positions))).with_for_update(read=True, key_share=True)
+    query = select(Job.id).where(Job.id.in_(list(by_job))).with_for_update(read=True, key_share=True)
     known = set(session.scalars(query))
-    for job_id, indexes in positions.items():
+    for job_id, events in by_job.items():
         if job_id not in known:
-            raise EventRejected(indexes[0], "job_id", f"no job {job_id}")
+            raise EventRejected(min(p.index for p in events.values()), "job_id", f"no job {job_id}")
 
 
-def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]], positions: list[int]) -> tuple[int, int]:
+def _ingest_job(session: Session, job_id: str, events: list[_Pending]) -> tuple[int, int]:
     insert = _insert(session)
     # Create-if-missing first: on SQLite this write takes the database's write lock at once.
     session.execute(
@@ -155,21 +194,13 @@ def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]], posit
             populate_existing=True
         )
     ).one()
-    # Core, not the ORM's bulk path: one multi-row INSERT per page, RETURNING only the new keys.
-    events = JobEvent.__table__
-    inserted = session.connection().execute(
-        insert(events).on_conflict_do_nothing().returning(events.c.attempt, events.c.source, events.c.seq), rows
-    ).all()
-    if len(inserted) == len(rows):
-        new_rows, repeats = rows, 0
-    else:
-        new_keys = set(map(tuple, inserted))
-        fresh = [(r["attempt"], r["source"], r["seq"]) in new_keys for r in rows]
-        _check_repeats(session, job_id, [(r, i) for r, i, new in zip(rows, positions, fresh, strict=True) if not new])
-        new_rows = [r for r, new in zip(rows, fresh, strict=True) if new]
-        repeats = len(rows) - len(new_rows)
+    stored = _store_new(session, [p.row for p in events])
+    new = events
+    if len(stored) < len(events):  # the others were stored before: each must be a true repeat
+        new = [p for p in events if p.key in stored]
+        _check_repeats(session, job_id, [p for p in events if p.key not in stored])
     account = JobAccount.from_dict(account_row.account)
-    _fold(session, job_id, account, new_rows)
+    _fold(session, job_id, account, new)
     account.settle(_SqlSteps(session, job_id))
     starts = [a.start for a in account.attempts.values() if a.start is not None]
     account_row.account = account.to_dict()
@@ -177,15 +208,41 @@ def _ingest_job(session: Session, job_id: str, rows: list[dict[str, Any]], posit
     account_row.finished_at = account.finished_at
     account_row.last_event_at = account.last_event_at
     account_row.failures = sum(a.failed_at is not None for a in account.attempts.values())
-    account_row.events += len(new_rows)
+    account_row.events += len(new)
     session.flush()
-    return len(new_rows), repeats
+    return len(new), len(events) - len(new)
 
 
-def _check_repeats(session: Session, job_id: str, repeats: list[tuple[dict[str, Any], int]]) -> None:
-    """Each repeat (row, its batch index) must have the stored event's content."""
-    keys = [(r["attempt"], r["source"], r["seq"]) for r, _ in repeats]
-    existing = {}
+def _store_new(session: Session, rows: list[_Row]) -> set[tuple[int, str, int]]:
+    """Inserts the rows whose key is not stored yet; returns the keys (attempt, source, seq) it stored."""
+    connection = session.connection()
+    cursor = connection.connection.cursor()  # the driver's, inside the session's transaction
+    try:
+        cursor.execute(_STAGING_DDL[connection.dialect.name])
+        cursor.execute("DELETE FROM events_in")  # another job of this batch's, or (SQLite) an earlier batch's
+        if connection.dialect.name == "postgresql":
+            with cursor.copy(f"COPY events_in ({_COLUMNS}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+        else:
+            cursor.executemany(f"INSERT INTO events_in VALUES ({', '.join('?' * len(_Row._fields))})", rows)
+    finally:
+        cursor.close()
+    events = JobEvent.__table__
+    # WHERE true: SQLite would read the ON of ON CONFLICT as a join's otherwise.
+    moved = (
+        _insert(session)(events)
+        .from_select(_Row._fields, select(_STAGED).where(true()))
+        .on_conflict_do_nothing()
+        .returning(events.c.attempt, events.c.source, events.c.seq)
+    )
+    return set(map(tuple, connection.execute(moved)))
+
+
+def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> None:
+    """Each repeat must have the stored event's content."""
+    keys = [p.key for p in repeats]
+    existing: dict[tuple[int, str, int], JobEvent] = {}
     for chunk in range(0, len(keys), 500):
         for row in session.scalars(
             select(JobEvent).where(
@@ -193,23 +250,29 @@ def _check_repeats(session: Session, job_id: str, repeats: list[tuple[dict[str, 
                 tuple_(JobEvent.attempt, JobEvent.source, JobEvent.seq).in_(keys[chunk : chunk + 500]),
             )
         ):
-            existing[(row.attempt, row.source, row.seq)] = {
-                "kind": row.kind, "ts": row.ts, "clock_offset_seconds": row.clock_offset_seconds,
-                "step": row.step, "data": row.data,
-            }  # fmt: skip
-    for (r, index), key in zip(repeats, keys, strict=True):
-        if _content(existing[key]) != _content(r):
+            existing[(row.attempt, row.source, row.seq)] = row
+    for p in repeats:
+        stored = existing[p.key]
+        if _content(stored, stored.data) != _content(p.row, p.data):
             raise EventRejected(
-                index, "seq", f"seq {r['seq']} of {r['source']} in attempt {r['attempt']} "
+                p.index, "seq", f"seq {p.row.seq} of {p.row.source} in attempt {p.row.attempt} "
                 "was already stored with other content"
             )  # fmt: skip
 
 
-def _fold(session: Session, job_id: str, account: JobAccount, rows: list[dict[str, Any]]) -> None:
+def _fold(session: Session, job_id: str, account: JobAccount, events: list[_Pending]) -> None:
     """Applies the new events to the account, and their checkpoint events to the catalog."""
-    ckpt_keys = {
-        (r["attempt"], r["step"]) for r in rows if r["kind"] in CHECKPOINT_KINDS and r["source"] == TIMING_SOURCE
-    }
+    steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, per attempt
+    others: list[_Pending] = []
+    for p in events:
+        r = p.row
+        if r.kind == "step" and r.source == TIMING_SOURCE:
+            steps[r.attempt].append((r.step, r.ts, r.duration))
+        else:
+            others.append(p)
+    for attempt, numbered in steps.items():
+        account.apply_steps(attempt, numbered)
+    ckpt_keys = {(p.row.attempt, p.row.step) for p in others if _is_checkpoint(p.row)}
     records: dict[tuple[int, int], Checkpoint] = {}
     if ckpt_keys:
         for c in session.scalars(
@@ -221,16 +284,20 @@ def _fold(session: Session, job_id: str, account: JobAccount, rows: list[dict[st
         for key in ckpt_keys - records.keys():
             records[key] = Checkpoint(job_id=job_id, attempt=key[0], step=key[1])
             session.add(records[key])
-    for r in rows:
-        event = Event(r["kind"], r["ts"], r["attempt"], r["source"], r["seq"], r["step"], r["data"])
-        if event.kind not in CHECKPOINT_KINDS or event.source != TIMING_SOURCE:
+    for r, data, _ in others:
+        event = Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, data)
+        if not _is_checkpoint(r):
             account.apply(event)
             continue
-        row = records[(r["attempt"], r["step"])]
-        record = CheckpointRecord(r["attempt"], r["step"], **{f: getattr(row, f) for f in CHECKPOINT_FIELDS})
+        row = records[(r.attempt, r.step)]
+        record = CheckpointRecord(r.attempt, r.step, **{f: getattr(row, f) for f in CHECKPOINT_FIELDS})
         account.apply(event, record)
         for f in CHECKPOINT_FIELDS:
             setattr(row, f, getattr(record, f))
+
+
+def _is_checkpoint(row: _Row) -> bool:
+    return row.kind in CHECKPOINT_KINDS and row.source == TIMING_SOURCE
 
 
 def ingest_trusted(session: Session, job_id: str, events: Sequence[dict[str, Any]]) -> IngestResult:

@@ -2,11 +2,14 @@
 
 import asyncio
 import contextlib
+import gc
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import FastAPI, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -18,11 +21,13 @@ from service.api import api_router
 from service.api.health import router as health_router
 from service import scheduler
 from service.commands import CommandBell, ring_on_commit
-from service.db import make_engine, make_session_factory
+from service.db import DB_THREADS, make_engine, make_session_factory
+from service.heartbeats import HeartbeatWriter
 from service.metrics import install_metrics
 from service.migrate import check_at_head
 from service.pages import install_pages
 from service.ratelimit import RateLimit
+from service.security import CallerCache
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("ett.service")
@@ -112,6 +117,18 @@ async def run_scheduler(app: FastAPI, wake: asyncio.Event, stop: asyncio.Event) 
         wake.clear()
 
 
+def tune_garbage_collector() -> None:
+    """Called once the app has started. A request that ingests a batch of events allocates tens
+    of thousands of objects that live until it answers: at Python's default thresholds (a young
+    collection every 700 allocations) the collector walks them many times over, freeing nothing,
+    and each full collection also walks every object the imports left behind. Freezing the
+    startup heap and collecting the youngest generation less often took ingestion from 30,000 to
+    58,000 events per CPU-second, as fast as with the collector off (BENCHMARKS.md, "ETT
+    ingestion")."""
+    gc.freeze()
+    gc.set_threshold(50_000, 10, 10)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -120,16 +137,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         check_at_head(engine)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = DB_THREADS
+        # A thread ingesting an event batch keeps the GIL up to the switch interval whenever the
+        # event loop or the heartbeat writer wants it: at 1 ms instead of 5, heartbeats kept up
+        # with 2,048 agents beside the batches (BENCHMARKS.md, "Load").
+        sys.setswitchinterval(0.001)
         loop = asyncio.get_running_loop()
         app.state.bell.bind(loop)
         wake = asyncio.Event()
         app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
         stop = asyncio.Event()
         task = asyncio.create_task(run_scheduler(app, wake, stop))
+        app.state.heartbeats = HeartbeatWriter(app.state.sessions, settings)
+        writer = asyncio.create_task(app.state.heartbeats.run())
+        watcher = asyncio.create_task(app.state.bell.watch(app.state.sessions))
+        tune_garbage_collector()
         yield
         stop.set()
         wake.set()
         await task  # lets a tick in flight finish: no transaction outlives the app
+        for background in (writer, watcher):
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await background
         engine.dispose()
 
     app = FastAPI(title="ETT", version="1", lifespan=lifespan, docs_url="/docs",
@@ -138,6 +168,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.sessions = make_session_factory(engine)
     app.state.bell = CommandBell()
+    app.state.callers = CallerCache()
     app.state.wake_scheduler = lambda: None  # replaced once the event loop runs
     ring_on_commit(app.state.sessions, app.state.bell)
     app.add_exception_handler(RequestValidationError, validation_error)

@@ -11,10 +11,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from service import commands
-from service.models import Attempt, AttemptNode, AttemptState, Job, JobEvent, JobState, Node, NodeState
+from service.models import Attempt, AttemptNode, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 from service.timeline import emit
@@ -32,26 +32,33 @@ def on_reports(session: Session, node: Node, reports: Sequence[AttemptReport], n
     """Applies the attempt states an agent reports for its share of each attempt."""
     for report in reports:
         share = session.scalar(
-            select(AttemptNode).join(Attempt)
+            select(AttemptNode).join(Attempt).options(contains_eager(AttemptNode.attempt))  # one query, not two
             .where(Attempt.job_id == report.job_id, Attempt.number == report.attempt, AttemptNode.node_id == node.id)
         )  # fmt: skip
-        if share is None or share.state not in ACTIVE:
-            continue
-        share.state = AttemptState(report.state)
-        attempt = share.attempt
-        if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
-            attempt.state = AttemptState.running
-        elif share.state == AttemptState.failed:
-            detail = report.detail or f"{report.cause} on {node.name}"
-            fail_attempt(session, attempt, report.cause or "exit", detail, now, exit_code=report.exit_code)
-        elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
-            # The agent stopped it without being told to (an agent restart): the attempt is lost.
-            fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
-        elif share.state == AttemptState.succeeded and all(s.state == AttemptState.succeeded for s in attempt.nodes):
-            attempt.state, attempt.ended_at = AttemptState.succeeded, _at(now)
-            finish_job(session, attempt.job, JobState.succeeded, None, now)
-        if share.state not in ACTIVE:
-            _release(share.node)
+        if share is not None:
+            apply_report(session, node, share, report, now)
+
+
+def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float) -> None:
+    """Applies one report to the node's share of the attempt it names (loaded with its attempt).
+    Heartbeats written in a batch (service/heartbeats.py) load their shares at once and call this."""
+    if share.state not in ACTIVE:
+        return
+    share.state = AttemptState(report.state)
+    attempt = share.attempt
+    if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
+        attempt.state = AttemptState.running
+    elif share.state == AttemptState.failed:
+        detail = report.detail or f"{report.cause} on {node.name}"
+        fail_attempt(session, attempt, report.cause or "exit", detail, now, exit_code=report.exit_code)
+    elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
+        # The agent stopped it without being told to (an agent restart): the attempt is lost.
+        fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
+    elif share.state == AttemptState.succeeded and all(s.state == AttemptState.succeeded for s in attempt.nodes):
+        attempt.state, attempt.ended_at = AttemptState.succeeded, _at(now)
+        finish_job(session, attempt.job, JobState.succeeded, None, now)
+    if share.state not in ACTIVE:
+        _release(share.node)
 
 
 def _release(node: Node) -> None:
@@ -156,7 +163,7 @@ def _give_up_stragglers(session: Session, settings: Settings, now: float) -> Non
         _release(share.node)
 
 
-def _needs_attempt(job: Job, settings: Settings, now: float) -> bool:
+def _needs_attempt(session: Session, job: Job, settings: Settings, now: float) -> bool:
     if job.state == JobState.queued:
         return True
     if job.state != JobState.running or not job.attempts:
@@ -164,9 +171,16 @@ def _needs_attempt(job: Job, settings: Settings, now: float) -> bool:
     last = job.attempts[-1]
     if last.state in ACTIVE or last.ended_at is None:
         return False
-    backoff_over = now >= last.ended_at.timestamp() + settings.restart_backoff_seconds
+    backoff_over = _made_progress(session, last) or now >= last.ended_at.timestamp() + settings.restart_backoff_seconds
     # Wait for the survivors to stop, so they can be reused and hold no stale ranks.
     return backoff_over and all(s.state not in ACTIVE for s in last.nodes)
+
+
+def _made_progress(session: Session, attempt: Attempt) -> bool:
+    """An attempt that committed a checkpoint is no crash loop: the next one needs no backoff."""
+    query = select(Checkpoint.id).where(Checkpoint.job_id == attempt.job_id, Checkpoint.attempt == attempt.number,
+                                        Checkpoint.committed_at.is_not(None))
+    return session.scalar(query.limit(1)) is not None
 
 
 def _allocate(session: Session, settings: Settings, now: float) -> None:
@@ -174,21 +188,25 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         select(Job).where(Job.state.in_((JobState.queued, JobState.running)))
         .order_by(Job.state.desc(), Job.submitted_at)  # restarts ("running") before new jobs
         .with_for_update(skip_locked=True)
+        .options(selectinload(Job.attempts))  # one query for all jobs' attempts, not one per job each tick
     ).all()  # fmt: skip
     fresh = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    idle: list[Node] | None = None  # read (and locked) once per tick, by the first job that needs nodes
     for job in candidates:
-        if not _needs_attempt(job, settings, now):
+        if not _needs_attempt(session, job, settings, now):
             continue
+        if idle is None:
+            idle = list(session.scalars(
+                select(Node).where(Node.state == NodeState.idle, Node.last_heartbeat_at >= fresh)
+                .order_by(Node.name).with_for_update(skip_locked=True)
+            ))  # fmt: skip
         spec = job.spec
-        idle = session.scalars(
-            select(Node).where(Node.state == NodeState.idle, Node.slots >= spec["procs_per_node"],
-                               Node.last_heartbeat_at >= fresh)
-            .order_by(Node.name).with_for_update(skip_locked=True)
-        ).all()  # fmt: skip
-        if len(idle) < spec["nodes"]:
+        fitting = [node for node in idle if node.slots >= spec["procs_per_node"]]
+        if len(fitting) < spec["nodes"]:
             continue  # gang: all nodes or none; smaller jobs behind may still fit
-        nodes = _prefer_previous_nodes(job, idle)[: spec["nodes"]]
+        nodes = _prefer_previous_nodes(job, fitting)[: spec["nodes"]]
         _start_attempt(session, settings, job, nodes, now)
+        idle = [node for node in idle if node not in nodes]
 
 
 def _prefer_previous_nodes(job: Job, idle: Sequence[Node]) -> list[Node]:

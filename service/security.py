@@ -3,6 +3,7 @@
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -31,3 +32,35 @@ def find_token(session: Session, secret: str) -> Token | None:
     if token is None or token.revoked or not hmac.compare_digest(token.token_hash, digest):
         return None
     return token
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What a token says of its holder: facts fixed when the token is created (revocation is not one)."""
+
+    token_id: int
+    role: Role
+    subject: str
+
+
+class CallerCache:
+    """The callers of valid tokens seen by this process, by digest, so that an agent's heartbeats
+    and event batches skip the token lookup (one query and one worker-thread hop each).
+
+    Only facts that never change are kept, so an entry never goes stale; revocation is checked by
+    the endpoints that use the cache, in their own query (service.api.deps.own_node), so a
+    revoked token is refused from its next request on, as without the cache. Keyed by digest,
+    like the token table: looking up a digest leaks nothing usable about the secret.
+    """
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._callers: dict[str, Caller] = {}
+
+    def get(self, digest: str) -> Caller | None:
+        return self._callers.get(digest)
+
+    def put(self, digest: str, caller: Caller) -> None:
+        if len(self._callers) >= self.max_entries:
+            self._callers.clear()  # a fleet far larger than this is not expected: simply start over
+        self._callers[digest] = caller

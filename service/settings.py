@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     clock_resync_seconds: float = Field(0.5, gt=0)
     # How often the scheduler looks for work it has not been woken for (lost nodes, backoffs).
     scheduler_period_seconds: float = Field(0.5, gt=0)
-    # Pause between a failed attempt and the next one, so a crash loop does not spin.
+    # Pause between a failed attempt and the next one, so a crash loop does not spin; an attempt
+    # that committed a checkpoint made progress and is restarted without it.
     restart_backoff_seconds: float = Field(1.0, ge=0)
     # How long the surviving nodes of a failed attempt get to stop before their share is given up.
     stop_grace_seconds: float = Field(30.0, gt=0)

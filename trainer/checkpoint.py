@@ -9,6 +9,10 @@ Saving blocks the loop only while the state is copied to CPU memory (staging); D
 in the background. When the write finishes on every rank (DCP's coordinator writes `.metadata`
 after gathering every rank's write result, and every file is fsynced), rank 0 writes the marker
 with write-temp + fsync + rename and prunes old checkpoints.
+
+With `local_dir` (node-local fast disk), DCP writes there first and the ranks then copy the files
+to `dir` in the background before the marker is written (trainer/checkpoint_tiers.py); `dir`
+stays the checkpoint of record, and resume reads the local copies that match its manifest.
 """
 
 import json
@@ -16,7 +20,6 @@ import logging
 import os
 import re
 import shutil
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +31,11 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, _async_process_executor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from trainer.checkpoint_staging import ReusedBufferStager
+from trainer.checkpoint_tiers import TieredReader, copy_to_persistent, file_crc32
 from trainer.errors import ConfigError
 from trainer.events import EventWriter
 
@@ -44,6 +48,9 @@ STEP_FOLDER = re.compile(r"^step-(\d{8})$")
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # empty: no checkpoints are saved
+    # Node-local fast folder: saves land here first and are copied to `dir` in the background;
+    # resume reads the files here that match the checkpoint's manifest. Empty: `dir` only.
+    local_dir: str = ""
     interval_steps: int = 0  # save every N steps; 0: only at the last step (and on SIGTERM)
     keep: int = 3  # newest committed checkpoints kept
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
@@ -58,6 +65,8 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.resume_from must be auto, none or a step-NNNNNNNN folder, got {self.resume_from!r}")
         if self.async_mode not in ("process", "thread"):
             raise ValueError(f"checkpoint.async_mode must be 'process' or 'thread', got {self.async_mode!r}")
+        if self.local_dir and (not self.dir or Path(self.local_dir).resolve() == Path(self.dir).resolve()):
+            raise ValueError("checkpoint.local_dir needs checkpoint.dir, and another folder: the local copy caches it")
 
 
 def step_folder(root: str | Path, step: int) -> Path:
@@ -77,14 +86,6 @@ def step_folders(root: str | Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of, reverse=True)
 
 
-def _file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
 def _fsync_folder(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -93,11 +94,13 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_marker(folder: Path, step: int, world_size: int) -> int:
-    """Commit a checkpoint whose DCP save completed on every rank; returns its size in bytes."""
-    metadata = FileSystemReader(folder).read_metadata()
-    names = sorted({".metadata"} | {item.relative_path for item in metadata.storage_data.values()})
-    files = {name: {"bytes": (folder / name).stat().st_size, "crc32": _file_crc32(folder / name)} for name in names}
+def write_marker(folder: Path, step: int, world_size: int, files: dict[str, dict[str, int]] | None = None) -> int:
+    """Commit a checkpoint whose files are all durable in `folder`; returns its size in bytes.
+    `files`: the manifest entries when known (copied from the local tier), else read here."""
+    if files is None:
+        metadata = FileSystemReader(folder).read_metadata()
+        names = sorted({".metadata"} | {item.relative_path for item in metadata.storage_data.values()})
+        files = {name: {"bytes": (folder / name).stat().st_size, "crc32": file_crc32(folder / name)} for name in names}
     manifest = {"step": step, "world_size": world_size, "files": files}
     _fsync_folder(folder)  # the shard files' directory entries are durable before the marker
     tmp = folder / f"{MARKER}.tmp"
@@ -126,7 +129,7 @@ def verify(folder: Path) -> str | None:
             return f"missing file {name}"
         if path.stat().st_size != expected["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _file_crc32(path) != expected["crc32"]:
+        if file_crc32(path) != expected["crc32"]:
             return f"{name} fails its CRC-32 check"
     return None
 
@@ -199,15 +202,16 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, events: EventWriter, model: nn.Module):
         self.cfg, self.events = cfg, events
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # One rank per node looks after the node's local folder (retention, abandoned steps).
+        self.tends_local_dir = bool(cfg.local_dir) and int(os.environ.get("LOCAL_RANK", "0")) == 0
         # DCP's own collectives run in a background thread (or process): they get a group of
         # their own, so they never interleave with the training loop's on the default group.
         self.group = dist.new_group(backend="gloo")
         self.mode = self._agree_on_mode(model)
-        cuda = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=self.mode == AsyncCheckpointerType.PROCESS,
-            use_async_staging=False, use_non_blocking_copy=False,
-        ))
+        # Staging buffers allocated by the first save and reused: the copy is all a save blocks for.
+        self.stager = ReusedBufferStager(
+            share_memory=self.mode == AsyncCheckpointerType.PROCESS, pin_memory=torch.cuda.is_available()
+        )
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-commit")
         self.in_flight: Future | None = None
 
@@ -240,9 +244,12 @@ class Checkpointer:
         if self.rank == 0:  # a folder left by an abandoned run is rewritten: uncommit it first
             folder.mkdir(parents=True, exist_ok=True)
             (folder / MARKER).unlink(missing_ok=True)
+        # With a local tier, DCP writes to node-local disk without fsync: the copy to `folder` is the durable one.
+        target = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
         try:
             upload = dcp.async_save(
-                state, storage_writer=FileSystemWriter(folder, sync_files=True, overwrite=True), process_group=self.group,
+                state, storage_writer=FileSystemWriter(target, sync_files=not self.cfg.local_dir, overwrite=True),
+                process_group=self.group,
                 async_checkpointer_type=self.mode, async_stager=self.stager,
             )
         except Exception as error:
@@ -254,15 +261,27 @@ class Checkpointer:
 
     def _commit(self, upload: Future, step: int, folder: Path) -> None:
         try:
-            upload.result()
+            if self.cfg.local_dir:
+                files = copy_to_persistent(upload, step_folder(self.cfg.local_dir, step), folder, self.group)
+                if self.tends_local_dir:
+                    self._prune_local()
+            else:
+                upload.result()
+                files = None  # rank 0 reads the manifest's sizes and CRC-32s from the written files
             if self.rank == 0:
-                nbytes = write_marker(folder, step, self.world_size)
+                nbytes = write_marker(folder, step, self.world_size, files)
                 self.events.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes)
                 logger.info("checkpoint %s committed (%.1f MiB)", folder, nbytes / 2**20)
                 self._prune()
         except Exception as error:
             logger.exception("checkpoint of step %d failed", step)
             self.events.emit("ckpt_failed", step=step, error=repr(error))
+
+    def _prune_local(self) -> None:
+        """The node's local folder keeps the newest `keep` saves: enough to resume from any
+        checkpoint the persistent folder keeps."""
+        for old in step_folders(self.cfg.local_dir)[self.cfg.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _prune(self) -> None:
         """Keep the newest `keep` committed checkpoints; older torn ones go too."""
@@ -295,16 +314,23 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.resume_from: {folder} was written by {manifest['world_size']} ranks, "
                               f"this run has {self.world_size}; the data position and RNG states are per rank")
         self.events.emit("restore_start")
-        logger.info("resuming from %s", folder)
-        dcp.load(state, checkpoint_id=folder, process_group=self.group)
+        local = step_folder(self.cfg.local_dir, step_of(folder)) if self.cfg.local_dir else None
+        reader = TieredReader(folder, local, manifest["files"])
+        dcp.load(state, storage_reader=reader, process_group=self.group)
         step = state["progress"].step
-        self.events.emit("restore_end", step=step)
+        logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,
+                    reader.bytes_read["local"], reader.bytes_read["persistent"])
+        self.events.emit("restore_end", step=step, source=reader.source)
         self._retire_newer_than(step)
         return step
 
     def _retire_newer_than(self, step: int) -> None:
         """Checkpoints past the resumed step belong to an abandoned run (or did not verify):
         were they kept, a later `auto` resume would jump back onto that other timeline."""
+        if self.tends_local_dir:  # their local copies would only be overwritten
+            for folder in step_folders(self.cfg.local_dir):
+                if step_of(folder) > step:
+                    shutil.rmtree(folder, ignore_errors=True)
         if self.rank != 0 or not self.cfg.dir:
             return
         for folder in step_folders(self.cfg.dir):

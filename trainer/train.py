@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from trainer.checkpoint import Checkpointer, ModelOptimizerState, RNGState, TrainProgress
 from trainer.config import JobConfig, parse_args
 from trainer.data import ByteBatchLoader, SourceCorpus
-from trainer.errors import EXIT_CONFIG_ERROR, EXIT_OK, EXIT_STOPPED, ConfigError
+from trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, ConfigError
 from trainer.events import EventWriter
 from trainer.log import LogConfig, setup_logging
 from trainer.metrics import MetricsLogger
@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         logger.error("configuration error: %s", error)
         return EXIT_CONFIG_ERROR
+    except Exception:
+        # Often a peer's death breaking the collectives. Leave at once through os._exit below: an
+        # interpreter exit would first wait for the checkpoint threads, stuck in collectives too.
+        logger.exception("training failed")
+        return EXIT_FAILED
     finally:
         events.close()
 

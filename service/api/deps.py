@@ -1,48 +1,101 @@
-"""Typed dependencies shared by the routers: the database session and the caller's token."""
+"""Typed dependencies shared by the routers: the database session, the caller's token, its node."""
 
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, status
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import exists, select
+from sqlalchemy.orm import Session
 
 from service.db import SessionDep
-from service.models import Job, Role, Token
-from service.security import find_token
+from service.models import AgentCommand, Job, Node, Role, Token
+from service.security import Caller, CallerCache, find_token, hash_token
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `ett token create`")
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def current_token(
-    session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> Token:
+def unauthorized() -> HTTPException:
+    return HTTPException(
+        status.HTTP_401_UNAUTHORIZED,
+        "a valid bearer token is required (create one with `ett token create`)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def current_token(session: SessionDep, credentials: BearerDep) -> Token:
     token = find_token(session, credentials.credentials) if credentials else None
     # End the read now: the connection goes back to the pool instead of being held for the whole
-    # request (a heartbeat long-polls, and opens sessions of its own: holding this one too could
-    # exhaust the pool under load). The token stays loaded (expire_on_commit=False).
+    # request. The token stays loaded (expire_on_commit=False).
     session.commit()
     if token is None:
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            "a valid bearer token is required (create one with `ett token create`)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise unauthorized()
     return token
 
 
+def check_role(role: Role, roles: tuple[Role, ...]) -> None:
+    if role not in roles:
+        allowed = " or ".join(r.value for r in roles)
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"this needs a {allowed} token")
+
+
 def require(*roles: Role) -> Callable[[Token], Token]:
-    def check(token: Annotated[Token, Depends(current_token)]) -> Token:
-        if token.role not in roles:
-            allowed = " or ".join(r.value for r in roles)
-            raise HTTPException(status.HTTP_403_FORBIDDEN, f"this needs a {allowed} token")
+    # async: a check without I/O need not hop onto a worker thread.
+    async def check(token: Annotated[Token, Depends(current_token)]) -> Token:
+        check_role(token.role, roles)
         return token
 
     return check
 
 
+async def current_agent(request: Request, credentials: BearerDep) -> Caller:
+    """The calling agent for the hot agent endpoints (heartbeat, events): from this process's cache
+    of seen tokens, so most calls skip the lookup. These endpoints must check revocation in their
+    own query (own_node below, or the heartbeat writer's), since the cache does not know of it."""
+    if credentials is None:
+        raise unauthorized()
+    digest = hash_token(credentials.credentials)
+    cache: CallerCache = request.app.state.callers
+    caller = cache.get(digest)
+    if caller is None:
+
+        def lookup() -> Caller | None:
+            with request.app.state.sessions() as session:
+                token = find_token(session, credentials.credentials)
+                return None if token is None else Caller(token.id, token.role, token.subject)
+
+        caller = await run_in_threadpool(lookup)
+        if caller is None:
+            raise unauthorized()
+        cache.put(digest, caller)
+    check_role(caller.role, (Role.agent,))
+    return caller
+
+
+def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:
+    """The node named in the path, if the caller's token registered it and is not revoked, and
+    whether commands wait for it: one query for the three (the hot agent endpoints run it first)."""
+    pending = exists().where(AgentCommand.node_id == Node.id, AgentCommand.delivered_at.is_(None))
+    row = session.execute(
+        select(Token.revoked, Node, pending).select_from(Token)
+        .outerjoin(Node, Node.name == name).where(Token.id == caller.token_id)
+    ).one_or_none()  # fmt: skip
+    if row is None or row.revoked:
+        raise unauthorized()
+    node = row.Node
+    if node is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no agent {name}: register it first")
+    if node.token_id != caller.token_id:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"agent {name} was registered with another token")
+    return node, bool(row[2])
+
+
 UserDep = Annotated[Token, Depends(require(Role.user, Role.admin))]
 AdminDep = Annotated[Token, Depends(require(Role.admin))]
 AgentDep = Annotated[Token, Depends(require(Role.agent))]
+AgentCallerDep = Annotated[Caller, Depends(current_agent)]
 
 
 def get_visible_job(session: SessionDep, job_id: str, caller: UserDep) -> Job:

@@ -1,12 +1,12 @@
 """Event ingestion's two doors: the agents' batches and the admin's replay of a timeline."""
 
 from fastapi import APIRouter, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
-from service.api.agents import OwnNode
-from service.api.deps import AdminDep
-from service.db import SessionDep
+from service.api.deps import AdminDep, AgentCallerDep, own_node
+from service.db import SessionDep, retry_on_disconnect
 from service.ingest import EventRejected, ingest
 from service.models import Attempt, AttemptNode, Job, Node
 from service.schemas.events import AgentEventBatch, AgentEventIn, EventBatch, EventIn, IngestOut
@@ -41,9 +41,20 @@ def _first_not_given(session: Session, node: Node, events: list[AgentEventIn]) -
 
 
 @router.post("/agents/{name}/events")
-def agent_events(body: AgentEventBatch, node: OwnNode, session: SessionDep, request: Request) -> IngestOut:
+async def agent_events(body: AgentEventBatch, name: str, caller: AgentCallerDep, request: Request) -> IngestOut:
     """An agent's batch: its ranks' and its own events, each naming its job. Their times are
     moved onto the service's clock by the node's offset measured at heartbeat, recorded per event."""
+
+    def store() -> IngestOut:
+        # The whole request on one worker thread and one connection (no hop between checks).
+        with request.app.state.sessions() as session:
+            node, _ = own_node(session, name, caller)
+            return _store_from(session, node, body, request.app.state.settings)
+
+    return await run_in_threadpool(retry_on_disconnect, store)
+
+
+def _store_from(session: Session, node: Node, body: AgentEventBatch, settings: Settings) -> IngestOut:
     for i, e in enumerate(body.events):
         if not (e.source.startswith("rank:") or e.source == f"node:{node.name}"):
             detail = [{"field": f"events.{i}.source", "msg": f"agent {node.name} may send only its ranks' "
@@ -55,7 +66,7 @@ def agent_events(body: AgentEventBatch, node: OwnNode, session: SessionDep, requ
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"events.{stranger}: attempt {e.attempt} of job {e.job_id} "
                             f"was not given to agent {node.name}; it may report only its own attempts")  # fmt: skip
     batch = [(e.job_id, e) for e in body.events]
-    return _store(session, batch, request.app.state.settings, node.clock_offset_seconds)
+    return _store(session, batch, settings, node.clock_offset_seconds)
 
 
 @router.post("/jobs/{job_id}/events")

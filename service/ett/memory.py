@@ -40,15 +40,21 @@ class MemoryJob:
                 duplicates += 1
             else:
                 raise ConflictingEvent(f"seq {e.seq} of {e.source} in attempt {e.attempt} was sent with other content")
+        steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, folded per attempt
         for e in fresh.values():
             self.events[e.key] = e
             checkpoint = None
             if e.kind == "step" and e.source == TIMING_SOURCE:
-                self._steps[e.attempt].append((e.step or 0, float(e.data.get("duration", 0.0))))
-            elif e.kind in CHECKPOINT_KINDS and e.source == TIMING_SOURCE:
+                duration = float(e.data.get("duration", 0.0))
+                self._steps[e.attempt].append((e.step or 0, duration))
+                steps[e.attempt].append((e.step or 0, e.ts, duration))
+                continue
+            if e.kind in CHECKPOINT_KINDS and e.source == TIMING_SOURCE:
                 key = (e.attempt, e.step or 0)
                 checkpoint = self.checkpoints.setdefault(key, CheckpointRecord(*key))
             self.account.apply(e, checkpoint)
+        for attempt, numbered in steps.items():
+            self.account.apply_steps(attempt, numbered)
         self.account.settle(self)
         return len(fresh), duplicates
 

@@ -23,6 +23,7 @@ def agent(service, tmp_path):
         "ETT_AGENT_NAME": "node-a", "ETT_AGENT_SLOTS": "2", "ETT_AGENT_DATA_DIR": str(tmp_path / "agent"),
         "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
         "ETT_AGENT_BATCH_MAX_AGE_SECONDS": "0.1", "ETT_AGENT_STOP_GRACE_SECONDS": "2",
+        "ETT_AGENT_WARM_START": "false",  # fake ranks only: no trainer to keep warm
     }  # fmt: skip
     process = subprocess.Popen([sys.executable, "-m", "agent.cli"], env=env)
     try:

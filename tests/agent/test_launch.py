@@ -21,7 +21,7 @@ def trainer_command(**fields):
 
 def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
     command = trainer_command(nnodes=2, node_rank=1, master_port=29517, checkpoint={
-        "interval_steps": 50, "keep": 3, "dir": "/ckpt/j", "resume_from": "/ckpt/j/step-00000040"})
+        "interval_steps": 50, "keep": 3, "dir": "/ckpt/j", "local_dir": "/nvme/j", "resume_from": "/ckpt/j/step-00000040"})
     paths = AttemptPaths.of(tmp_path, command.job_id, 0)
     argv = torchrun_argv(command, paths)
 
@@ -32,7 +32,8 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
     rank = argv[argv.index("--", runner) + 1:]
     assert rank == [sys.executable, "-m", "trainer.train", "--preset", "cpu-demo", "--moe.num_experts", "8",
                     "--optim.lr", "0.001", "--parallel.compile", "true", "--data.name", "tiny",
-                    "--checkpoint.dir", "/ckpt/j", "--checkpoint.interval_steps", "50", "--checkpoint.keep", "3",
+                    "--checkpoint.dir", "/ckpt/j", "--checkpoint.local_dir", "/nvme/j",
+                    "--checkpoint.interval_steps", "50", "--checkpoint.keep", "3",
                     "--checkpoint.resume_from", "/ckpt/j/step-00000040"]
 
 

@@ -59,6 +59,23 @@ def test_killed_by_signal(supervisor):
     assert {"rank": 0, "signal": "SIGKILL"} in exits
 
 
+def test_a_failure_is_reported_at_once_and_the_next_launch_waits_for_the_group_to_go(supervisor):
+    # Rank 0 ignores the SIGTERM torchrun sends it when rank 1 fails: the group lingers until the grace's SIGKILL.
+    command = launch_command("--steps", "100000", "--fail-rank", "1", "--fail-at-step", "2", "--ignore-sigterm")
+    supervisor.launch(command)
+    wait_for(lambda: supervisor.poll() or supervisor.reports.snapshot()[0]["state"] == "failed", 60, "the failure")
+    assert command.key in supervisor.groups, "reported while its rank 0 still runs"
+    assert supervisor.reports.snapshot()[0]["detail"] == "rank 1 exit code 1"
+
+    restart = launch_command("--steps", "2", job_id=command.job_id, attempt=1)
+    supervisor.launch(restart)
+    assert restart.key not in supervisor.groups  # held back
+    wait_for(lambda: supervisor.poll() or restart.key in supervisor.groups, 30, "the held launch to start")
+    assert command.key not in supervisor.groups  # only once the failed group was gone
+    wait_for(lambda: supervisor.poll() or not supervisor.groups, 60, "the restart to end")
+    assert {r["attempt"]: r["state"] for r in supervisor.reports.snapshot()} == {0: "failed", 1: "succeeded"}
+
+
 def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
     command = launch_command("--steps", "1000", "--hang-at-step", "2", hang_timeout_seconds=2.0)
     supervisor.launch(command)

@@ -42,6 +42,10 @@ def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
         assert second["resume_from"].endswith(f"step-{newest:08d}")
         [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
         assert restore.step == newest
+        # The same nodes with the same ranks: each rank reads its own shards from its node's local
+        # copy (a few items another node's rank wrote come from the persistent folder: "mixed").
+        sources = {e.source: e.data["source"] for e in events(c, job_id, "restore_end") if e.attempt == 1}
+        assert len(sources) == 4 and set(sources.values()) <= {"local", "mixed"}, sources
 
         steps = events(c, job_id, "step")
         last_of_first = max(e.step for e in steps if e.attempt == 0)
@@ -68,7 +72,7 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         for name in ("node-a", "node-b", "node-c"):
             c.start_agent(name)
         job_id = c.submit(**trainer_job())
-        wait_for(lambda: any(e.step >= 3 for e in events(c, job_id, "step")), 180, "step 3")
+        wait_for(lambda: events(c, job_id, "ckpt_committed"), 180, "a committed checkpoint")
         victim = c.job(job_id)["attempts"][0]["nodes"][1]
         os.kill(c.agents[victim].pid, signal.SIGKILL)  # no goodbye: only missing heartbeats tell
         job = c.wait_job(job_id)
@@ -77,6 +81,10 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         # Its peers' collectives usually fail first ("exit"); the silent node is declared lost after.
         assert first["cause"] in ("exit", "node_lost")
         assert victim not in second["nodes"] and len(second["nodes"]) == 2
+        # The spare has no local copy: its ranks read the persistent checkpoint.
+        spare_ranks = {f"rank:{2 * second['nodes'].index('node-c') + i}" for i in (0, 1)}
+        sources = {e.source: e.data["source"] for e in events(c, job_id, "restore_end") if e.attempt == 1}
+        assert len(sources) == 4 and all((v == "persistent") == (k in spare_ranks) for k, v in sources.items()), sources
         with c.service.app.state.sessions() as session:
             assert session.scalar(select(Node.state).where(Node.name == victim)) == NodeState.lost
         assert pids_with_env("ETT_JOB_ID", job_id) == []

@@ -53,6 +53,80 @@ def test_long_poll_returns_as_soon_as_a_command_is_queued(service):
     assert agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time()}).json()["commands"] == []
 
 
+def test_long_poll_wakes_for_a_command_queued_by_another_service_process(service):
+    from service.db import make_session_factory
+
+    agent = service.client(service.token("agent"))
+    register_agent(agent)
+    other_process = make_session_factory(service.app.state.engine)  # its commits ring no bell here
+
+    def queue_later() -> None:
+        time.sleep(0.5)
+        with other_process() as session:
+            commands.enqueue(session, session.query(Node).one(), {"type": "stop", "job_id": "j", "attempt": 0,
+                                                                  "reason": "test"})  # fmt: skip
+            session.commit()
+
+    threading.Thread(target=queue_later).start()
+    started = time.monotonic()
+    reply = agent.post("/api/v1/agents/node-a/heartbeat", params={"wait": 8}, json={"clock": time.time()}).json()
+    assert [c["type"] for c in reply["commands"]] == ["stop"]
+    assert time.monotonic() - started < 5  # found by the bell's watch, not at the end of the wait
+
+
 def test_heartbeat_of_an_unregistered_agent_is_404(service):
     agent = service.client(service.token("agent"))
     assert agent.post("/api/v1/agents/ghost/heartbeat", json={"clock": time.time()}).status_code == 404
+
+
+def test_revoked_agent_token_is_refused_from_its_next_request(service):
+    from service.models import Token
+
+    agent = service.client(service.token("agent"))
+    register_agent(agent)
+    assert agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time()}).status_code == 200
+    with service.app.state.sessions() as session:
+        session.query(Token).update({"revoked": True})
+        session.commit()
+    # The service keeps the callers of tokens it has seen; revocation must still apply at once.
+    assert agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time()}).status_code == 401
+    event = {"job_id": "j", "kind": "init_start", "ts": time.time(), "attempt": 0, "source": "rank:0", "seq": 0}
+    assert agent.post("/api/v1/agents/node-a/events", json={"events": [event]}).status_code == 401
+
+
+def test_heartbeats_written_together_each_get_their_own_answer(service):
+    """Heartbeats that arrive together are written in one batch: an error stays with its own."""
+    from service.models import Token
+
+    good = {f"node-{i}": service.token("agent", f"node-{i}") for i in range(8)}
+    for name, token in good.items():
+        register_agent(service.client(token), name)
+    revoked = service.token("agent", "node-r")
+    register_agent(service.client(revoked), "node-r")
+    service.client(revoked).post("/api/v1/agents/node-r/heartbeat", json={"clock": time.time()})  # seen: cached
+    with service.app.state.sessions() as session:
+        session.query(Token).filter(Token.subject == "node-r").update({"revoked": True})
+        session.commit()
+    calls = [(token, name, 200) for name, token in good.items()] + [
+        (good["node-0"], "node-1", 403),  # another agent's node
+        (good["node-0"], "ghost", 404),
+        (revoked, "node-r", 401),
+    ]
+    answers: dict[int, list[int]] = {}
+    start = threading.Barrier(len(calls))
+
+    def beat(i: int, token: str, name: str) -> None:
+        with service.client(token) as client:
+            start.wait()
+            body = {"clock": time.time(), "stats": {"processes": i}}
+            answers[i] = [client.post(f"/api/v1/agents/{name}/heartbeat", json=body).status_code for _ in range(5)]
+
+    threads = [threading.Thread(target=beat, args=(i, token, name)) for i, (token, name, _) in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == {i: [expected] * 5 for i, (_, _, expected) in enumerate(calls)}
+    with service.app.state.sessions() as session:
+        stats = {node.name: node.stats for node in session.query(Node)}
+    assert stats == {f"node-{i}": {"processes": i} for i in range(8)} | {"node-r": {}}

@@ -1,6 +1,7 @@
 """Event ingestion over real HTTP (SQLite and PostgreSQL): both doors, idempotency, clock skew,
 the checkpoint catalog, and reports that agree with the pure engine."""
 
+import json
 import random
 import time
 from dataclasses import asdict
@@ -80,6 +81,22 @@ def test_repeats_splits_and_any_order_give_the_same_report(service):
     assert b == a
 
 
+def test_nan_and_big_integers_in_data_are_stored_and_repeats_stay_repeats(service):
+    admin = service.client(service.token("admin"))
+    job = submit(service.client(service.token("user")), **SPEC)
+    step = {"kind": "step", "ts": time.time() - 60, "attempt": 0, "source": "rank:0", "step": 1}
+    diverged = step | {"seq": 0, "data": {"duration": 0.5, "loss": float("nan")}}
+    counted = step | {"seq": 1, "step": 2, "data": {"duration": 0.5, "loss": float("inf"), "tokens": 2**70}}
+    # Python's json writes NaN and Infinity, as a trainer's json.dumps would.
+    body = json.dumps({"events": [diverged, counted, diverged]})
+    url, headers = f"/api/v1/jobs/{job['id']}/events", {"content-type": "application/json"}
+    for expected in ({"accepted": 2, "duplicates": 1}, {"accepted": 0, "duplicates": 3}):
+        response = admin.post(url, content=body, headers=headers)
+        assert response.status_code == 200 and response.json() == expected, response.text
+    with service.app.state.sessions() as session:
+        stored = session.scalars(select(JobEvent.data).where(JobEvent.job_id == job["id"]).order_by(JobEvent.seq))
+        assert list(stored) == [{"duration": 0.5, "loss": None}, {"duration": 0.5, "loss": None, "tokens": 2**70}]
+
 def test_agent_events_are_moved_onto_the_service_clock(service):
     agent = service.client(service.token("agent", "node-a"))
     alice = service.client(service.token("user", "alice"))
@@ -108,6 +125,27 @@ def test_agent_events_are_moved_onto_the_service_clock(service):
     agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time() - 38}).raise_for_status()
     assert agent.post("/api/v1/agents/node-a/events", json={"events": batch}).json() == {"accepted": 0, "duplicates": 4}
 
+
+def test_one_agent_batch_for_two_jobs(service):
+    agent = service.client(service.token("agent", "node-a"))
+    alice = service.client(service.token("user", "alice"))
+    register_agent(agent, "node-a")
+    jobs = [submit(alice, **SPEC)["id"] for _ in range(2)]
+    timelines = []
+    for steps, job_id in zip((3, 5), jobs, strict=True):
+        give_attempt(service, job_id, "node-a")
+        tl = Timeline(time.time() - 60)
+        tl.rank0("init_end", 1, 0)
+        tl.steps(0, 1, steps, start=1, duration=0.5)
+        timelines.append(wire(tl.events, job_id))
+    # The jobs' events interleaved, with the same (attempt, source, seq) keys in both.
+    batch = [e for pair in zip(*timelines) for e in pair] + timelines[1][len(timelines[0]) :]
+    for expected in ({"accepted": 10, "duplicates": 0}, {"accepted": 0, "duplicates": 10}):
+        response = agent.post("/api/v1/agents/node-a/events", json={"events": batch})
+        assert response.status_code == 200 and response.json() == expected, response.text
+    assert [stored_events(service, job_id) for job_id in jobs] == [4, 6]
+    reports = [alice.get(f"/api/v1/jobs/{job_id}/ett").json() for job_id in jobs]
+    assert [r["seconds"]["productive"] for r in reports] == [pytest.approx(1.5), pytest.approx(2.5)]
 
 def test_agents_send_only_their_own_sources(service):
     agent = service.client(service.token("agent", "node-a"))

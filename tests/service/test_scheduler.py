@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from service import commands, scheduler
 from service.db import make_engine, make_session_factory
 from service.models import (
-    AgentCommand, Attempt, AttemptState, Job, JobEvent, JobState, Node, NodeState, Role, Token, utcnow,
+    AgentCommand, Attempt, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState, Role, Token, utcnow,
 )
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
@@ -143,6 +143,22 @@ def test_max_restarts_is_honoured(session, settings):
     tick(session, settings, now)
     session.refresh(job)
     assert job.state == JobState.failed and len(job.attempts) == 2 and "after 1 restarts" in job.reason
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_the_restart_backoff_is_only_for_attempts_that_committed_no_checkpoint(session, settings, committed):
+    (a,) = add_nodes(session, "a")
+    job = add_job(session, nodes=1)
+    tick(session, settings, T0)
+    if committed:
+        session.add(Checkpoint(job_id=job.id, attempt=0, step=5, committed_at=T0 + 3, path="/ckpt/step-00000005"))
+    report(session, a, job, 0, "failed", T0 + 5, cause="signal", detail="rank 1 killed by SIGKILL")
+    tick(session, settings, T0 + 5)
+    session.refresh(job)
+    assert len(job.attempts) == (2 if committed else 1)  # a crash loop waits; progress restarts at once
+    tick(session, settings, T0 + 5 + settings.restart_backoff_seconds)
+    session.refresh(job)
+    assert len(job.attempts) == 2
 
 
 def test_lost_node_is_replaced_by_a_spare(session, settings):

@@ -2,7 +2,8 @@
 seconds of CPU, so the three runs below serve every assertion about them.
 
 All three: 2 ranks under torchrun, tiny model, expert parallelism 2, ZeRO-3.
-- straight: 8 steps in one go, a checkpoint every 2 steps, keep 2.
+- straight: 8 steps in one go, a checkpoint every 2 steps, keep 2, through a node-local folder
+  (`--checkpoint.local_dir`, copied to the checkpoint folder in the background).
 - killed: a checkpoint every 4 steps; the step-8 save is torn: rank 1's shard file is a FIFO, so
   its write hangs as on a stalled disk, and every rank is SIGKILLed once rank 0 wrote its shard.
 - resumed: attempt 1 in the killed run's checkpoint folder, `--checkpoint.resume_from auto`,
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.trainer.trainer_runs import TINY_EP_ZERO3, TrainerRun, has_event, run_trainer
+from tests.trainer.trainer_runs import TINY_EP_ZERO3, TrainerRun, has_event, local_checkpoint_dir, run_trainer
 
 
 @dataclass
@@ -26,7 +27,8 @@ class KilledRun:
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory) -> TrainerRun:
     workdir = tmp_path_factory.mktemp("straight")
-    run = run_trainer(workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "2", "--checkpoint.keep", "2"])
+    run = run_trainer(workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "2", "--checkpoint.keep", "2",
+                                "--checkpoint.local_dir", str(local_checkpoint_dir(workdir))])
     assert run.returncode == 0, run.stderr
     return run
 

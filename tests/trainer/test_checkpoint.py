@@ -75,7 +75,8 @@ def test_nothing_is_resumed_with_none_or_when_no_checkpoint_verifies(checkpoints
     assert "no checkpoint verifies" in caplog.text
 
 
-@pytest.mark.parametrize("field, value", [("keep", 0), ("interval_steps", -1), ("async_mode", "fork"), ("resume_from", "/tmp/x")])
+@pytest.mark.parametrize("field, value", [("keep", 0), ("interval_steps", -1), ("async_mode", "fork"), ("resume_from", "/tmp/x"),
+                                          ("local_dir", "/tmp/x")])  # a local tier needs a persistent dir
 def test_bad_checkpoint_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"checkpoint.{field}"):
         CheckpointConfig(**{field: value}).validate()

@@ -31,6 +31,11 @@ class TrainerRun:
         return {e["step"]: e["data"]["loss"] for e in self.events(0) if e["kind"] == "step"}
 
 
+def local_checkpoint_dir(workdir: Path) -> Path:
+    """Where a run in workdir keeps its node-local checkpoint copies, when it has them."""
+    return workdir / "local-ckpt"
+
+
 def read_events(path: Path) -> list[dict]:
     if not path.exists():
         return []

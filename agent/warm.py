@@ -1,0 +1,243 @@
+"""Warm start: a node's server that has imported the trainer and torchrun once, and forks them.
+
+    python -m agent.warm SOCKET MODULE...
+
+A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node) before its first
+line runs, and a restart ran two in a row: torchrun, then the ranks. The agent keeps this server
+ready with MODULE... imported; the guard (for torchrun) and each rank runner (for its rank), when
+the program is `python -m MODULE ...`, ask it over SOCKET for the process instead of starting an
+interpreter, and fall back to one when the server cannot serve.
+
+Per request the server forks a keeper, which forks the process (below: the rank):
+- the rank: a process group of its own, the runner's stdin/stdout/stderr (passed over the
+  socket), the request's environment, cwd and argv; runs MODULE as `__main__`.
+- the keeper answers the rank's pid, then how it ended (`returncode`, negative for a signal), as
+  a parent does. When the runner goes (its end of the socket closes), the keeper SIGKILLs the
+  rank's process group. Parent-death signals chain agent -> server -> keeper -> rank.
+
+The server starts with one OpenMP/BLAS thread, so the imports start no thread pool (a fork copies
+only the calling thread); each rank sets its own thread count. It serves the code it imported at
+start: the agent restarts it (with itself) to pick up new trainer code.
+"""
+
+import contextlib
+import gc
+import importlib
+import json
+import logging
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from agent.procs import set_parent_death_signal
+
+WARM_SOCKET_ENV = "ETT_WARM_SOCKET"  # set by the agent for ranks it may start warm
+MAX_REQUEST_BYTES = 1 << 20
+HANDSHAKE_TIMEOUT_SECONDS = 10.0
+RESTART_PAUSE_SECONDS = 10.0
+SOCKET_PATH_MAX_BYTES = 107  # sun_path
+
+log = logging.getLogger(__name__)
+# What the server's environment pins for the imports; a rank gets the request's values.
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def serves(argv: list[str], modules: list[str]) -> bool:
+    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in modules
+
+
+def start_process(argv: list[str], warm_socket: str | None, **popen: Any) -> "subprocess.Popen[bytes] | WarmProcess":
+    """From the warm server when there is one and it can (its process group is its own), else a
+    fresh process with the parent-death signal set and `popen`; `warm_socket`: $ETT_WARM_SOCKET."""
+    if warm_socket:
+        try:
+            return WarmProcess(warm_socket, argv)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"agent.warm: no warm start for {argv[2:3]} ({exc!r}); starting a fresh interpreter",
+                  file=sys.stderr, flush=True)
+    return subprocess.Popen(argv, preexec_fn=set_parent_death_signal, **popen)
+
+
+class WarmServer:
+    """The agent's handle on its warm server: started, started again when it died, stopped. Called
+    from the monitor loop only: the thread that forks a child owns its parent-death signal."""
+
+    def __init__(self, socket_path: Path, modules: list[str], log_path: Path) -> None:
+        self.socket_path, self.modules, self.log_path = socket_path, modules, log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._next_start = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return len(os.fsencode(self.socket_path)) <= SOCKET_PATH_MAX_BYTES
+
+    def ensure_running(self) -> None:
+        if not self.usable or (self._proc is not None and self._proc.poll() is None):
+            return
+        if time.monotonic() < self._next_start:
+            return
+        if self._proc is not None:
+            log.warning("warm server exited with code %s (see %s); starting it again", self._proc.returncode,
+                        self.log_path)
+        # Neither the agent's settings (its token) nor a thread pool at import time (see above).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")} | SINGLE_THREAD_ENV
+        with open(self.log_path, "ab") as out:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "agent.warm", str(self.socket_path), *self.modules],
+                env=env | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self._next_start = time.monotonic() + RESTART_PAUSE_SECONDS
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()  # keepers and ranks follow through their parent-death signals
+            self._proc.wait()
+        self.socket_path.unlink(missing_ok=True)
+
+
+class WarmProcess:
+    """A process forked by the server: the few calls of the Popen it stands in for."""
+
+    def __init__(self, socket_path: str, argv: list[str]) -> None:
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._conn.settimeout(HANDSHAKE_TIMEOUT_SECONDS)  # a stuck server must not stall the launch
+            self._conn.connect(socket_path)
+            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+            socket.send_fds(self._conn, [json.dumps(request).encode()], [0, 1, 2])
+            self.pid = int(self._answer()["pid"])
+            self._conn.settimeout(None)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _answer(self) -> dict:
+        message = self._conn.recv(4096)
+        if not message:
+            raise ConnectionError("the warm server closed the connection")
+        return json.loads(message)
+
+    def send_signal(self, signum: int) -> None:
+        try:
+            os.kill(self.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        try:
+            return int(self._answer()["returncode"])
+        except (OSError, ValueError, KeyError):
+            return -signal.SIGKILL  # the keeper is gone, and with it (parent-death signal) the rank
+        finally:
+            self._conn.close()
+
+
+def serve(socket_path: Path, modules: list[str]) -> None:
+    set_parent_death_signal()  # the agent gone: the server goes, and every keeper and rank with it
+    if os.getppid() == 1:
+        return  # the agent died before the request above took hold
+    for module in modules:
+        importlib.import_module(module)
+        del sys.modules[module]  # it runs as __main__; what it imports stays loaded
+    gc.collect()
+    gc.freeze()  # a rank's collections then leave the imported objects' pages shared with the server
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
+    socket_path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(socket_path))
+    os.chmod(socket_path, 0o600)  # whoever connects runs code as us
+    listener.listen(64)
+    while True:
+        conn, _ = listener.accept()
+        fds: list[int] = []
+        try:
+            payload, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+            request = json.loads(payload)
+            if len(fds) != 3 or not serves(request["argv"], modules):
+                raise ValueError(f"cannot serve {request.get('argv')!r} with {len(fds)} descriptors")
+            if os.fork() == 0:
+                listener.close()
+                _keep(conn, fds, request)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"agent.warm: request refused: {exc}", file=sys.stderr, flush=True)
+        finally:
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+
+
+def _keep(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """The keeper: the rank's parent. Never returns."""
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        server, keeper = os.getppid(), os.getpid()
+        set_parent_death_signal()
+        if os.getppid() != server:
+            return  # the server died before the request above took hold
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _run_rank(fds, request, keeper)
+        with contextlib.suppress(OSError):  # here too, so the group exists before the rank runs a line
+            os.setpgid(pid, pid)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode())
+        pidfd = os.pidfd_open(pid)
+        ready, _, _ = select.select([conn, pidfd], [], [])
+        if pidfd not in ready:  # the runner is gone: so is the rank
+            os.killpg(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+    except OSError:
+        pass
+    finally:
+        os._exit(0)
+
+
+def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
+    """The rank, in the keeper's child: becomes what `python -m MODULE ARGS` would be. Never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        set_parent_death_signal()
+        if os.getppid() != keeper:
+            return  # the keeper died before the request above took hold
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
+            threads = os.environ.get("OMP_NUM_THREADS")
+            sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
+        sys.argv = [request["argv"][0], *request["argv"][3:]]
+        runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m agent.warm SOCKET MODULE...")
+    serve(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,81 @@
+"""The warm server (agent.warm) with a small preloaded module in place of the trainer: a forked
+rank gets the request's argv, environment and cwd, its exit reaches the runner as a parent would
+see it, and it never outlives its runner."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from agent.warm import WarmProcess, WarmServer
+from tests.agent.helpers import wait_for
+
+RANK_MODULE = textwrap.dedent("""
+    import json, os, sys, time
+    if __name__ == "__main__":
+        out, code, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+        with open(out, "w") as f:
+            json.dump({"argv": sys.argv[1:], "env": os.environ.get("RANK_VAR"), "cwd": os.getcwd(),
+                       "pid": os.getpid()}, f)
+        time.sleep(seconds)
+        sys.exit(code)
+""")
+
+
+@pytest.fixture
+def warm(tmp_path, monkeypatch):
+    (tmp_path / "warm_rank_module.py").write_text(RANK_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    server = WarmServer(tmp_path / "warm.sock", ["warm_rank_module"], tmp_path / "warm.log")
+    server.ensure_running()
+    wait_for(server.socket_path.exists, 30, "the warm server to listen")
+    yield server
+    server.stop()
+
+
+def test_a_warm_rank_runs_the_request_and_its_exit_code_comes_back(warm, tmp_path, monkeypatch):
+    out, workdir = tmp_path / "out.json", tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.setenv("RANK_VAR", "r7")
+    monkeypatch.chdir(workdir)
+    rank = WarmProcess(str(warm.socket_path), [sys.executable, "-m", "warm_rank_module", str(out), "7", "0"])
+    assert rank.wait() == 7
+    seen = json.loads(out.read_text())
+    assert seen == {"argv": [str(out), "7", "0"], "env": "r7", "cwd": str(workdir), "pid": rank.pid}
+
+
+def test_a_killed_warm_rank_reports_the_signal(warm, tmp_path):
+    argv = [sys.executable, "-m", "warm_rank_module", str(tmp_path / "o"), "0", "60"]
+    rank = WarmProcess(str(warm.socket_path), argv)
+    rank.kill()
+    assert rank.wait() == -signal.SIGKILL
+
+
+def test_a_module_the_server_did_not_load_is_refused(warm, tmp_path):
+    with pytest.raises(ConnectionError):  # the runner then starts a fresh interpreter
+        WarmProcess(str(warm.socket_path), [sys.executable, "-m", "json.tool"])
+
+
+RUNNER = """
+import sys, time
+from agent.warm import WarmProcess
+rank = WarmProcess(sys.argv[1], [sys.executable, "-m", "warm_rank_module", sys.argv[2], "0", "60"])
+print(rank.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_warm_rank_dies_with_its_runner(warm, tmp_path):
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(warm.socket_path), str(tmp_path / "o")],
+                              stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        pid = int(runner.stdout.readline())
+        assert os.path.exists(f"/proc/{pid}")
+    finally:
+        runner.kill()
+        runner.wait()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the orphaned rank to be killed")
