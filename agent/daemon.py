@@ -141,6 +141,10 @@ class Agent:
             self._report_now.clear()
             if self._heartbeats_done.is_set():
                 return
+            if any(report["state"] != "running" for report in self.supervisor.reports.snapshot()):
+                # The service restarts an attempt once every node has reported its end, from the
+                # newest checkpoint it knows of: let it know of the ones committed here first.
+                self.forwarder.flush(timeout=self.settings.flush_before_report_seconds)
             self._send_heartbeat(wait=0)
 
     def _send_heartbeat(self, wait: float) -> bool:

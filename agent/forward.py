@@ -90,20 +90,37 @@ class Forwarder:
         self.released: dict[str, int] = {}
         self.pending: list[Spooled] = []
         self.failures = 0
+        self._flush_waiters: list[threading.Event] = []  # list.append and swap: safe across threads
+        self._wake = threading.Event()
         if self.dead_letter_file.exists():
             self.stats.dead_letters = len(self.dead_letter_file.read_bytes().splitlines())
 
     def run(self, stop: threading.Event, poll_seconds: float = 0.1) -> None:
         """The forwarding thread: until `stop`, then one last try to send what is read."""
         while not stop.is_set():
+            waiters, self._flush_waiters = self._flush_waiters, []
             try:
-                forwarded = self.forward_once(flush=False)
+                forwarded = self.forward_once(flush=bool(waiters))
             except Exception:  # a bug or a full disk must not end forwarding for good
                 log.exception("forwarding failed")
                 self.failures += 1
                 forwarded = False
-            stop.wait(poll_seconds if forwarded else self._backoff())
+            for done in waiters if forwarded else ():
+                done.set()
+            if not forwarded:
+                stop.wait(self._backoff())
+            elif not self._flush_waiters:
+                self._wake.wait(poll_seconds)
+                self._wake.clear()
         self.forward_once(flush=True)
+
+    def flush(self, timeout: float) -> bool:
+        """Asks the forwarding thread to send everything written so far, without waiting for a
+        batch to fill; True once it has, False after `timeout` (the service may be down)."""
+        done = threading.Event()
+        self._flush_waiters.append(done)
+        self._wake.set()
+        return done.wait(timeout)
 
     def forward_once(self, flush: bool) -> bool:
         """Reads new lines and sends batches while one is due; False when the service failed us."""

@@ -39,6 +39,8 @@ class AgentSettings(BaseSettings):
 
     batch_max_events: int = Field(500, ge=1)
     batch_max_age_seconds: float = Field(0.5, ge=0)
+    # Before reporting an attempt's end, wait at most this long for what its ranks wrote to be forwarded.
+    flush_before_report_seconds: float = Field(1.0, ge=0)
     retry_base_seconds: float = Field(0.5, gt=0)
     retry_max_seconds: float = Field(30.0, gt=0)
     # Forwarded spool data is given back to the disk; past this much unforwarded, the agent warns.

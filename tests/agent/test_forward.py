@@ -2,6 +2,8 @@
 
 import json
 import signal
+import threading
+import time
 
 import pytest
 
@@ -123,6 +125,25 @@ def test_the_forwarded_start_of_a_live_spool_gives_its_disk_back(fake_service, t
     restarted = forwarder_for(fake_service, tmp_path)  # reads on from the persisted position, past the hole
     assert restarted.forward_once(flush=True)
     assert len(fake_service.events) == 4510 and fake_service.duplicates == 0
+
+
+def test_flush_sends_what_is_written_without_waiting_for_a_batch(fake_service, tmp_path):
+    forwarder = forwarder_for(fake_service, tmp_path, batch_max_age_seconds=3600.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=forwarder.run, args=(stop,))
+    thread.start()
+    try:
+        write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+        time.sleep(0.3)  # a few of the thread's polls: it reads the lines and holds them for the batch
+        assert fake_service.events == {}
+        assert forwarder.flush(timeout=10.0)
+        assert len(fake_service.events) == 3
+        fake_service.stop()
+        write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(3)])
+        assert not forwarder.flush(timeout=0.5)  # the service is down: the caller is not held longer
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 def test_rejected_indices_reads_fastapi_locs_and_messages():
