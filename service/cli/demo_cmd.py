@@ -107,13 +107,15 @@ def _follow(client: httpx.Client, job_id: str, timeout: float) -> dict[str, Any]
     while time.monotonic() < deadline:
         job = client.get(f"/api/v1/jobs/{job_id}").raise_for_status().json()
         for attempt in job["attempts"]:
-            if seen.get(attempt["number"]) != attempt["state"]:
-                seen[attempt["number"]] = attempt["state"]
-                why = f" ({attempt['cause']}: {attempt['detail']})" if attempt["cause"] else ""
+            number, state = attempt["number"], attempt["state"]
+            if number not in seen:  # allocation is printed even when a poll first sees it running
                 resume = f", resuming from {attempt['resume_from']}" if attempt["resume_from"] else ""
-                if attempt["state"] == "allocated":
-                    why = f" on {', '.join(attempt['nodes'])}{resume}"
-                print(f"  attempt {attempt['number']}: {attempt['state']}{why}", flush=True)
+                print(f"  attempt {number}: allocated on {', '.join(attempt['nodes'])}{resume}", flush=True)
+                seen[number] = "allocated"
+            if seen[number] != state:
+                seen[number] = state
+                why = f" ({attempt['cause']}: {attempt['detail']})" if attempt["cause"] else ""
+                print(f"  attempt {number}: {state}{why}", flush=True)
         if job["state"] in ("succeeded", "failed", "cancelled"):
             return job
         time.sleep(0.5)
