@@ -13,6 +13,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from functools import partial
+from typing import Generic, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -74,18 +75,21 @@ class Beat:
     answer: asyncio.Future[tuple[int, list[dict]]]
 
 
-class Waiting:
-    """Heartbeats waiting for the next batch of one lane, and the signal that some arrived."""
+T = TypeVar("T")
+
+
+class Waiting(Generic[T]):
+    """Requests waiting for the next batch of one lane, and the signal that some arrived."""
 
     def __init__(self) -> None:
-        self.items: list[Beat] = []
+        self.items: list[T] = []
         self.arrived = asyncio.Event()
 
-    def put(self, item: Beat) -> None:
+    def put(self, item: T) -> None:
         self.items.append(item)
         self.arrived.set()
 
-    async def take(self, most: int) -> list[Beat]:
+    async def take(self, most: int) -> list[T]:
         while not self.items:
             self.arrived.clear()
             await self.arrived.wait()
@@ -103,7 +107,8 @@ class HeartbeatWriter:
 
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512) -> None:
         self.sessions, self.settings, self.max_batch = sessions, settings, max_batch
-        self.fast, self.held = Waiting(), Waiting()
+        self.fast: Waiting[Beat] = Waiting()
+        self.held: Waiting[Beat] = Waiting()
         # Threads of their own (one a lane): heartbeats never queue behind event batches for a thread.
         self.threads = anyio.CapacityLimiter(2)
 

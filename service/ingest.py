@@ -1,14 +1,14 @@
 """Event ingestion: the one code path behind the agents' batch endpoint, the admin replay endpoint
 and the service's own events.
 
-A batch is stored whole or not at all. Per job, in one transaction: the job's accounting row is
-locked (SELECT ... FOR UPDATE on PostgreSQL; SQLite has one writer at a time), the events are
-staged in a temporary table (COPY on PostgreSQL, executemany on SQLite: no per-row work in
-Python beyond building a tuple) and moved into `events` by one INSERT ... SELECT ... ON CONFLICT
-DO NOTHING on (job, attempt, source, seq) that returns the keys it stored. A repeat with the same
-content is ignored and one with other content rejects the batch; only the new events are folded
-into the job's `JobAccount` (service/ett/engine.py), rank 0's steps one attempt at a time, and
-their checkpoint events into the job's checkpoint records.
+A batch is stored whole or not at all, in one transaction whatever the number of its jobs: the
+jobs' accounting rows are locked in one query (SELECT ... FOR UPDATE on PostgreSQL, in job order;
+SQLite has one writer at a time), the events are staged in a temporary table (COPY on PostgreSQL,
+executemany on SQLite: no per-row work in Python beyond building a tuple) and moved into `events`
+by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job, attempt, source, seq) that returns
+the keys it stored. A repeat with the same content is ignored and one with other content rejects
+the batch; only the new events are folded into their job's `JobAccount` (service/ett/engine.py),
+rank 0's steps one attempt at a time, and their checkpoint events into the job's checkpoint records.
 """
 
 import json
@@ -44,6 +44,7 @@ class EventRejected(Exception):
 class IngestResult:
     accepted: int
     duplicates: int
+    stored: frozenset[int]  # the indexes in the batch of the events stored by it (the others were repeats)
 
 
 class _Row(NamedTuple):
@@ -129,18 +130,20 @@ def ingest(
     session: Session,
     batch: Sequence[tuple[str, EventIn]],
     *,
-    clock_offset: float = 0.0,
+    clock_offsets: Sequence[float] | None = None,
     settings: Settings | None = None,
 ) -> IngestResult:
     """Stores and accounts a batch of (job id, event); raises EventRejected, leaving the caller
-    to roll back. `settings` brings the limits on data size and future times (None: the
-    service's own events, trusted). The caller commits."""
+    to roll back. `clock_offsets`: each event's node's clock offset (None: all 0). `settings`
+    brings the limits on data size and future times (None: the service's own events, trusted).
+    The caller commits."""
     now = time.time()
     max_bytes = settings.max_event_data_bytes if settings is not None else math.inf
-    latest_ts = now + settings.max_event_future_seconds - clock_offset if settings is not None else math.inf
+    ahead = settings.max_event_future_seconds if settings is not None else math.inf
     by_job: dict[str, dict[tuple[int, str, int], _Pending]] = defaultdict(dict)  # first of each key, per job
-    duplicates = 0
     for i, (job_id, e) in enumerate(batch):
+        clock_offset = clock_offsets[i] if clock_offsets is not None else 0.0
+        latest_ts = now + ahead - clock_offset
         data, encoded = _encoded(e.data)
         if len(encoded) > max_bytes:
             raise EventRejected(i, "data", f"data is over the limit of {max_bytes} bytes")
@@ -155,13 +158,20 @@ def ingest(
         if earlier is not pending:
             if _content(earlier.row, earlier.data) != _content(row, data):
                 raise EventRejected(i, "seq", _conflict_message(e))
-            duplicates += 1
     _check_jobs_exist(session, by_job)
-    accepted = 0
-    for job_id in sorted(by_job):  # one lock order for every process: no deadlock between jobs
-        new, repeated = _ingest_job(session, job_id, list(by_job[job_id].values()))
-        accepted, duplicates = accepted + new, duplicates + repeated
-    return IngestResult(accepted, duplicates)
+    accounts = _lock_accounts(session, sorted(by_job))
+    stored = _store_new(session, [p.row for events in by_job.values() for p in events.values()])
+    fresh: dict[str, list[_Pending]] = {}
+    for job_id, events in by_job.items():
+        fresh[job_id] = [p for p in events.values() if (job_id, *p.key) in stored]
+        if len(fresh[job_id]) < len(events):  # the others were stored before: each must be a true repeat
+            _check_repeats(session, job_id, [p for p in events.values() if (job_id, *p.key) not in stored])
+    records = _checkpoint_records(session, [p for events in fresh.values() for p in events])
+    for job_id, account_row in accounts.items():
+        _account(session, account_row, fresh[job_id], records)
+    session.flush()
+    new = frozenset(p.index for events in fresh.values() for p in events)
+    return IngestResult(len(new), len(batch) - len(new), new)
 
 
 def _content(row: _Row | JobEvent, data: dict[str, Any]) -> tuple:
@@ -176,32 +186,35 @@ def _conflict_message(e: EventIn) -> str:
 def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, _Pending]]) -> None:
     # FOR KEY SHARE (PostgreSQL): the job before its accounting row, in the order the scheduler
     # takes them (it locks jobs, then emits events), so the two never wait on each other in a circle.
-    query = select(Job.id).where(Job.id.in_(list(by_job))).with_for_update(read=True, key_share=True)
+    query = (
+        select(Job.id).where(Job.id.in_(list(by_job))).order_by(Job.id)
+        .with_for_update(read=True, key_share=True)
+    )  # fmt: skip
     known = set(session.scalars(query))
     for job_id, events in by_job.items():
         if job_id not in known:
             raise EventRejected(min(p.index for p in events.values()), "job_id", f"no job {job_id}")
 
 
-def _ingest_job(session: Session, job_id: str, events: list[_Pending]) -> tuple[int, int]:
-    insert = _insert(session)
-    # Create-if-missing first: on SQLite this write takes the database's write lock at once.
-    session.execute(
-        insert(JobAccountRow).values(job_id=job_id, account={}, failures=0, events=0).on_conflict_do_nothing()
-    )
-    account_row = session.scalars(
-        select(JobAccountRow).where(JobAccountRow.job_id == job_id).with_for_update().execution_options(
-            populate_existing=True
-        )
-    ).one()
-    stored = _store_new(session, [p.row for p in events])
-    new = events
-    if len(stored) < len(events):  # the others were stored before: each must be a true repeat
-        new = [p for p in events if p.key in stored]
-        _check_repeats(session, job_id, [p for p in events if p.key not in stored])
+def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, JobAccountRow]:
+    """The jobs' accounting rows, locked in job order (one order for every process: no deadlock
+    between jobs); created if missing first, which on SQLite takes the database's write lock at once."""
+    rows = [{"job_id": job_id, "account": {}, "failures": 0, "events": 0} for job_id in job_ids]
+    session.execute(_insert(session)(JobAccountRow).values(rows).on_conflict_do_nothing())
+    query = (
+        select(JobAccountRow).where(JobAccountRow.job_id.in_(job_ids)).order_by(JobAccountRow.job_id)
+        .with_for_update().execution_options(populate_existing=True)
+    )  # fmt: skip
+    return {row.job_id: row for row in session.scalars(query)}
+
+
+def _account(
+    session: Session, account_row: JobAccountRow, new: list[_Pending], records: dict[tuple[str, int, int], Checkpoint]
+) -> None:
+    """Folds a job's new events into its accounting row, and their checkpoint events into `records`."""
     account = JobAccount.from_dict(account_row.account)
-    _fold(session, job_id, account, new)
-    account.settle(_SqlSteps(session, job_id))
+    _fold(session, account, new, records)
+    account.settle(_SqlSteps(session, account_row.job_id))
     starts = [a.start for a in account.attempts.values() if a.start is not None]
     account_row.account = account.to_dict()
     account_row.window_start = min(starts) if starts else None
@@ -209,17 +222,15 @@ def _ingest_job(session: Session, job_id: str, events: list[_Pending]) -> tuple[
     account_row.last_event_at = account.last_event_at
     account_row.failures = sum(a.failed_at is not None for a in account.attempts.values())
     account_row.events += len(new)
-    session.flush()
-    return len(new), len(events) - len(new)
 
 
-def _store_new(session: Session, rows: list[_Row]) -> set[tuple[int, str, int]]:
-    """Inserts the rows whose key is not stored yet; returns the keys (attempt, source, seq) it stored."""
+def _store_new(session: Session, rows: list[_Row]) -> set[tuple[str, int, str, int]]:
+    """Inserts the rows whose key is not stored yet; returns the keys (job, attempt, source, seq) it stored."""
     connection = session.connection()
     cursor = connection.connection.cursor()  # the driver's, inside the session's transaction
     try:
         cursor.execute(_STAGING_DDL[connection.dialect.name])
-        cursor.execute("DELETE FROM events_in")  # another job of this batch's, or (SQLite) an earlier batch's
+        cursor.execute("DELETE FROM events_in")  # an earlier batch of this transaction, or (SQLite) of another
         if connection.dialect.name == "postgresql":
             with cursor.copy(f"COPY events_in ({_COLUMNS}) FROM STDIN") as copy:
                 for row in rows:
@@ -234,7 +245,7 @@ def _store_new(session: Session, rows: list[_Row]) -> set[tuple[int, str, int]]:
         _insert(session)(events)
         .from_select(_Row._fields, select(_STAGED).where(true()))
         .on_conflict_do_nothing()
-        .returning(events.c.attempt, events.c.source, events.c.seq)
+        .returning(events.c.job_id, events.c.attempt, events.c.source, events.c.seq)
     )
     return set(map(tuple, connection.execute(moved)))
 
@@ -260,8 +271,22 @@ def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> No
             )  # fmt: skip
 
 
-def _fold(session: Session, job_id: str, account: JobAccount, events: list[_Pending]) -> None:
-    """Applies the new events to the account, and their checkpoint events to the catalog."""
+def _checkpoint_records(session: Session, events: list[_Pending]) -> dict[tuple[str, int, int], Checkpoint]:
+    """The checkpoint records the events' checkpoint events update, by (job, attempt, step): one
+    query for all jobs of the batch (records not made yet are added by _fold)."""
+    keys = list({(p.row.job_id, p.row.attempt, p.row.step) for p in events if _is_checkpoint(p.row)})
+    records: dict[tuple[str, int, int], Checkpoint] = {}
+    for chunk in range(0, len(keys), 500):
+        found = tuple_(Checkpoint.job_id, Checkpoint.attempt, Checkpoint.step).in_(keys[chunk : chunk + 500])
+        for c in session.scalars(select(Checkpoint).where(found)):
+            records[(c.job_id, c.attempt, c.step)] = c
+    return records
+
+
+def _fold(
+    session: Session, account: JobAccount, events: list[_Pending], records: dict[tuple[str, int, int], Checkpoint]
+) -> None:
+    """Applies a job's new events to its account, and their checkpoint events to the catalog."""
     steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, per attempt
     others: list[_Pending] = []
     for p in events:
@@ -272,24 +297,15 @@ def _fold(session: Session, job_id: str, account: JobAccount, events: list[_Pend
             others.append(p)
     for attempt, numbered in steps.items():
         account.apply_steps(attempt, numbered)
-    ckpt_keys = {(p.row.attempt, p.row.step) for p in others if _is_checkpoint(p.row)}
-    records: dict[tuple[int, int], Checkpoint] = {}
-    if ckpt_keys:
-        for c in session.scalars(
-            select(Checkpoint).where(
-                Checkpoint.job_id == job_id, tuple_(Checkpoint.attempt, Checkpoint.step).in_(list(ckpt_keys))
-            )
-        ):
-            records[(c.attempt, c.step)] = c
-        for key in ckpt_keys - records.keys():
-            records[key] = Checkpoint(job_id=job_id, attempt=key[0], step=key[1])
-            session.add(records[key])
     for r, data, _ in others:
         event = Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, data)
         if not _is_checkpoint(r):
             account.apply(event)
             continue
-        row = records[(r.attempt, r.step)]
+        row = records.get((r.job_id, r.attempt, r.step))
+        if row is None:
+            row = records[(r.job_id, r.attempt, r.step)] = Checkpoint(job_id=r.job_id, attempt=r.attempt, step=r.step)
+            session.add(row)
         record = CheckpointRecord(r.attempt, r.step, **{f: getattr(row, f) for f in CHECKPOINT_FIELDS})
         account.apply(event, record)
         for f in CHECKPOINT_FIELDS:

@@ -22,6 +22,7 @@ from service.api.health import router as health_router
 from service import scheduler
 from service.commands import CommandBell, ring_on_commit
 from service.db import DB_THREADS, make_engine, make_session_factory
+from service.event_batches import EventBatchWriter
 from service.heartbeats import HeartbeatWriter
 from service.metrics import install_metrics
 from service.migrate import check_at_head
@@ -150,13 +151,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         task = asyncio.create_task(run_scheduler(app, wake, stop))
         app.state.heartbeats = HeartbeatWriter(app.state.sessions, settings)
         writer = asyncio.create_task(app.state.heartbeats.run())
+        app.state.event_batches = EventBatchWriter(app.state.sessions, settings)
+        events_writer = asyncio.create_task(app.state.event_batches.run())
         watcher = asyncio.create_task(app.state.bell.watch(app.state.sessions))
         tune_garbage_collector()
         yield
         stop.set()
         wake.set()
         await task  # lets a tick in flight finish: no transaction outlives the app
-        for background in (writer, watcher):
+        for background in (writer, events_writer, watcher):
             background.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await background

@@ -1,0 +1,177 @@
+"""The agents' event batches, written in groups: all batches that arrive while one group is
+written go together in the next (group commit, as heartbeats are: service/heartbeats.py), in one
+transaction of a fixed number of statements: the nodes, the attempts given to them, and one
+ingestion (service/ingest.py) of all their events.
+
+Under load a batch's time went to waiting for its fifteen or so database round trips (each a
+wake-up of PostgreSQL and of a worker thread on a busy machine) and for a thread, not to
+ingestion's own work; a group shares them. Each batch still gets its own answer: its counts, or
+its 403/404/422. A group that fails is written again one batch at a time, so an error, and the
+nothing-stored of a rejected batch, stay with the batch that caused them.
+"""
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from functools import partial
+
+import anyio
+import anyio.to_thread
+from fastapi import HTTPException, status
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.api.deps import own_node
+from service.db import retry_on_disconnect
+from service.heartbeats import Waiting
+from service.ingest import EventRejected, ingest
+from service.models import Attempt, AttemptNode, Job, Node, Token
+from service.schemas.events import AgentEventIn, IngestOut
+from service.security import Caller
+from service.settings import Settings
+
+log = logging.getLogger("ett.events")
+
+Outcome = IngestOut | Exception
+
+
+def unprocessable(rejected: EventRejected) -> HTTPException:
+    """The answer to a batch that one event makes unacceptable: 422 naming the event and field."""
+    detail = [{"field": rejected.field, "msg": rejected.msg, "type": "value_error"}]
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+
+
+@dataclass
+class Posted:
+    name: str
+    caller: Caller
+    events: list[AgentEventIn]
+    answer: asyncio.Future[IngestOut]
+
+
+class EventBatchWriter:
+    """Collects the agents' batches on the event loop; one task writes them in groups on a
+    worker thread of its own (so they never queue behind other requests for one)."""
+
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256) -> None:
+        self.sessions, self.settings, self.max_batches = sessions, settings, max_batches
+        self.waiting: Waiting[Posted] = Waiting()
+        self.thread = anyio.CapacityLimiter(1)
+
+    async def store(self, name: str, caller: Caller, events: list[AgentEventIn]) -> IngestOut:
+        """Stores an agent's batch whole (or raises its 403/404/422, nothing stored)."""
+        item = Posted(name, caller, events, asyncio.get_running_loop().create_future())
+        self.waiting.put(item)
+        return await item.answer
+
+    async def run(self) -> None:
+        """The writer's task (cancel to stop; batches still waiting then fail)."""
+        try:
+            while True:
+                group = await self.waiting.take(self.max_batches)
+                for item, outcome in zip(group, await self._write(group)):
+                    if item.answer.done():  # the client went away
+                        continue
+                    if isinstance(outcome, Exception):
+                        item.answer.set_exception(outcome)
+                    else:
+                        item.answer.set_result(outcome)
+        finally:
+            for item in self.waiting.items:
+                item.answer.cancel()
+
+    async def _write(self, group: list[Posted]) -> list[Outcome]:
+        try:
+            write = partial(retry_on_disconnect, partial(self._write_group, group))
+            return await anyio.to_thread.run_sync(write, limiter=self.thread)
+        except EventRejected as rejected:
+            if len(group) == 1:
+                return [unprocessable(rejected)]
+        except Exception as exc:
+            if len(group) == 1:
+                log.exception("event batch of %s not stored", group[0].name)
+                return [exc]
+        # One batch broke the group: write them one by one, so only that one fails.
+        return [outcome for item in group for outcome in await self._write([item])]
+
+    def _write_group(self, group: list[Posted]) -> list[Outcome]:
+        """Checks each batch, then ingests those that pass in one transaction; raises
+        EventRejected if an event of one of them is unacceptable (nothing is then stored)."""
+        with self.sessions() as session:
+            outcomes: list[Outcome | None] = [None] * len(group)
+            nodes = self._own_nodes(session, group, outcomes)
+            strangers = self._not_given(session, group, nodes)
+            batch, offsets, spans = [], [], {}  # spans: group index -> its events' range in `batch`
+            for i, item in enumerate(group):
+                if outcomes[i] is not None:
+                    continue
+                node = nodes[i]
+                refused = _foreign_source(node, item.events) or strangers.get(i)
+                if refused is not None:
+                    outcomes[i] = refused
+                    continue
+                spans[i] = range(len(batch), len(batch) + len(item.events))
+                batch += [(e.job_id, e) for e in item.events]
+                offsets += [node.clock_offset_seconds] * len(item.events)
+            if batch:
+                result = ingest(session, batch, clock_offsets=offsets, settings=self.settings)
+                session.commit()
+                for i, span in spans.items():
+                    accepted = sum(k in result.stored for k in span)
+                    outcomes[i] = IngestOut(accepted=accepted, duplicates=len(span) - accepted)
+            return outcomes  # type: ignore[return-value]  # every entry set above
+
+    @staticmethod
+    def _own_nodes(session: Session, group: list[Posted], outcomes: list[Outcome | None]) -> dict[int, Node]:
+        """Each batch's node, by group index, in one query; a batch refused (401/403/404) gets
+        its outcome instead, the answer it would get alone."""
+        rows = session.execute(
+            select(Node, Token.revoked).join(Token, Node.token_id == Token.id)
+            .where(Node.name.in_({item.name for item in group}))
+        ).all()  # fmt: skip
+        found = {node.name: (node, revoked) for node, revoked in rows}
+        nodes: dict[int, Node] = {}
+        for i, item in enumerate(group):
+            node, revoked = found.get(item.name, (None, True))
+            if node is not None and not revoked and node.token_id == item.caller.token_id:
+                nodes[i] = node
+                continue
+            try:
+                nodes[i], _ = own_node(session, item.name, item.caller)
+            except HTTPException as refused:
+                outcomes[i] = refused
+        return nodes
+
+    @staticmethod
+    def _not_given(session: Session, group: list[Posted], nodes: dict[int, Node]) -> dict[int, HTTPException]:
+        """The 403 of each batch with an event of an attempt the scheduler did not give its node.
+        Events of unknown jobs are left to ingestion, which refuses them with 422 naming the field."""
+        asked = list({(e.job_id, e.attempt) for i in nodes for e in group[i].events})
+        if not asked:
+            return {}
+        known = set(session.scalars(select(Job.id).where(Job.id.in_({job for job, _ in asked}))))
+        given = {tuple(row) for row in session.execute(
+            select(AttemptNode.node_id, Attempt.job_id, Attempt.number).join(AttemptNode)
+            .where(AttemptNode.node_id.in_({node.id for node in nodes.values()}),
+                   tuple_(Attempt.job_id, Attempt.number).in_(asked))
+        )}  # fmt: skip
+        refused = {}
+        for i, node in nodes.items():
+            for k, e in enumerate(group[i].events):
+                if e.job_id in known and (node.id, e.job_id, e.attempt) not in given:
+                    refused[i] = HTTPException(
+                        status.HTTP_403_FORBIDDEN, f"events.{k}: attempt {e.attempt} of job {e.job_id} was not "
+                        f"given to agent {node.name}; it may report only its own attempts",
+                    )  # fmt: skip
+                    break
+        return refused
+
+
+def _foreign_source(node: Node, events: list[AgentEventIn]) -> HTTPException | None:
+    """The 422 of a batch with an event from neither the node's ranks nor the node itself."""
+    for i, e in enumerate(events):
+        if not (e.source.startswith("rank:") or e.source == f"node:{node.name}"):
+            detail = [{"field": f"events.{i}.source", "msg": f"agent {node.name} may send only its ranks' "
+                       f"events and node:{node.name}'s, not {e.source}'s", "type": "value_error"}]  # fmt: skip
+            return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+    return None
