@@ -45,6 +45,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.agent_forward import wait_ready  # noqa: E402
 from service.db import make_engine, make_session_factory  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import JobEvent, Role  # noqa: E402
@@ -325,16 +326,7 @@ def main() -> None:
                                    stderr=subprocess.STDOUT)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or service.poll() is not None:
-                    raise SystemExit(f"the service did not start; see {log.name}")
-                time.sleep(0.2)
+            wait_ready(url, service, log.name)
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 result = runner.run(drive(url, load, admin, user, agents))
         finally:

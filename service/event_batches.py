@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.deps import own_node
 from service.db import retry_on_disconnect
-from service.heartbeats import Waiting
+from service.group_commit import Waiting, answer_all
 from service.ingest import EventRejected, ingest
 from service.models import Attempt, AttemptNode, Job, Node, Token
 from service.schemas.events import AgentEventIn, IngestOut
@@ -69,16 +69,9 @@ class EventBatchWriter:
         try:
             while True:
                 group = await self.waiting.take(self.max_batches)
-                for item, outcome in zip(group, await self._write(group)):
-                    if item.answer.done():  # the client went away
-                        continue
-                    if isinstance(outcome, Exception):
-                        item.answer.set_exception(outcome)
-                    else:
-                        item.answer.set_result(outcome)
+                answer_all(group, await self._write(group))
         finally:
-            for item in self.waiting.items:
-                item.answer.cancel()
+            self.waiting.cancel_all()
 
     async def _write(self, group: list[Posted]) -> list[Outcome]:
         try:

@@ -13,7 +13,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Generic, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -24,6 +23,7 @@ from sqlalchemy.orm import Session, contains_eager, sessionmaker
 from service import commands, scheduler
 from service.api.deps import own_node
 from service.db import retry_on_disconnect
+from service.group_commit import Waiting, answer
 from service.models import AgentCommand, Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.schemas.agents import Heartbeat
 from service.security import Caller
@@ -75,28 +75,6 @@ class Beat:
     answer: asyncio.Future[tuple[int, list[dict]]]
 
 
-T = TypeVar("T")
-
-
-class Waiting(Generic[T]):
-    """Requests waiting for the next batch of one lane, and the signal that some arrived."""
-
-    def __init__(self) -> None:
-        self.items: list[T] = []
-        self.arrived = asyncio.Event()
-
-    def put(self, item: T) -> None:
-        self.items.append(item)
-        self.arrived.set()
-
-    async def take(self, most: int) -> list[T]:
-        while not self.items:
-            self.arrived.clear()
-            await self.arrived.wait()
-        batch, self.items = self.items[:most], self.items[most:]
-        return batch
-
-
 class HeartbeatWriter:
     """Collects heartbeats on the event loop; two tasks write them in batches on worker threads.
 
@@ -123,21 +101,17 @@ class HeartbeatWriter:
         try:
             await asyncio.gather(self._drain(self.fast, skip_locked=True), self._drain(self.held, skip_locked=False))
         finally:
-            for item in self.fast.items + self.held.items:
-                item.answer.cancel()
+            self.fast.cancel_all()
+            self.held.cancel_all()
 
-    async def _drain(self, lane: Waiting, skip_locked: bool) -> None:
+    async def _drain(self, lane: Waiting[Beat], skip_locked: bool) -> None:
         while True:
             batch = await lane.take(self.max_batch)
-            for item, outcome in zip(batch, await self._write(batch, skip_locked)):
-                if item.answer.done():  # the client went away
-                    continue
-                if outcome is None:
+            for item, outcome in zip(batch, await self._write(batch, skip_locked), strict=True):
+                if outcome is not None:
+                    answer(item, outcome)
+                elif not item.answer.done():  # its node row is held: the held lane writes it
                     self.held.put(item)
-                elif isinstance(outcome, Exception):
-                    item.answer.set_exception(outcome)
-                else:
-                    item.answer.set_result(outcome)
 
     async def _write(self, batch: list[Beat], skip_locked: bool) -> list[Outcome | None]:
         try:

@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -157,7 +157,7 @@ def ingest(
         earlier = by_job[job_id].setdefault(pending.key, pending)
         if earlier is not pending:
             if _content(earlier.row, earlier.data) != _content(row, data):
-                raise EventRejected(i, "seq", _conflict_message(e))
+                raise EventRejected(i, "seq", _conflict_message(row, "sent"))
     _check_jobs_exist(session, by_job)
     accounts = _lock_accounts(session, sorted(by_job))
     stored = _store_new(session, [p.row for events in by_job.values() for p in events.values()])
@@ -179,8 +179,13 @@ def _content(row: _Row | JobEvent, data: dict[str, Any]) -> tuple:
     return (row.kind, round(row.ts - row.clock_offset_seconds, 6), row.step, data)
 
 
-def _conflict_message(e: EventIn) -> str:
-    return f"seq {e.seq} of {e.source} in attempt {e.attempt} was already sent with other content"
+def _conflict_message(row: _Row, where: str) -> str:
+    return f"seq {row.seq} of {row.source} in attempt {row.attempt} was already {where} with other content"
+
+
+def _chunks(keys: list, size: int = 500) -> Iterator[list]:
+    """Keys a few hundred at a time: one IN (...) per chunk keeps each statement's parameters bounded."""
+    return (keys[start : start + size] for start in range(0, len(keys), size))
 
 
 def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, _Pending]]) -> None:
@@ -254,21 +259,14 @@ def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> No
     """Each repeat must have the stored event's content."""
     keys = [p.key for p in repeats]
     existing: dict[tuple[int, str, int], JobEvent] = {}
-    for chunk in range(0, len(keys), 500):
-        for row in session.scalars(
-            select(JobEvent).where(
-                JobEvent.job_id == job_id,
-                tuple_(JobEvent.attempt, JobEvent.source, JobEvent.seq).in_(keys[chunk : chunk + 500]),
-            )
-        ):
+    for chunk in _chunks(keys):
+        found = tuple_(JobEvent.attempt, JobEvent.source, JobEvent.seq).in_(chunk)
+        for row in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, found)):
             existing[(row.attempt, row.source, row.seq)] = row
     for p in repeats:
         stored = existing[p.key]
         if _content(stored, stored.data) != _content(p.row, p.data):
-            raise EventRejected(
-                p.index, "seq", f"seq {p.row.seq} of {p.row.source} in attempt {p.row.attempt} "
-                "was already stored with other content"
-            )  # fmt: skip
+            raise EventRejected(p.index, "seq", _conflict_message(p.row, "stored"))
 
 
 def _checkpoint_records(session: Session, events: list[_Pending]) -> dict[tuple[str, int, int], Checkpoint]:
@@ -276,8 +274,8 @@ def _checkpoint_records(session: Session, events: list[_Pending]) -> dict[tuple[
     query for all jobs of the batch (records not made yet are added by _fold)."""
     keys = list({(p.row.job_id, p.row.attempt, p.row.step) for p in events if _is_checkpoint(p.row)})
     records: dict[tuple[str, int, int], Checkpoint] = {}
-    for chunk in range(0, len(keys), 500):
-        found = tuple_(Checkpoint.job_id, Checkpoint.attempt, Checkpoint.step).in_(keys[chunk : chunk + 500])
+    for chunk in _chunks(keys):
+        found = tuple_(Checkpoint.job_id, Checkpoint.attempt, Checkpoint.step).in_(chunk)
         for c in session.scalars(select(Checkpoint).where(found)):
             records[(c.job_id, c.attempt, c.step)] = c
     return records
