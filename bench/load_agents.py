@@ -305,6 +305,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load measured, after the warm-up")
     parser.add_argument("--warmup", type=float, default=0.0,
                         help="seconds of load first, not measured (the jobs' launches: allocation, first events)")
+    parser.add_argument("--workers", type=int, default=1, help="service processes (`ett service --workers`)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--service-log", type=Path, default=Path(tempfile.gettempdir()) / "ett-load-service.log")
     args = parser.parse_args()
@@ -322,7 +323,7 @@ def main() -> None:
         port = free_port()
         env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_PORT": str(port), "ETT_DATA_DIR": root}
         log = open(args.service_log, "wb")
-        service = subprocess.Popen([sys.executable, "-m", "service.cli.main", "service"], env=env, stdout=log,
+        service = subprocess.Popen([sys.executable, "-m", "service.cli.main", "service", "--workers", str(args.workers)], env=env, stdout=log,
                                    stderr=subprocess.STDOUT)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:

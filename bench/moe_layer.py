@@ -1,4 +1,4 @@
-"""MoE layer forward+backward: ours (one sort, grouped GEMM) against a Mixtral-style per-expert
+"""MoE layer forward+backward: ours (one sort, grouped experts) against a Mixtral-style per-expert
 masked loop and a dense SwiGLU FFN with the same active FLOPs, in one run.
 
     .venv/bin/python bench/moe_layer.py                     # CPU fp32
@@ -8,7 +8,9 @@ The three variants run in turn inside each repetition (so load changes hit them 
 the median time per variant is reported, with tokens/s, TFLOP/s and the ratios. The input
 requires a gradient, as it does for every layer but the first (--no-input-grad: it does not).
 On a shared CPU the ratios are also given in CPU time of the (single) computing thread,
-which leaves out the time the thread waited for a core.
+which leaves out the time the thread waited for a core. Like the trainer on CPU, the bench
+first makes glibc keep freed buffers (trainer/allocator.py), for all three variants alike
+(--glibc-default-allocator: it does not).
 """
 
 import argparse
@@ -18,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from trainer.allocator import keep_freed_memory
 from trainer.moe import FeedForward, MoE, MoEConfig
 
 
@@ -55,8 +58,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-input-grad", action="store_true", help="the input needs no gradient")
+    parser.add_argument("--glibc-default-allocator", action="store_true",
+                        help="leave glibc's malloc thresholds as they are (freed large buffers are unmapped)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    # As the trainer does on CPU: freed large buffers stay mapped for the next step.
+    kept_freed_memory = False
+    if device.type == "cpu" and not args.glibc_default_allocator:
+        kept_freed_memory = keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -100,7 +109,7 @@ def main() -> None:
     print(f"MoE layer fwd+bwd: {args.tokens} tokens, dim {args.dim}, {args.experts} experts x hidden "
           f"{args.expert_hidden}, top-{args.top_k}, {args.device} {args.dtype}, input grad "
           f"{not args.no_input_grad}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"median of {args.reps}")
+          f"median of {args.reps}, freed memory kept: {kept_freed_memory}")
     for name, seconds in median.items():
         print(f"  {name:12s} {seconds * 1e3:9.1f} ms  {args.tokens / seconds:10.0f} tokens/s  "
               f"{expert_flops / seconds / 1e12:7.3f} TFLOP/s (expert matmuls)")

@@ -5,8 +5,11 @@ and, written last, `COMMITTED`: a JSON manifest (step, world size, size and CRC-
 of the checkpoint). A folder without a marker whose manifest verifies is torn or corrupt: resume
 skips it with a warning and never loads it.
 
-Saving blocks the loop only while the state is copied to CPU memory (staging); DCP then writes
-in the background. When the write finishes on every rank (DCP's coordinator writes `.metadata`
+Saving copies the state to CPU memory (staging, trainer/checkpoint_staging.py): model buffers,
+RNG states, data position and step at once; parameters and optimizer state in a background
+thread, overlapped with the next step's forward and backward, which the loop waits for with
+`wait_for_staging()` before `optimizer.step`. DCP then writes in the background. When the write
+finishes on every rank (DCP's coordinator writes `.metadata`
 after gathering every rank's write result, and every file is fsynced), rank 0 writes the marker
 with write-temp + fsync + rename and prunes old checkpoints.
 
@@ -168,6 +171,11 @@ class ModelOptimizerState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+    def changed_only_by_optimizer_step(self) -> list[torch.Tensor]:
+        """Parameters and optimizer state: the tensors a save may copy until the next optimizer.step."""
+        optimizer_state = [t for s in self.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [*self.model.parameters(), *optimizer_state]
+
 
 class RNGState(Stateful):
     """Each rank's generators, under a key of its own (DCP would keep one copy of equal keys)."""
@@ -208,12 +216,13 @@ class Checkpointer:
         # their own, so they never interleave with the training loop's on the default group.
         self.group = dist.new_group(backend="gloo")
         self.mode = self._agree_on_mode(model)
-        # Staging buffers allocated by the first save and reused: the copy is all a save blocks for.
+        # Staging buffers allocated by the first save and reused; parameters and optimizer state
+        # are copied in the background until wait_for_staging().
         self.stager = ReusedBufferStager(
             share_memory=self.mode == AsyncCheckpointerType.PROCESS, pin_memory=torch.cuda.is_available()
         )
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-commit")
-        self.in_flight: Future | None = None
+        self.in_flight: Future | None = None  # the last save, until committed (or failed)
 
     def _agree_on_mode(self, model: nn.Module) -> AsyncCheckpointerType:
         """Process-based saving keeps serialisation and file writes off the training process's
@@ -237,9 +246,13 @@ class Checkpointer:
         return bool(self.cfg.dir) and (step == last_step or (interval > 0 and step % interval == 0))
 
     def save(self, step: int, state: dict) -> None:
-        """Blocks only for staging; the write and the commit go on in the background."""
+        """Blocks for the copy of everything but the parameters and optimizer state, whose copy
+        goes on until wait_for_staging(); the write and the commit follow in the background."""
         self.events.emit("ckpt_start", step=step)
         self.wait()  # the stager reuses its CPU buffers: the previous save must be written first
+        self.stager.copy_in_background(
+            t for s in state.values() if isinstance(s, ModelOptimizerState) for t in s.changed_only_by_optimizer_step()
+        )
         folder = step_folder(self.cfg.dir, step)
         if self.rank == 0:  # a folder left by an abandoned run is rewritten: uncommit it first
             folder.mkdir(parents=True, exist_ok=True)
@@ -247,7 +260,7 @@ class Checkpointer:
         # With a local tier, DCP writes to node-local disk without fsync: the copy to `folder` is the durable one.
         target = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
         try:
-            upload = dcp.async_save(
+            response = dcp.async_save(
                 state, storage_writer=FileSystemWriter(target, sync_files=not self.cfg.local_dir, overwrite=True),
                 process_group=self.group,
                 async_checkpointer_type=self.mode, async_stager=self.stager,
@@ -256,11 +269,20 @@ class Checkpointer:
             logger.exception("checkpoint of step %d failed while staging", step)
             self.events.emit("ckpt_failed", step=step, error=repr(error))
             return
+        # The training loop goes on from here (DESIGN: ckpt_staged ends a save's blocking part);
+        # the background copy is done by its next optimizer.step.
         self.events.emit("ckpt_staged", step=step)
-        self.in_flight = self.committer.submit(self._commit, upload, step, folder)
+        self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder)
+
+    def wait_for_staging(self) -> None:
+        """Block until the last save's copy of the state is done: call it before anything
+        changes parameters or optimizer state (optimizer.step, a load)."""
+        self.stager.wait_for_copies()
 
     def _commit(self, upload: Future, step: int, folder: Path) -> None:
         try:
+            # A failed background copy fails the upload too, which raises below (on every rank with
+            # a local tier: copy_to_persistent's collective is reached all the same): no commit.
             if self.cfg.local_dir:
                 files = copy_to_persistent(upload, step_folder(self.cfg.local_dir, step), folder, self.group)
                 if self.tends_local_dir:
@@ -300,6 +322,7 @@ class Checkpointer:
 
     def restore(self, state: dict) -> int:
         """Load the checkpoint to resume from into `state`; returns its step (0: none)."""
+        self.wait_for_staging()
         chosen = [None]
         if self.rank == 0:
             folder = find_resume_folder(self.cfg)

@@ -1,16 +1,24 @@
-"""Staging for asynchronous checkpoints: the one copy of the state that blocks the training loop.
+"""Staging for asynchronous checkpoints: the copy of the state into CPU memory, overlapped with
+the next step's forward and backward.
 
 Every tensor of the state dict is copied into a CPU buffer kept under the tensor's place in the
 dict (its key path). The buffers are allocated by the first save and reused by every later one,
-so a save is a walk over the dict and one `copy_` per tensor. DCP's DefaultStager reaches the
-same buffers through a deep copy of the whole dict: a new tensor object per tensor, a storage
-lookup in a weak dictionary, DTensors rebuilt through their pickling hooks. On the ~1 GB state
-of bench/checkpoint_save.py that took a quarter of the time the loop waited.
+so a save is a walk over the dict and one `copy_` per tensor. (DCP's DefaultStager reaches the
+same buffers through a deep copy of the whole dict, which cost a quarter of the blocking time on
+the ~1 GB state of bench/checkpoint_save.py.)
+
+Parameters and optimizer state change only in `optimizer.step`: `stage` copies them in a
+background thread (`copy_` releases the GIL) and the training loop calls `wait_for_copies()`
+before its next `optimizer.step`, as torchtitan's `maybe_wait_for_staging`. Everything else
+changes elsewhere (model buffers such as the MoE router's `expert_bias` in the forward, RNG
+states, data position, step) and is copied before `stage` returns.
 
 The caller must not stage again before the previous save is written (the buffers are reused).
 """
 
 import copy
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.cuda._pin_memory_utils as pin_memory_utils
@@ -18,37 +26,74 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return _local(tensor).untyped_storage().data_ptr()
+
+
 class ReusedBufferStager(AsyncStager):
     """share_memory: buffers in shared memory, for DCP's checkpoint process; pin_memory: page-locked
     buffers (registered with CUDA), so the copy from the GPU runs at full speed."""
 
-    _synchronize_after_execute = False  # stage() returns once the copy is done: nothing to wait for
-
     def __init__(self, share_memory: bool, pin_memory: bool):
         self.share_memory, self.pin_memory = share_memory, pin_memory
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-stage")
+        self._background: set[int] = set()  # storages of the tensors copied in the background
+        self.copies: Future | None = None  # the last stage's: its staged dict, or the copy's error
+
+    def copy_in_background(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The next `stage` copies these (and views of them) in the background: only the
+        optimizer step may change them, and only after `wait_for_copies()`."""
+        self._background = {_storage_key(t) for t in tensors}
 
     @torch.no_grad()
-    def stage(self, state_dict: dict) -> dict:
-        return self._stage(state_dict, ())
+    def stage(self, state_dict: dict) -> Future[dict]:
+        """Copy now every tensor not marked by `copy_in_background`; return the staged dict,
+        as a future that completes when the background copies are done too."""
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = self._stage(state_dict, (), later)
+        self._background = set()
+        self.copies = self.copier.submit(self._copy_all, later, staged)
+        return self.copies
 
-    def _stage(self, value, path: tuple):
+    @staticmethod
+    @torch.no_grad()
+    def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], staged: dict) -> dict:
+        for buffer, tensor in pairs:
+            buffer.copy_(tensor)
+        return staged
+
+    def wait_for_copies(self) -> None:
+        """Block until the background copies of the last `stage` are done; a failure of theirs
+        is not raised here but by the future `stage` returned."""
+        if self.copies is not None:
+            self.copies.exception()
+
+    def _stage(self, value, path: tuple, later: list):
         if isinstance(value, DTensor):  # same sharding, local shard staged
-            return DTensor(self._stage_tensor(value._local_tensor, path), value._spec, requires_grad=False)
+            return DTensor(self._stage_tensor(value, path, later), value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
-            return self._stage_tensor(value, path)
+            return self._stage_tensor(value, path, later)
         if isinstance(value, dict):  # OrderedDict too (module state dicts)
-            return {key: self._stage(item, (*path, key)) for key, item in value.items()}
+            return {key: self._stage(item, (*path, key), later) for key, item in value.items()}
         if isinstance(value, list) or type(value) is tuple:
-            return type(value)(self._stage(item, (*path, i)) for i, item in enumerate(value))
+            return type(value)(self._stage(item, (*path, i), later) for i, item in enumerate(value))
         return copy.deepcopy(value)  # step counters, data position: small, and the loop changes them
 
-    def _stage_tensor(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+    def _stage_tensor(self, tensor: torch.Tensor, path: tuple, later: list) -> torch.Tensor:
+        local = _local(tensor)
         buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
             self._release(path)
-            buffer = self.buffers[path] = self._allocate(tensor)
-        buffer.copy_(tensor)
+            buffer = self.buffers[path] = self._allocate(local)
+        if _storage_key(local) in self._background:
+            later.append((buffer, local))
+        else:
+            buffer.copy_(local)
         return buffer
 
     def _allocate(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -65,8 +110,10 @@ class ReusedBufferStager(AsyncStager):
             pin_memory_utils.unpin_memory(buffer.data_ptr())
 
     def synchronize_staging(self) -> None:
-        pass  # staging is synchronous
+        self.wait_for_copies()
 
     def close(self) -> None:
+        self.wait_for_copies()
+        self.copier.shutdown()
         for path in list(self.buffers):
             self._release(path)

@@ -1,7 +1,8 @@
 """Mixture-of-experts feed-forward layer.
 
 Tokens are routed top-k by an fp32 router, permuted by ONE sort by expert id, run through
-stacked SwiGLU experts with a grouped GEMM, weighted and added back to their positions.
+stacked SwiGLU experts (trainer/grouped_gemm.py: a grouped GEMM on CUDA, a per-expert loop that
+gathers, computes and adds back in cache on CPU), weighted and added back to their positions.
 With expert parallelism the sorted tokens go to the rank that owns their expert through an
 uneven all-to-all (with autograd) and come back the same way.
 """
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.grouped_gemm import grouped_swiglu
+from trainer.grouped_gemm import routed_swiglu
 
 
 @dataclass
@@ -95,11 +96,15 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm: bool | None = None  # None: torch._grouped_mm where supported
         self.grad_scale = 1.0  # 1/ep under expert parallelism, see trainer.parallel.parallelize
 
-    def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_TD: torch.Tensor, index_S: torch.Tensor, weights_S: torch.Tensor | None, counts_E: torch.Tensor
+    ) -> torch.Tensor:
+        """out_TD[index_S[s]] += weights_S[s] * expert(x_TD[index_S[s]]), s sorted by expert,
+        counts_E[e] rows for local expert e (see trainer.grouped_gemm.routed_swiglu)."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EDF, self.w2_EFD, self.w3_EDF))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        return grouped_swiglu(x_SD, w1, w2, w3, counts_E, self.use_grouped_mm)
+        return routed_swiglu(x_TD, index_S, weights_S, w1, w2, w3, counts_E, self.use_grouped_mm)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -156,14 +161,12 @@ class MoE(nn.Module):
         else:
             kept_counts_E = counts_E
         token_S = order_S // k
+        weights_S = routing.weights_TK.flatten()[order_S].to(x_TD.dtype)
 
-        x_SD = x_TD.index_select(0, token_S)  # backward is one index_add
         if self.ep_group is None:
-            y_SD = self.experts(x_SD, kept_counts_E)
+            out_TD = self.experts(x_TD, token_S, weights_S, kept_counts_E)
         else:
-            y_SD = self._experts_parallel(x_SD, kept_counts_E)
-        y_SD = y_SD * routing.weights_TK.flatten()[order_S].unsqueeze(-1).to(y_SD.dtype)
-        out_TD = torch.zeros_like(x_TD).index_add(0, token_S, y_SD)
+            out_TD = self._experts_parallel(x_TD, token_S, weights_S, kept_counts_E)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
 
@@ -179,8 +182,11 @@ class MoE(nn.Module):
         rank_in_expert_S = torch.arange(order_S.numel(), device=order_S.device) - starts_E.repeat_interleave(counts_E)
         return order_S[rank_in_expert_S < capacity], counts_E.clamp(max=capacity)
 
-    def _experts_parallel(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Send each token to the rank owning its expert, run the local experts, send results back."""
+    def _experts_parallel(
+        self, x_TD: torch.Tensor, token_S: torch.Tensor, weights_S: torch.Tensor, counts_E: torch.Tensor
+    ) -> torch.Tensor:
+        """Send each assignment's token to the rank owning its expert, run the local experts, send
+        the results back, and add them, weighted, to their tokens."""
         group = self.ep_group
         ep = dist.get_world_size(group)
         local_experts = self.cfg.num_experts // ep
@@ -191,14 +197,15 @@ class MoE(nn.Module):
         send_splits = counts_E.view(ep, local_experts).sum(dim=1).tolist()
         recv_splits = recv_counts_RL.sum(dim=1).tolist()
 
+        x_SD = x_TD.index_select(0, token_S)  # backward: one index_add
         x_recv_RD = funcol.all_to_all_single_autograd(x_SD, recv_splits, send_splits, group)
-        # Arrivals are ordered (source rank, local expert); the experts want (local expert, source rank).
-        local_ids_R = torch.arange(local_experts, device=x_SD.device).repeat(ep).repeat_interleave(recv_counts_RL.flatten())
+        # Arrivals are ordered (source rank, local expert); the experts take them in the order
+        # (local expert, source rank) and add each result back at its arrival row.
+        local_ids_R = torch.arange(local_experts, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts_RL.flatten())
         perm_R = torch.argsort(local_ids_R, stable=True)
-        y_sorted_RD = self.experts(x_recv_RD.index_select(0, perm_R), recv_counts_RL.sum(dim=0))
-        inverse_R = torch.empty_like(perm_R)
-        inverse_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
-        return funcol.all_to_all_single_autograd(y_sorted_RD.index_select(0, inverse_R), send_splits, recv_splits, group)
+        y_recv_RD = self.experts(x_recv_RD, perm_R, None, recv_counts_RL.sum(dim=0))
+        y_SD = funcol.all_to_all_single_autograd(y_recv_RD, send_splits, recv_splits, group)
+        return torch.zeros_like(x_TD).index_add(0, token_S, y_SD * weights_S.unsqueeze(-1))
 
     @torch.no_grad()
     def _update_load(self, counts_E: torch.Tensor, dropped: int) -> None:

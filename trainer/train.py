@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from trainer.allocator import keep_freed_memory
 from trainer.checkpoint import Checkpointer, ModelOptimizerState, RNGState, TrainProgress
 from trainer.config import JobConfig, parse_args
 from trainer.data import ByteBatchLoader, SourceCorpus
@@ -119,6 +120,7 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
         loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
         (loss + aux_loss).backward()
         grad_norm = clip_grad_norm_(model, cfg.train.grad_clip)
+        checkpointer.wait_for_staging()  # a save's copy of the parameters overlaps forward and backward
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss, stopped = mean_loss_and_stop(loss, sigterm.requested)
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        if not torch.cuda.is_available():  # a CPU run (see init_distributed); CUDA has its caching allocator
+            keep_freed_memory()
         return train(cfg, events, sigterm)
     except ConfigError as error:
         logger.error("configuration error: %s", error)

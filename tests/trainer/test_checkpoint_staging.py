@@ -1,5 +1,6 @@
 """Staging buffers of the asynchronous save: a snapshot of the state, reused from save to save.
-(DTensor states are staged by every trainer run with ZeRO-3 in test_resume.py.)"""
+(DTensor states are staged by every trainer run with ZeRO-3 in test_resume.py; the copy in the
+background against the training loop is in test_checkpoint_overlap.py.)"""
 
 from collections import OrderedDict
 
@@ -20,7 +21,8 @@ def make_state() -> dict:
 def test_the_staged_copy_is_a_snapshot_and_later_saves_reuse_its_buffers():
     stager = ReusedBufferStager(share_memory=True, pin_memory=False)
     state = make_state()
-    first = stager.stage(state)
+    stager.copy_in_background([state["model"]["w"]])
+    first = stager.stage(state).result()
     assert torch.equal(first["model"]["w"], state["model"]["w"]) and first["model"]["b"].dtype == torch.bfloat16
     assert first["model"]["w"].data_ptr() != state["model"]["w"].data_ptr() and first["model"]["w"].is_shared()
     assert first["optim"]["param_groups"] == state["optim"]["param_groups"] and first["pair"][1] == "tag"
@@ -32,7 +34,7 @@ def test_the_staged_copy_is_a_snapshot_and_later_saves_reuse_its_buffers():
     assert first["optim"]["param_groups"][0]["lr"] == 0.1
 
     pointers = {key: first["model"][key].data_ptr() for key in ("w", "b")}
-    second = stager.stage(state)
+    second = stager.stage(state).result()
     assert second["model"]["w"][1, 2] == 50 and second["data"]["batch"] == 8
     assert {key: second["model"][key].data_ptr() for key in ("w", "b")} == pointers
     stager.close()
@@ -42,9 +44,9 @@ def test_the_staged_copy_is_a_snapshot_and_later_saves_reuse_its_buffers():
 def test_a_tensor_that_changes_shape_or_dtype_gets_a_new_buffer():
     stager = ReusedBufferStager(share_memory=False, pin_memory=False)
     state = make_state()
-    stager.stage(state)
+    stager.stage(state).result()
     state["model"]["w"] = torch.ones(4, 3)
     state["model"]["b"] = torch.ones(3)
-    staged = stager.stage(state)
+    staged = stager.stage(state).result()
     assert staged["model"]["w"].shape == (4, 3) and staged["model"]["b"].dtype == torch.float32
     assert torch.equal(staged["model"]["w"], state["model"]["w"])

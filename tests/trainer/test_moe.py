@@ -1,4 +1,5 @@
-"""MoE layer: sorted grouped-GEMM dispatch against the per-expert masked reference loop."""
+"""MoE layer: sorted grouped dispatch (torch._grouped_mm, and the CPU loop that gathers, computes
+and adds back per expert) against the per-expert masked reference loop."""
 
 import math
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer.grouped_gemm import routed_swiglu
 from trainer.model import ModelConfig, Transformer
 from trainer.moe import MoE, MoEConfig, expert_capacity
 
@@ -50,7 +52,7 @@ def forward_backward(moe: MoE, fn, x_TD: torch.Tensor) -> tuple[torch.Tensor, di
     return out.detach(), grads
 
 
-@pytest.mark.parametrize("use_grouped_mm", [True, False], ids=["torch._grouped_mm", "slice-loop"])
+@pytest.mark.parametrize("use_grouped_mm", [True, False], ids=["torch._grouped_mm", "fused-slice-loop"])
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -76,7 +78,8 @@ def test_grouped_dispatch_matches_masked_loop(overrides, use_grouped_mm):
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     load = moe.last_load
     if moe.cfg.aux_free_bias:
-        assert load[3] == 0 and moe.experts.w1_EDF.grad[3].abs().sum() == 0
+        assert load[3] == 0
+        assert all(w.grad[3].abs().sum() == 0 for w in (moe.experts.w1_EDF, moe.experts.w2_EFD, moe.experts.w3_EDF))
     dropped = int(load[-1])
     if moe.cfg.capacity_factor is not None:
         capacity = expert_capacity(moe.cfg, 24)
@@ -84,6 +87,25 @@ def test_grouped_dispatch_matches_masked_loop(overrides, use_grouped_mm):
     else:
         assert dropped == 0
     assert int(load[:-1].sum()) == 24 * moe.cfg.top_k
+
+
+def test_unweighted_permutation_matches_grouped_mm():
+    """The expert-parallel call: arrivals permuted into expert order, no routing weights, each
+    result added back at its arrival row; one expert has no rows."""
+    generator = torch.Generator().manual_seed(2)
+    x_RD = torch.randn(10, DIM, generator=generator)
+    weights = [torch.randn(3, *shape, generator=generator) * 0.3 for shape in ((DIM, 8), (8, DIM), (DIM, 8))]
+    perm_R, counts_E = torch.randperm(10, generator=generator), torch.tensor([6, 0, 4])
+    results = []
+    for use_grouped_mm in (True, False):
+        inputs = [t.clone().requires_grad_() for t in (x_RD, *weights)]
+        out_RD = routed_swiglu(inputs[0], perm_R, None, *inputs[1:], counts_E, use_grouped_mm)
+        (out_RD * torch.linspace(-1, 1, out_RD.numel()).view_as(out_RD)).sum().backward()
+        results.append([out_RD.detach(), *(t.grad for t in inputs)])
+    for grouped, looped in zip(*results, strict=True):
+        torch.testing.assert_close(looped, grouped, rtol=1e-5, atol=1e-6)
+    _, _, *grad_weights = results[1]
+    assert all(grad[1].abs().sum() == 0 for grad in grad_weights)  # expert 1 has no rows
 
 
 def test_capacity_drops_tokens():
