@@ -69,6 +69,7 @@ class Load:
 @dataclass
 class Tally:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    sent_at: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # beside latencies
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     generated: int = 0
     accepted: int = 0
@@ -85,6 +86,7 @@ class Tally:
             return None
         if started >= self.measure_from or kind == "register":
             self.latencies[kind].append(time.perf_counter() - started)
+            self.sent_at[kind].append(started - self.measure_from)
         if status != 200:
             self.errors[f"{kind}: HTTP {status}"] += 1
             return None
@@ -307,6 +309,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=0.0,
                         help="seconds of load first, not measured (the jobs' launches: allocation, first events)")
     parser.add_argument("--workers", type=int, default=1, help="service processes (`ett service --workers`)")
+    parser.add_argument("--by-window", type=float, metavar="SECONDS",
+                        help="also print p50/p99 per window of this many seconds of the measured load")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--service-log", type=Path, default=Path(tempfile.gettempdir()) / "ett-load-service.log")
     args = parser.parse_args()
@@ -346,6 +350,20 @@ def main() -> None:
             failed, allocated = count(JobEvent.kind == "attempt_failed"), count(JobEvent.kind == "attempt_allocated")
         engine.dispose()
     report(load, result, stored, failed, allocated, args.json)
+    if args.by_window:
+        report_windows(result["tally"], args.by_window)
+
+
+def report_windows(tally: Tally, seconds: float) -> None:
+    """Where the slow requests were: p50/p99 per window of the measured load (when a request was sent)."""
+    print(f"  by window of {seconds:g} s (sent at):")
+    for kind in sorted(k for k in tally.latencies if k != "register"):
+        windows: dict[int, list[float]] = defaultdict(list)
+        for sent, latency in zip(tally.sent_at[kind], tally.latencies[kind], strict=True):
+            windows[int(sent // seconds)].append(latency)
+        for w, values in sorted(windows.items()):
+            print(f"    {kind:10} {w * seconds:>5g} s {len(values):>6} requests, p50 {1000 * percentile(values, 0.5):7.1f} ms, "
+                  f"p99 {1000 * percentile(values, 0.99):7.1f} ms")
 
 
 def report(load: Load, result: dict, stored: int, failed: int, allocated: int, json_path: Path | None) -> None:

@@ -53,9 +53,11 @@ class EventBatchWriter:
     """Collects the agents' batches on the event loop; one task writes them in groups on a
     worker thread of its own (so they never queue behind other requests for one)."""
 
-    def __init__(self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256, pace: float = 0.05
+    ) -> None:
         self.sessions, self.settings, self.max_batches = sessions, settings, max_batches
-        self.waiting: Waiting[Posted] = Waiting()
+        self.waiting: Waiting[Posted] = Waiting(pace)
         self.thread = anyio.CapacityLimiter(1)
 
     async def store(self, name: str, caller: Caller, events: list[AgentEventIn]) -> IngestOut:

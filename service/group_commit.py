@@ -2,6 +2,7 @@
 waiting on the event loop for the next group, and handing each its own outcome."""
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -14,11 +15,20 @@ T = TypeVar("T", bound=Request)
 
 
 class Waiting(Generic[T]):
-    """Requests waiting for the next group of one lane, and the signal that some arrived."""
+    """Requests waiting for the next group of one lane, and the signal that some arrived.
 
-    def __init__(self) -> None:
+    A group is taken at most every `pace` seconds. A group's own cost (its transaction's few
+    statements: 2 to 4 ms of CPU whatever its size) is then paid at most 1/pace times a second,
+    however the requests arrive. Without it, a moderate load made many groups of one or two
+    requests, whose fixed costs kept the process busy and slowed every request. A request
+    that arrives after a quiet `pace` is taken at once: no delay on an idle service.
+    """
+
+    def __init__(self, pace: float = 0.0) -> None:
         self.items: list[T] = []
         self.arrived = asyncio.Event()
+        self.pace = pace
+        self.last_taken = -math.inf
 
     def put(self, item: T) -> None:
         self.items.append(item)
@@ -28,6 +38,10 @@ class Waiting(Generic[T]):
         while not self.items:
             self.arrived.clear()
             await self.arrived.wait()
+        loop = asyncio.get_running_loop()
+        if (wait := self.last_taken + self.pace - loop.time()) > 0:
+            await asyncio.sleep(wait)  # the requests that arrive meanwhile join this group
+        self.last_taken = loop.time()
         group, self.items = self.items[:most], self.items[most:]
         return group
 

@@ -83,10 +83,12 @@ class HeartbeatWriter:
     the batch. Their heartbeats go to the held lane, which waits for the rows.
     """
 
-    def __init__(self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512, pace: float = 0.025
+    ) -> None:
         self.sessions, self.settings, self.max_batch = sessions, settings, max_batch
-        self.fast: Waiting[Beat] = Waiting()
-        self.held: Waiting[Beat] = Waiting()
+        self.fast: Waiting[Beat] = Waiting(pace)
+        self.held: Waiting[Beat] = Waiting(pace)
         # Threads of their own (one a lane): heartbeats never queue behind event batches for a thread.
         self.threads = anyio.CapacityLimiter(2)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import column, func, select, table, true, tuple_
+from sqlalchemy import func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -76,12 +76,18 @@ class _Pending(NamedTuple):
 
 # Each connection stages its batches in a temporary table of the same columns as `events`.
 _COLUMNS = ", ".join(_Row._fields)
-_STAGED = table("events_in", *(column(name) for name in _Row._fields))
 _STAGING_DDL = {
     "postgresql": f"CREATE TEMP TABLE IF NOT EXISTS events_in ON COMMIT DELETE ROWS AS SELECT {_COLUMNS} "
     "FROM events WITH NO DATA",
     "sqlite": f"CREATE TEMP TABLE IF NOT EXISTS events_in AS SELECT {_COLUMNS} FROM events WHERE 0",
 }
+
+
+# WHERE true: SQLite would read the ON of ON CONFLICT as a join's otherwise.
+_MOVE = (
+    f"INSERT INTO events ({_COLUMNS}) SELECT {_COLUMNS} FROM events_in WHERE true ON CONFLICT DO NOTHING "
+    "RETURNING job_id, attempt, source, seq"
+)
 
 
 def _finite(value: Any) -> Any:
@@ -205,7 +211,9 @@ def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, JobAccount
     """The jobs' accounting rows, locked in job order (one order for every process: no deadlock
     between jobs); created if missing first, which on SQLite takes the database's write lock at once."""
     rows = [{"job_id": job_id, "account": {}, "failures": 0, "events": 0} for job_id in job_ids]
-    session.execute(_insert(session)(JobAccountRow).values(rows).on_conflict_do_nothing())
+    # One statement run for each row (executemany): compiled once, where a multi-row VALUES of
+    # a new length each time was compiled anew for every batch.
+    session.execute(_insert(session)(JobAccountRow.__table__).on_conflict_do_nothing(), rows)
     query = (
         select(JobAccountRow).where(JobAccountRow.job_id.in_(job_ids)).order_by(JobAccountRow.job_id)
         .with_for_update().execution_options(populate_existing=True)
@@ -242,17 +250,11 @@ def _store_new(session: Session, rows: list[_Row]) -> set[tuple[str, int, str, i
                     copy.write_row(row)
         else:
             cursor.executemany(f"INSERT INTO events_in VALUES ({', '.join('?' * len(_Row._fields))})", rows)
+        # On the driver's cursor: a burst's tens of thousands of keys come back as plain tuples.
+        cursor.execute(_MOVE)
+        return set(cursor.fetchall())
     finally:
         cursor.close()
-    events = JobEvent.__table__
-    # WHERE true: SQLite would read the ON of ON CONFLICT as a join's otherwise.
-    moved = (
-        _insert(session)(events)
-        .from_select(_Row._fields, select(_STAGED).where(true()))
-        .on_conflict_do_nothing()
-        .returning(events.c.job_id, events.c.attempt, events.c.source, events.c.seq)
-    )
-    return set(map(tuple, connection.execute(moved)))
 
 
 def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> None:
@@ -286,13 +288,21 @@ def _fold(
 ) -> None:
     """Applies a job's new events to its account, and their checkpoint events to the catalog."""
     steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, per attempt
+    seen: dict[int, list[float]] = defaultdict(list)  # the other ranks' and the agents' times, per attempt
     others: list[_Pending] = []
     for p in events:
         r = p.row
-        if r.kind == "step" and r.source == TIMING_SOURCE:
-            steps[r.attempt].append((r.step, r.ts, r.duration))
-        else:
+        if r.source == TIMING_SOURCE:
+            if r.kind == "step":
+                steps[r.attempt].append((r.step, r.ts, r.duration))
+            else:
+                others.append(p)
+        elif r.source == "service":
             others.append(p)
+        else:  # all these change is the attempt's first and last times (most events of a big job)
+            seen[r.attempt].append(r.ts)
+    for attempt, times in seen.items():
+        account.seen(attempt, min(times), max(times))
     for attempt, numbered in steps.items():
         account.apply_steps(attempt, numbered)
     for r, data, _ in others:

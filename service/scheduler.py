@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from service import commands
@@ -44,7 +44,8 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
     Heartbeats written in a batch (service/heartbeats.py) load their shares at once and call this."""
     if share.state not in ACTIVE:
         return
-    share.state = AttemptState(report.state)
+    if share.state != report.state:  # a busy node repeats "running" in every heartbeat: nothing to write
+        share.state = AttemptState(report.state)
     attempt = share.attempt
     if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
         attempt.state = AttemptState.running
@@ -184,8 +185,12 @@ def _made_progress(session: Session, attempt: Attempt) -> bool:
 
 
 def _allocate(session: Session, settings: Settings, now: float) -> None:
+    # Only jobs that may need an attempt are read and locked: a running job whose attempt is
+    # still active needs none, and locking all of them every tick made the event ingestion (which
+    # takes a key-share lock on the jobs of its events) wait for the tick under load.
+    between_attempts = ~select(Attempt.id).where(Attempt.job_id == Job.id, Attempt.state.in_(ACTIVE)).exists()
     candidates = session.scalars(
-        select(Job).where(Job.state.in_((JobState.queued, JobState.running)))
+        select(Job).where(or_(Job.state == JobState.queued, (Job.state == JobState.running) & between_attempts))
         .order_by(Job.state.desc(), Job.submitted_at)  # restarts ("running") before new jobs
         .with_for_update(skip_locked=True)
         .options(selectinload(Job.attempts))  # one query for all jobs' attempts, not one per job each tick

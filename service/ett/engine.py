@@ -18,7 +18,7 @@ Deduplication on (attempt, source, seq) is the caller's job: `apply` must see ea
 
 import operator
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 SERVICE_KINDS = frozenset({"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished"})
@@ -157,11 +157,17 @@ class JobAccount:
             self.attempts[number] = AttemptSummary(number)
         return self.attempts[number]
 
+    def seen(self, attempt: int, first: float, last: float) -> AttemptSummary:
+        """Note that the attempt had events from `first` to `last`: all an event of a rank other
+        than rank 0 (or of an agent) changes, so a caller may fold many of those at once."""
+        a = self.attempt(attempt)
+        self.last_event_at = _max(self.last_event_at, last)
+        a.first_seen_at = _min(a.first_seen_at, first)
+        return a
+
     def apply(self, e: Event, checkpoint: CheckpointRecord | None = None) -> None:
         """Fold one (new, deduplicated) event. Checkpoint events need their record."""
-        a = self.attempt(e.attempt)
-        self.last_event_at = _max(self.last_event_at, e.ts)
-        a.first_seen_at = _min(a.first_seen_at, e.ts)
+        a = self.seen(e.attempt, e.ts, e.ts)
         if e.source == "service":
             self._apply_service(a, e)
         elif e.source == TIMING_SOURCE:
@@ -178,10 +184,8 @@ class JobAccount:
         if not steps:
             return
         numbers, ends, durations = zip(*steps)
-        a = self.attempt(attempt)
-        first_end, last_end = min(ends), max(ends)
-        self.last_event_at = _max(self.last_event_at, last_end)
-        a.first_seen_at = _min(a.first_seen_at, first_end)
+        last_end = max(ends)
+        a = self.seen(attempt, min(ends), last_end)
         a.steps += len(steps)
         a.step_seconds += sum(durations)
         a.first_step_start = _min(a.first_step_start, min(map(operator.sub, ends, durations)))
@@ -264,7 +268,9 @@ class JobAccount:
             "finished_at": self.finished_at,
             "finished_state": self.finished_state,
             "last_event_at": self.last_event_at,
-            "attempts": [asdict(a) for _, a in sorted(self.attempts.items())],
+            # Every field of a summary is a number, a string or None: a copy of its __dict__ is
+            # what dataclasses.asdict gives, at a tenth of its cost (it runs per job per batch).
+            "attempts": [dict(a.__dict__) for _, a in sorted(self.attempts.items())],
         }
 
     @classmethod

@@ -7,6 +7,7 @@ the trainer where checkpoints play no part, the `tiny` trainer where they do.
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -97,14 +98,24 @@ def tiny_job(name: str, checkpoint_dir, steps: int, interval: int, faults: list[
 def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_committed(tmp_path):
     # Rank 1 is SIGKILLed the moment rank 0 reports step 8, whose checkpoint then starts. Its
     # shard file is a named pipe, so the write stalls like a hung disk: the kill always lands
-    # mid-write, however fast the machine.
+    # mid-write, however late the agent sees step 8. The pipe is laid once step 4's save has
+    # begun: a fresh run's restore removes any step folder left from before it.
     kill = {"attempt": 0, "rank": 1, "at_step": 8, "action": "kill"}
-    stalled = tmp_path / "ckpt" / "step-00000008"
-    stalled.mkdir(parents=True)
-    os.mkfifo(stalled / "__1_0.distcp")
+    root = tmp_path / "ckpt"
+    stalled = root / "step-00000008"
+
+    def lay_pipe() -> None:
+        deadline = time.monotonic() + 180
+        while not (root / "step-00000004").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        stalled.mkdir(parents=True)
+        os.mkfifo(stalled / "__1_0.distcp")
+
+    layer = threading.Thread(target=lay_pipe, daemon=True)
+    layer.start()
     with cluster(tmp_path) as c:
         c.start_agent("node-0")
-        job_id = c.submit(tiny_job("ckpt-kill", tmp_path / "ckpt", steps=12, interval=4, faults=[kill]))
+        job_id = c.submit(tiny_job("ckpt-kill", root, steps=12, interval=4, faults=[kill]))
         job = c.wait_job(job_id, timeout=180)
         started = {(e.attempt, e.step) for e in c.events(job_id, kind="ckpt_start", source="rank:0")}
         committed = {(e.attempt, e.step) for e in c.events(job_id, kind="ckpt_committed", source="rank:0")}
