@@ -12,20 +12,22 @@ error stays with the heartbeat that caused it.
 import asyncio
 import logging
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
+from typing import Any
 
 import anyio
 import anyio.to_thread
 from fastapi import HTTPException
-from sqlalchemy import exists, select
-from sqlalchemy.orm import Session, contains_eager, sessionmaker
+from sqlalchemy import Row, bindparam, exists, select, update
+from sqlalchemy.orm import Session, joinedload, sessionmaker
 
 from service import commands, scheduler
 from service.api.deps import own_node
 from service.db import retry_on_disconnect
 from service.group_commit import Waiting, answer
 from service.models import AgentCommand, Attempt, AttemptNode, Node, NodeState, Token, utcnow
-from service.schemas.agents import Heartbeat
+from service.schemas.agents import AttemptReport, Heartbeat
 from service.security import Caller
 from service.settings import Settings
 
@@ -49,21 +51,40 @@ def clock_offset(current: float, sample: float, settings: Settings) -> float:
     return current
 
 
-def record_heartbeat(
-    session: Session, settings: Settings, node: Node, beat: Heartbeat, received: float,
-    shares: dict[tuple[str, int], AttemptNode],
-) -> None:  # fmt: skip
-    """Records a heartbeat on its node; `shares`: the node's active shares, by (job id, attempt)."""
-    node.last_heartbeat_at = utcnow()
-    node.clock_offset_seconds = clock_offset(node.clock_offset_seconds, received - beat.clock, settings)
-    node.clock_skew_flagged = abs(node.clock_offset_seconds) > settings.max_clock_skew_seconds
-    node.stats = dict(beat.stats)
-    if node.state == NodeState.lost:
-        node.state = NodeState.idle
-    for report in beat.attempts:
-        share = shares.get((report.job_id, report.attempt))
-        if share is not None:  # else an ended attempt reported again, or none of this node's: nothing to do
-            scheduler.apply_report(session, node, share, report, received)
+def node_update(
+    node: Row, offset: float, beat: Heartbeat, received: float, now: datetime, settings: Settings
+) -> dict[str, Any]:
+    """The new values of a node's row for its heartbeat (by primary key, for one bulk UPDATE);
+    `offset`: the node's clock offset so far."""
+    offset = clock_offset(offset, received - beat.clock, settings)
+    return {
+        "id": node.id,
+        "last_heartbeat_at": now,
+        "clock_offset_seconds": offset,
+        "clock_skew_flagged": abs(offset) > settings.max_clock_skew_seconds,
+        "stats": dict(beat.stats),
+        "state": NodeState.idle if node.state == NodeState.lost else node.state,  # a lost node is back
+    }
+
+
+# The nodes of a batch with their token's revocation and whether commands wait for them, in the
+# scheduler's order (no deadlock with it); two statements built once (built per batch, each
+# left cyclic garbage for the collector).
+_PENDING = exists().where(AgentCommand.node_id == Node.id, AgentCommand.delivered_at.is_(None))
+_NODES = (
+    select(Node.id, Node.name, Node.token_id, Node.state, Node.clock_offset_seconds, Token.revoked,
+           _PENDING.label("pending"))
+    .join(Token, Node.token_id == Token.id)
+    .where(Node.name.in_(bindparam("names", expanding=True)))
+    .order_by(Node.name)
+)  # fmt: skip
+_NODES_LOCKED = {skip: _NODES.with_for_update(of=Node, skip_locked=skip) for skip in (True, False)}
+_SHARES = (
+    select(AttemptNode.id, AttemptNode.node_id, AttemptNode.state, Attempt.job_id, Attempt.number,
+           Attempt.state.label("attempt_state"))
+    .join(Attempt)
+    .where(AttemptNode.node_id.in_(bindparam("nodes", expanding=True)), AttemptNode.state.in_(scheduler.ACTIVE))
+)  # fmt: skip
 
 
 @dataclass
@@ -128,51 +149,68 @@ class HeartbeatWriter:
 
     def _write_batch(self, batch: list[Beat], skip_locked: bool) -> list[Outcome | None]:
         """Writes the batch in one transaction; None for a heartbeat whose node row is held
-        (only when skip_locked), to be written by the held lane."""
+        (only when skip_locked), to be written by the held lane.
+
+        Plain rows and one bulk UPDATE by primary key: the ORM's loading and unit of work were
+        most of a batch's cost. Only a report that changes something (an attempt started or
+        ended) goes through the scheduler's ORM code, after the nodes' UPDATE."""
         with self.sessions() as session:
-            pending = exists().where(AgentCommand.node_id == Node.id, AgentCommand.delivered_at.is_(None))
-            rows = session.execute(
-                select(Node, Token.revoked, pending).join(Token, Node.token_id == Token.id)
-                .where(Node.name.in_({item.name for item in batch}))
-                .order_by(Node.name)  # rows locked in the scheduler's order: no deadlock with it
-                .with_for_update(of=Node, skip_locked=skip_locked)
-            ).all()  # fmt: skip
-            nodes = {node.name: (node, revoked, has_pending) for node, revoked, has_pending in rows}
-            shares = self._active_shares(session, batch, [node.id for node, _, _ in nodes.values()])
-            recorded: dict[int, Node] = {}  # batch index -> node
+            names = sorted({item.name for item in batch})
+            nodes = {row.name: row for row in session.execute(_NODES_LOCKED[skip_locked], {"names": names})}
+            shares = self._active_shares(session, batch, [row.id for row in nodes.values()])
+            now = utcnow()
+            updates: dict[int, dict[str, Any]] = {}  # node id -> its row's new values (the last heartbeat's)
+            changing: list[tuple[int, Beat, AttemptReport]] = []  # (share id, heartbeat, report)
+            recorded: dict[int, int] = {}  # batch index -> node id
             to_take: dict[int, int] = {}  # node id -> batch index of its first heartbeat with commands waiting
             outcomes: list[Outcome | None] = [None] * len(batch)
             for i, item in enumerate(batch):
-                found = nodes.get(item.name)
-                if found is None or found[1] or found[0].token_id != item.caller.token_id:
+                node = nodes.get(item.name)
+                if node is None or node.revoked or node.token_id != item.caller.token_id:
                     try:  # the answer it would get alone: 401, 403 or 404; else its node is held: later
                         own_node(session, item.name, item.caller)
                     except HTTPException as refused:
                         outcomes[i] = refused
                     continue
-                node, _, has_pending = found
-                record_heartbeat(session, self.settings, node, item.beat, item.received, shares.get(node.id, {}))
-                recorded[i] = node
-                if has_pending:
+                # Two heartbeats of a node in one batch: the second goes on from the first's offset.
+                offset = updates[node.id]["clock_offset_seconds"] if node.id in updates else node.clock_offset_seconds
+                updates[node.id] = node_update(node, offset, item.beat, item.received, now, self.settings)
+                for report in item.beat.attempts:
+                    share = shares.get((node.id, report.job_id, report.attempt))
+                    # None: an ended attempt reported again, or none of this node's: nothing to do
+                    if share is not None and not scheduler.report_changes_nothing(
+                        share.state, share.attempt_state, report.state
+                    ):
+                        changing.append((share.id, item, report))
+                recorded[i] = node.id
+                if node.pending:
                     to_take.setdefault(node.id, i)
+            if updates:
+                session.execute(update(Node), list(updates.values()))
+            if changing:
+                self._apply_reports(session, changing)
             taken = commands.take_pending_of(session, to_take) if to_take else {}
-            for i, node in recorded.items():
-                outcomes[i] = (node.id, taken.get(node.id, []) if to_take.get(node.id) == i else [])
+            for i, node_id in recorded.items():
+                outcomes[i] = (node_id, taken.get(node_id, []) if to_take.get(node_id) == i else [])
             session.commit()
             return outcomes
 
     @staticmethod
-    def _active_shares(
-        session: Session, batch: list[Beat], node_ids: list[int]
-    ) -> dict[int, dict[tuple[str, int], AttemptNode]]:
-        """The active shares of these nodes (with their attempts), by node id, then (job id, attempt)."""
+    def _active_shares(session: Session, batch: list[Beat], node_ids: list[int]) -> dict[tuple[int, str, int], Row]:
+        """The active shares of these nodes with their attempt's state, by (node id, job id, attempt)."""
         if not any(item.beat.attempts for item in batch):
             return {}
+        rows = session.execute(_SHARES, {"nodes": node_ids})
+        return {(row.node_id, row.job_id, row.number): row for row in rows}
+
+    @staticmethod
+    def _apply_reports(session: Session, changing: list[tuple[int, Beat, AttemptReport]]) -> None:
+        """The reports that start or end something, through the scheduler (rare: a few per attempt)."""
         query = (
-            select(AttemptNode).join(Attempt).options(contains_eager(AttemptNode.attempt))
-            .where(AttemptNode.node_id.in_(node_ids), AttemptNode.state.in_(scheduler.ACTIVE))
+            select(AttemptNode).options(joinedload(AttemptNode.attempt), joinedload(AttemptNode.node))
+            .where(AttemptNode.id.in_({share_id for share_id, _, _ in changing}))
         )  # fmt: skip
-        shares: dict[int, dict[tuple[str, int], AttemptNode]] = {}
-        for share in session.scalars(query):
-            shares.setdefault(share.node_id, {})[(share.attempt.job_id, share.attempt.number)] = share
-        return shares
+        loaded = {share.id: share for share in session.scalars(query)}
+        for share_id, item, report in changing:
+            share = loaded[share_id]
+            scheduler.apply_report(session, share.node, share, report, item.received)

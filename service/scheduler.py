@@ -39,13 +39,20 @@ def on_reports(session: Session, node: Node, reports: Sequence[AttemptReport], n
             apply_report(session, node, share, report, now)
 
 
+def report_changes_nothing(share_state: AttemptState, attempt_state: AttemptState, reported: str) -> bool:
+    """True when apply_report would leave everything as it is: the share has ended, or the node
+    repeats that its share of a running attempt runs (what a busy node says in every heartbeat)."""
+    if share_state not in ACTIVE:
+        return True
+    return reported == share_state == AttemptState.running and attempt_state != AttemptState.allocated
+
+
 def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt).
     Heartbeats written in a batch (service/heartbeats.py) load their shares at once and call this."""
     if share.state not in ACTIVE:
         return
-    if share.state != report.state:  # a busy node repeats "running" in every heartbeat: nothing to write
-        share.state = AttemptState(report.state)
+    share.state = AttemptState(report.state)
     attempt = share.attempt
     if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
         attempt.state = AttemptState.running
