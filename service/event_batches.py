@@ -18,7 +18,7 @@ from functools import partial
 import anyio
 import anyio.to_thread
 from fastapi import HTTPException, status
-from sqlalchemy import select, tuple_
+from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.deps import own_node
@@ -33,6 +33,7 @@ from service.settings import Settings
 log = logging.getLogger("ett.events")
 
 Outcome = IngestOut | Exception
+NodeLike = Node | Row  # a node's row, or (a batch refused at first, then found) its ORM object
 
 
 def unprocessable(rejected: EventRejected) -> HTTPException:
@@ -117,18 +118,14 @@ class EventBatchWriter:
             return outcomes  # type: ignore[return-value]  # every entry set above
 
     @staticmethod
-    def _own_nodes(session: Session, group: list[Posted], outcomes: list[Outcome | None]) -> dict[int, Node]:
+    def _own_nodes(session: Session, group: list[Posted], outcomes: list[Outcome | None]) -> dict[int, NodeLike]:
         """Each batch's node, by group index, in one query; a batch refused (401/403/404) gets
         its outcome instead, the answer it would get alone."""
-        rows = session.execute(
-            select(Node, Token.revoked).join(Token, Node.token_id == Token.id)
-            .where(Node.name.in_({item.name for item in group}))
-        ).all()  # fmt: skip
-        found = {node.name: (node, revoked) for node, revoked in rows}
-        nodes: dict[int, Node] = {}
+        found = {row.name: row for row in session.execute(_NODES, {"names": list({item.name for item in group})})}
+        nodes: dict[int, NodeLike] = {}
         for i, item in enumerate(group):
-            node, revoked = found.get(item.name, (None, True))
-            if node is not None and not revoked and node.token_id == item.caller.token_id:
+            node = found.get(item.name)
+            if node is not None and not node.revoked and node.token_id == item.caller.token_id:
                 nodes[i] = node
                 continue
             try:
@@ -138,18 +135,14 @@ class EventBatchWriter:
         return nodes
 
     @staticmethod
-    def _not_given(session: Session, group: list[Posted], nodes: dict[int, Node]) -> dict[int, HTTPException]:
+    def _not_given(session: Session, group: list[Posted], nodes: dict[int, NodeLike]) -> dict[int, HTTPException]:
         """The 403 of each batch with an event of an attempt the scheduler did not give its node.
         Events of unknown jobs are left to ingestion, which refuses them with 422 naming the field."""
-        asked = list({(e.job_id, e.attempt) for i in nodes for e in group[i].events})
-        if not asked:
+        jobs = list({e.job_id for i in nodes for e in group[i].events})
+        if not jobs:
             return {}
-        known = set(session.scalars(select(Job.id).where(Job.id.in_({job for job, _ in asked}))))
-        given = {tuple(row) for row in session.execute(
-            select(AttemptNode.node_id, Attempt.job_id, Attempt.number).join(AttemptNode)
-            .where(AttemptNode.node_id.in_({node.id for node in nodes.values()}),
-                   tuple_(Attempt.job_id, Attempt.number).in_(asked))
-        )}  # fmt: skip
+        known = set(session.scalars(_KNOWN_JOBS, {"jobs": jobs}))
+        given = set(map(tuple, session.execute(_GIVEN, {"nodes": list({n.id for n in nodes.values()}), "jobs": jobs})))
         refused = {}
         for i, node in nodes.items():
             for k, e in enumerate(group[i].events):
@@ -162,7 +155,20 @@ class EventBatchWriter:
         return refused
 
 
-def _foreign_source(node: Node, events: list[AgentEventIn]) -> HTTPException | None:
+# A group's statements, built once (built per group, each left cyclic garbage for the collector).
+_NODES = (
+    select(Node.id, Node.name, Node.token_id, Node.clock_offset_seconds, Token.revoked)
+    .join(Token, Node.token_id == Token.id).where(Node.name.in_(bindparam("names", expanding=True)))
+)  # fmt: skip
+_KNOWN_JOBS = select(Job.id).where(Job.id.in_(bindparam("jobs", expanding=True)))
+_GIVEN = (
+    select(AttemptNode.node_id, Attempt.job_id, Attempt.number).join(AttemptNode)
+    .where(AttemptNode.node_id.in_(bindparam("nodes", expanding=True)),
+           Attempt.job_id.in_(bindparam("jobs", expanding=True)))
+)  # fmt: skip
+
+
+def _foreign_source(node: NodeLike, events: list[AgentEventIn]) -> HTTPException | None:
     """The 422 of a batch with an event from neither the node's ranks nor the node itself."""
     for i, e in enumerate(events):
         if not (e.source.startswith("rank:") or e.source == f"node:{node.name}"):
