@@ -6,7 +6,7 @@ from collections.abc import Collection
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy import event, select, update
+from sqlalchemy import event, exists, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.models import AgentCommand, Node, utcnow
@@ -99,6 +99,10 @@ def take_pending_of(session: Session, node_ids: Collection[int]) -> dict[int, li
     for _, node_id, payload in sorted(rows):
         taken.setdefault(node_id, []).append(payload)
     return taken
+
+
+# In a query over nodes: whether commands wait for the node (the hot agent endpoints read it with the node).
+WAITING_FOR_NODE = exists().where(AgentCommand.node_id == Node.id, AgentCommand.delivered_at.is_(None))
 
 
 def has_pending(session: Session, node_id: int) -> bool:

@@ -19,14 +19,14 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from fastapi import HTTPException
-from sqlalchemy import Row, bindparam, exists, select, update
+from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session, joinedload, sessionmaker
 
 from service import commands, scheduler
 from service.api.deps import own_node
 from service.db import retry_on_disconnect
 from service.group_commit import Waiting, answer
-from service.models import AgentCommand, Attempt, AttemptNode, Node, NodeState, Token, utcnow
+from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.schemas.agents import AttemptReport, Heartbeat
 from service.security import Caller
 from service.settings import Settings
@@ -70,10 +70,9 @@ def node_update(
 # The nodes of a batch with their token's revocation and whether commands wait for them, in the
 # scheduler's order (no deadlock with it); two statements built once (built per batch, each
 # left cyclic garbage for the collector).
-_PENDING = exists().where(AgentCommand.node_id == Node.id, AgentCommand.delivered_at.is_(None))
 _NODES = (
     select(Node.id, Node.name, Node.token_id, Node.state, Node.clock_offset_seconds, Token.revoked,
-           _PENDING.label("pending"))
+           commands.WAITING_FOR_NODE.label("pending"))
     .join(Token, Node.token_id == Token.id)
     .where(Node.name.in_(bindparam("names", expanding=True)))
     .order_by(Node.name)
@@ -155,7 +154,7 @@ class HeartbeatWriter:
         most of a batch's cost. Only a report that changes something (an attempt started or
         ended) goes through the scheduler's ORM code, after the nodes' UPDATE."""
         with self.sessions() as session:
-            names = sorted({item.name for item in batch})
+            names = list({item.name for item in batch})
             nodes = {row.name: row for row in session.execute(_NODES_LOCKED[skip_locked], {"names": names})}
             shares = self._active_shares(session, batch, [row.id for row in nodes.values()])
             now = utcnow()

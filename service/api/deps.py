@@ -6,11 +6,12 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import exists, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.db import SessionDep
-from service.models import AgentCommand, Job, Node, Role, Token
+from service.commands import WAITING_FOR_NODE
+from service.models import Job, Node, Role, Token
 from service.security import Caller, CallerCache, find_token, hash_token
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `ett token create`")
@@ -77,9 +78,8 @@ async def current_agent(request: Request, credentials: BearerDep) -> Caller:
 def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:
     """The node named in the path, if the caller's token registered it and is not revoked, and
     whether commands wait for it: one query for the three (the hot agent endpoints run it first)."""
-    pending = exists().where(AgentCommand.node_id == Node.id, AgentCommand.delivered_at.is_(None))
     row = session.execute(
-        select(Token.revoked, Node, pending).select_from(Token)
+        select(Token.revoked, Node, WAITING_FOR_NODE).select_from(Token)
         .outerjoin(Node, Node.name == name).where(Token.id == caller.token_id)
     ).one_or_none()  # fmt: skip
     if row is None or row.revoked:
