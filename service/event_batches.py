@@ -141,11 +141,17 @@ class EventBatchWriter:
         jobs = list({e.job_id for i in nodes for e in group[i].events})
         if not jobs:
             return {}
-        known = set(session.scalars(_KNOWN_JOBS, {"jobs": jobs}))
         given = set(map(tuple, session.execute(_GIVEN, {"nodes": list({n.id for n in nodes.values()}), "jobs": jobs})))
+        known: set[str] | None = None  # read only when some attempt was not given: rarely
         refused = {}
         for i, node in nodes.items():
-            for k, e in enumerate(group[i].events):
+            events = group[i].events
+            # A batch names one or two attempts in its hundreds of events: check those first.
+            if all((node.id, job_id, attempt) in given for job_id, attempt in {(e.job_id, e.attempt) for e in events}):
+                continue
+            if known is None:
+                known = set(session.scalars(_KNOWN_JOBS, {"jobs": jobs}))
+            for k, e in enumerate(events):
                 if e.job_id in known and (node.id, e.job_id, e.attempt) not in given:
                     refused[i] = HTTPException(
                         status.HTTP_403_FORBIDDEN, f"events.{k}: attempt {e.attempt} of job {e.job_id} was not "

@@ -20,16 +20,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import Row, bindparam, func, insert, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.ett.engine import CHECKPOINT_KINDS, TIMING_SOURCE, CheckpointRecord, Event, JobAccount
-from service.models import Checkpoint, Job, JobAccountRow, JobEvent
+from service.models import RANK0_STEPS, Checkpoint, Job, JobAccountRow, JobEvent
 from service.schemas.events import EventIn
 from service.settings import Settings
-
-CHECKPOINT_FIELDS = ("started_at", "staged_at", "committed_at", "failed_at", "path", "bytes")
 
 
 class EventRejected(Exception):
@@ -125,8 +123,7 @@ class _SqlSteps:
     def steps_above(self, attempt: int, step: int) -> tuple[int, float]:
         count, seconds = self.session.execute(
             select(func.count(), func.coalesce(func.sum(JobEvent.duration), 0.0)).where(
-                JobEvent.job_id == self.job_id, JobEvent.kind == "step", JobEvent.attempt == attempt,
-                JobEvent.step > step, JobEvent.source == TIMING_SOURCE,
+                JobEvent.job_id == self.job_id, JobEvent.attempt == attempt, JobEvent.step > step, RANK0_STEPS,
             )  # fmt: skip
         ).one()
         return int(count), float(seconds)
@@ -172,10 +169,11 @@ def ingest(
         fresh[job_id] = [p for p in events.values() if (job_id, *p.key) in stored]
         if len(fresh[job_id]) < len(events):  # the others were stored before: each must be a true repeat
             _check_repeats(session, job_id, [p for p in events.values() if (job_id, *p.key) not in stored])
-    records = _checkpoint_records(session, [p for events in fresh.values() for p in events])
-    for job_id, account_row in accounts.items():
-        _account(session, account_row, fresh[job_id], records)
-    session.flush()
+    records = _Records(session, [p for events in fresh.values() for p in events])
+    updates = [_account(session, account_row, fresh[job_id], records) for job_id, account_row in accounts.items()]
+    if updates:
+        session.execute(update(JobAccountRow), updates)  # by primary key, one executemany
+    records.write(session)
     new = frozenset(p.index for events in fresh.values() for p in events)
     return IngestResult(len(new), len(batch) - len(new), new)
 
@@ -207,34 +205,34 @@ def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, _Pending]]) 
             raise EventRejected(min(p.index for p in events.values()), "job_id", f"no job {job_id}")
 
 
-def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, JobAccountRow]:
-    """The jobs' accounting rows, locked in job order (one order for every process: no deadlock
-    between jobs); created if missing first, which on SQLite takes the database's write lock at once."""
+def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, Row]:
+    """The jobs' accounting rows (job_id, account, events), locked in job order (one order for
+    every process: no deadlock between jobs); created if missing first, which on SQLite takes the
+    database's write lock at once. Plain rows: a burst's hundreds of jobs as ORM objects (loaded,
+    tracked, flushed) cost more than their accounting."""
     rows = [{"job_id": job_id, "account": {}, "failures": 0, "events": 0} for job_id in job_ids]
     # One statement run for each row (executemany): compiled once, where a multi-row VALUES of
     # a new length each time was compiled anew for every batch.
     session.execute(_insert(session)(JobAccountRow.__table__).on_conflict_do_nothing(), rows)
-    query = (
-        select(JobAccountRow).where(JobAccountRow.job_id.in_(job_ids)).order_by(JobAccountRow.job_id)
-        .with_for_update().execution_options(populate_existing=True)
-    )  # fmt: skip
-    return {row.job_id: row for row in session.scalars(query)}
+    return {row.job_id: row for row in session.execute(_LOCK_ACCOUNTS, {"jobs": job_ids})}
 
 
-def _account(
-    session: Session, account_row: JobAccountRow, new: list[_Pending], records: dict[tuple[str, int, int], Checkpoint]
-) -> None:
-    """Folds a job's new events into its accounting row, and their checkpoint events into `records`."""
+def _account(session: Session, account_row: Row, new: list[_Pending], records: "_Records") -> dict[str, Any]:
+    """Folds a job's new events into its accounting row, returned as the row's new values, and
+    their checkpoint events into `records`."""
     account = JobAccount.from_dict(account_row.account)
-    _fold(session, account, new, records)
+    _fold(account, new, records)
     account.settle(_SqlSteps(session, account_row.job_id))
     starts = [a.start for a in account.attempts.values() if a.start is not None]
-    account_row.account = account.to_dict()
-    account_row.window_start = min(starts) if starts else None
-    account_row.finished_at = account.finished_at
-    account_row.last_event_at = account.last_event_at
-    account_row.failures = sum(a.failed_at is not None for a in account.attempts.values())
-    account_row.events += len(new)
+    return {
+        "job_id": account_row.job_id,
+        "account": account.to_dict(),
+        "window_start": min(starts) if starts else None,
+        "finished_at": account.finished_at,
+        "last_event_at": account.last_event_at,
+        "failures": sum(a.failed_at is not None for a in account.attempts.values()),
+        "events": account_row.events + len(new),
+    }
 
 
 def _store_new(session: Session, rows: list[_Row]) -> set[tuple[str, int, str, int]]:
@@ -271,22 +269,45 @@ def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> No
             raise EventRejected(p.index, "seq", _conflict_message(p.row, "stored"))
 
 
-def _checkpoint_records(session: Session, events: list[_Pending]) -> dict[tuple[str, int, int], Checkpoint]:
-    """The checkpoint records the events' checkpoint events update, by (job, attempt, step): one
-    query for all jobs of the batch (records not made yet are added by _fold)."""
-    keys = list({(p.row.job_id, p.row.attempt, p.row.step) for p in events if _is_checkpoint(p.row)})
-    records: dict[tuple[str, int, int], Checkpoint] = {}
-    for chunk in _chunks(keys):
-        found = tuple_(Checkpoint.job_id, Checkpoint.attempt, Checkpoint.step).in_(chunk)
-        for c in session.scalars(select(Checkpoint).where(found)):
-            records[(c.job_id, c.attempt, c.step)] = c
-    return records
+class _Records:
+    """The checkpoint records a batch's checkpoint events update, by (job, attempt, step): read
+    for all jobs of the batch in one query, written back in one statement for the new ones and
+    one for the changed ones."""
+
+    def __init__(self, session: Session, events: list[_Pending]) -> None:
+        keys = list({(p.row.job_id, p.row.attempt, p.row.step) for p in events if _is_checkpoint(p.row)})
+        self.found: dict[tuple[str, int, int], tuple[int, CheckpointRecord]] = {}  # with the row's id
+        self.made: dict[tuple[str, int, int], CheckpointRecord] = {}
+        self.changed: set[tuple[str, int, int]] = set()
+        for chunk in _chunks(keys):
+            found = tuple_(Checkpoint.job_id, Checkpoint.attempt, Checkpoint.step).in_(chunk)
+            for row in session.execute(select(Checkpoint.id, Checkpoint.job_id, *_RECORD_COLUMNS).where(found)):
+                record = CheckpointRecord(*row[2:])
+                self.found[(row.job_id, record.attempt, record.step)] = (row.id, record)
+
+    def get(self, job_id: str, attempt: int, step: int) -> CheckpointRecord:
+        """The record, made if new; marked to be written back."""
+        key = (job_id, attempt, step)
+        if key in self.found:
+            self.changed.add(key)
+            return self.found[key][1]
+        if key not in self.made:
+            self.made[key] = CheckpointRecord(attempt, step)
+        return self.made[key]
+
+    def write(self, session: Session) -> None:
+        def values(job_id: str, record: CheckpointRecord) -> dict[str, Any]:
+            return {"job_id": job_id, **{f: getattr(record, f) for f in CheckpointRecord.__slots__}}
+
+        if self.made:
+            session.execute(insert(Checkpoint), [values(key[0], r) for key, r in self.made.items()])
+        if self.changed:
+            updates = [{"id": self.found[key][0], **values(key[0], self.found[key][1])} for key in self.changed]
+            session.execute(update(Checkpoint), updates)
 
 
-def _fold(
-    session: Session, account: JobAccount, events: list[_Pending], records: dict[tuple[str, int, int], Checkpoint]
-) -> None:
-    """Applies a job's new events to its account, and their checkpoint events to the catalog."""
+def _fold(account: JobAccount, events: list[_Pending], records: _Records) -> None:
+    """Applies a job's new events to its account, and their checkpoint events to the records."""
     steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, per attempt
     seen: dict[int, list[float]] = defaultdict(list)  # the other ranks' and the agents' times, per attempt
     others: list[_Pending] = []
@@ -307,17 +328,16 @@ def _fold(
         account.apply_steps(attempt, numbered)
     for r, data, _ in others:
         event = Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, data)
-        if not _is_checkpoint(r):
-            account.apply(event)
-            continue
-        row = records.get((r.job_id, r.attempt, r.step))
-        if row is None:
-            row = records[(r.job_id, r.attempt, r.step)] = Checkpoint(job_id=r.job_id, attempt=r.attempt, step=r.step)
-            session.add(row)
-        record = CheckpointRecord(r.attempt, r.step, **{f: getattr(row, f) for f in CHECKPOINT_FIELDS})
-        account.apply(event, record)
-        for f in CHECKPOINT_FIELDS:
-            setattr(row, f, getattr(record, f))
+        account.apply(event, records.get(r.job_id, r.attempt, r.step) if _is_checkpoint(r) else None)
+
+
+# Statements built once (built per batch, each left cyclic garbage for the collector).
+_LOCK_ACCOUNTS = (
+    select(JobAccountRow.job_id, JobAccountRow.account, JobAccountRow.events)
+    .where(JobAccountRow.job_id.in_(bindparam("jobs", expanding=True))).order_by(JobAccountRow.job_id)
+    .with_for_update()
+)  # fmt: skip
+_RECORD_COLUMNS = [getattr(Checkpoint, f) for f in CheckpointRecord.__slots__]  # attempt, step, started_at, ...
 
 
 def _is_checkpoint(row: _Row) -> bool:
