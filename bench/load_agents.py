@@ -311,9 +311,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="service processes (`ett service --workers`)")
     parser.add_argument("--by-window", type=float, metavar="SECONDS",
                         help="also print p50/p99 per window of this many seconds of the measured load")
+    parser.add_argument("--seed", type=int, default=0, help="of the agents' random phases (the same load in every run)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--service-log", type=Path, default=Path(tempfile.gettempdir()) / "ett-load-service.log")
     args = parser.parse_args()
+    random.seed(args.seed)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the service and PostgreSQL are stopped
     load = Load(args.agents, args.nodes_per_job, args.ranks_per_node, args.heartbeat, args.step, args.checkpoint,
                 args.duration, args.warmup, args.workers)  # fmt: skip
