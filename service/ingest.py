@@ -115,7 +115,7 @@ def _insert(session: Session):
 
 
 class _SqlSteps:
-    """The engine's StepLookup over the events table (index on job, kind, attempt, step)."""
+    """The engine's StepLookup over the events table (the partial index ix_events_rank0_steps)."""
 
     def __init__(self, session: Session, job_id: str) -> None:
         self.session, self.job_id = session, job_id
