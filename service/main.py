@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import include_api
+from service.api.hot_paths import AgentHotPaths
 from service.api.health import router as health_router
 from service import scheduler
 from service.commands import CommandBell, ring_on_commit
@@ -206,6 +207,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     access_log = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, QuietAgentCalls) for f in access_log.filters):
         access_log.addFilter(QuietAgentCalls())  # before the pages' token redaction: less work
+    app.add_middleware(AgentHotPaths)  # innermost: behind the size limit, rate limit and metrics
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(RateLimit, per_second=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
     include_api(app)

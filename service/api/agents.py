@@ -6,6 +6,7 @@ from typing import Annotated
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
+from starlette.datastructures import State
 
 from service import commands
 from service.api.deps import AgentCallerDep, AgentDep
@@ -13,6 +14,7 @@ from service.db import SessionDep
 from service.heartbeats import HeartbeatWriter
 from service.models import Node, NodeState, utcnow
 from service.schemas.agents import AgentRegister, Heartbeat, HeartbeatReply, NodeOut
+from service.security import Caller
 from service.settings import Settings
 
 router = APIRouter(prefix="/agents", tags=["agents"])
@@ -47,14 +49,18 @@ async def heartbeat(
     name: str,
     wait: Annotated[float, Query(ge=0, description="seconds to hold the answer until a command exists")] = 0,
 ) -> HeartbeatReply:
+    return await answer_heartbeat(request.app.state, name, caller, beat, wait)
+
+
+async def answer_heartbeat(state: State, name: str, caller: Caller, beat: Heartbeat, wait: float) -> HeartbeatReply:
+    """A heartbeat's answer, after its checks (also taken by service/api/hot_paths.py)."""
     received = time.time()
-    settings: Settings = request.app.state.settings
-    bell: commands.CommandBell = request.app.state.bell
-    sessions = request.app.state.sessions
+    settings: Settings = state.settings
+    bell: commands.CommandBell = state.bell
     wait = min(wait, settings.max_heartbeat_wait_seconds)
 
     def take(node_id: int) -> list[dict]:
-        with sessions() as session:
+        with state.sessions() as session:
             # A read first: most polls find nothing, and need not queue for SQLite's write lock.
             if not commands.has_pending(session, node_id):
                 return []
@@ -63,12 +69,12 @@ async def heartbeat(
             return taken
 
     # Written with the other heartbeats that arrive meanwhile (service/heartbeats.py), commands included.
-    writer: HeartbeatWriter = request.app.state.heartbeats
+    writer: HeartbeatWriter = state.heartbeats
     node_id, pending = await writer.record(name, caller, beat, received)
     # Only an attempt that ended may need the scheduler now (a restart, a finish): a busy node
     # lists its running attempt in every heartbeat, and waking on each would run it non-stop.
     if any(report.state != "running" for report in beat.attempts):
-        request.app.state.wake_scheduler()
+        state.wake_scheduler()
     deadline = time.monotonic() + wait
     while not pending and time.monotonic() < deadline:
         # No thread, no connection and no query while waiting: the bell rings when a command
