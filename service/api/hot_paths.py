@@ -1,7 +1,7 @@
 """The agents' two hot endpoints, heartbeat and event batch, answered straight from ASGI for an
 agent whose token this process has already seen.
 
-2,048 agents make about 460 such requests a second, and twice that in a checkpoint burst, all on
+2,048 agents make about 460 such requests a second, and up to twice that in a checkpoint burst, on
 one event loop. FastAPI's routing, dependency resolution and response validation were most of
 their cost on that loop: a heartbeat took 188 to 192 us of its CPU through the declared route,
 62 to 64 us here (BENCHMARKS.md, "Load"). The declared routes (service/api/agents.py, events.py) stay the
