@@ -4,7 +4,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import include_api
-from service.api.hot_paths import AgentHotPaths
+from service.api.hot_paths import AgentHotPaths, match_hot
 from service.api.health import router as health_router
 from service import scheduler
 from service.commands import CommandBell, ring_on_commit
@@ -77,13 +76,11 @@ class QuietAgentCalls(logging.Filter):
     6% of its time under load. Their errors (status 400 and over) are still logged; the counts
     and latencies of all of them are in /metrics."""
 
-    HOT = re.compile(r"^/api/v1/agents/[^/]+/(heartbeat|events)(\?|$)")
-
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         # uvicorn's access record: (client, method, path with query, HTTP version, status)
         if isinstance(args, tuple) and len(args) == 5 and isinstance(args[4], int) and args[4] < 400:
-            return not self.HOT.match(str(args[2]))
+            return match_hot(str(args[2]).partition("?")[0]) is None
         return True
 
 

@@ -13,6 +13,7 @@ of the same exception handler.
 """
 
 import math
+import re
 from urllib.parse import parse_qsl
 
 from fastapi import HTTPException
@@ -38,6 +39,12 @@ HOT = {
 _PATH, _, _ = compile_path(PREFIX + "/agents/{name}/{kind}")
 
 
+def match_hot(path: str) -> re.Match[str] | None:
+    """The match (its `name` and `kind`) of an agent's heartbeat or event-batch path, else None."""
+    match = _PATH.match(path)
+    return match if match is not None and match["kind"] in HOT else None
+
+
 class AgentHotPaths:
     """ASGI middleware, inside the size limit, rate limit and metrics middlewares."""
 
@@ -45,8 +52,8 @@ class AgentHotPaths:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = _PATH.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if match is None or match["kind"] not in HOT:
+        match = match_hot(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if match is None:
             return await self.app(scope, receive, send)
         state = scope["app"].state
         caller = _seen_agent(scope, state.callers)
