@@ -238,6 +238,8 @@ def _account(session: Session, account_row: Row, new: list[_Pending], records: "
 def _store_new(session: Session, rows: list[_Row]) -> set[tuple[str, int, str, int]]:
     """Inserts the rows whose key is not stored yet; returns the keys (job, attempt, source, seq) it stored."""
     connection = session.connection()
+    if connection.dialect.name == "postgresql" and _copy_all_new(connection.connection, rows):
+        return {(row.job_id, row.attempt, row.source, row.seq) for row in rows}
     cursor = connection.connection.cursor()  # the driver's, inside the session's transaction
     try:
         cursor.execute(_STAGING_DDL[connection.dialect.name])
@@ -251,6 +253,28 @@ def _store_new(session: Session, rows: list[_Row]) -> set[tuple[str, int, str, i
         # On the driver's cursor: a burst's tens of thousands of keys come back as plain tuples.
         cursor.execute(_MOVE)
         return set(cursor.fetchall())
+    finally:
+        cursor.close()
+
+
+def _copy_all_new(dbapi_connection: Any, rows: list[_Row]) -> bool:
+    """PostgreSQL: COPY the rows straight into `events`, inside a savepoint; False, with nothing
+    stored, if one of them is stored already (an agent repeats a batch only when its answer was
+    lost). Against staging them and moving them by INSERT ... ON CONFLICT: 30% less of the
+    server's time per row, and no emptying of the staging table at commit (BENCHMARKS.md, "Load")."""
+    from psycopg.errors import UniqueViolation  # the PostgreSQL driver: an optional dependency
+
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SAVEPOINT copy_events")
+        try:
+            with cursor.copy(f"COPY events ({_COLUMNS}) FROM STDIN") as copy:
+                for row in rows:
+                    copy.write_row(row)
+        except UniqueViolation:
+            cursor.execute("ROLLBACK TO SAVEPOINT copy_events")
+            return False
+        return True  # the savepoint ends with the transaction
     finally:
         cursor.close()
 
