@@ -55,11 +55,12 @@ class EventBatchWriter:
     worker thread of its own (so they never queue behind other requests for one)."""
 
     def __init__(
-        self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256, pace: float = 0.035
+        self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256, pace: float = 0.025
     ) -> None:
         self.sessions, self.settings, self.max_batches = sessions, settings, max_batches
-        # In a checkpoint burst a batch waits about one pace for its group to start: at 50 ms the
-        # load bench's batch p99 was 92 to 107 ms, at 35 ms 68 to 90 (BENCHMARKS.md, "Load").
+        # In a checkpoint burst a batch waits about one pace for its group to start: in the load
+        # bench, batch p99 was 67 to 105 ms at 35 ms and 54 to 99 ms at 25 ms, with the same CPU
+        # between bursts (BENCHMARKS.md, "Load"). The heartbeats' pace is the same.
         self.waiting: Waiting[Posted] = Waiting(pace)
         self.thread = anyio.CapacityLimiter(1)
 
