@@ -3,10 +3,11 @@ and the service's own events.
 
 A batch is stored whole or not at all, in one transaction whatever the number of its jobs: the
 jobs' accounting rows are locked in one query (SELECT ... FOR UPDATE on PostgreSQL, in job order;
-SQLite has one writer at a time), the events are staged in a temporary table (COPY on PostgreSQL,
-executemany on SQLite: no per-row work in Python beyond building a tuple) and moved into `events`
-by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job, attempt, source, seq) that returns
-the keys it stored. A repeat with the same content is ignored and one with other content rejects
+SQLite has one writer at a time). On PostgreSQL the events go into `events` by one COPY in a
+savepoint; when one of them is stored already (a repeat), and on SQLite, they are staged in a
+temporary table (COPY, or executemany: no per-row work in Python beyond building a tuple) and moved
+into `events` by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job, attempt, source, seq)
+that returns the keys it stored. A repeat with the same content is ignored and one with other content rejects
 the batch; only the new events are folded into their job's `JobAccount` (service/ett/engine.py),
 rank 0's steps one attempt at a time, and their checkpoint events into the job's checkpoint records.
 """
@@ -135,11 +136,14 @@ def ingest(
     *,
     clock_offsets: Sequence[float] | None = None,
     settings: Settings | None = None,
+    copy_in_savepoint: bool = True,
 ) -> IngestResult:
     """Stores and accounts a batch of (job id, event); raises EventRejected, leaving the caller
     to roll back. `clock_offsets`: each event's node's clock offset (None: all 0). `settings`
     brings the limits on data size and future times (None: the service's own events, trusted).
-    The caller commits."""
+    `copy_in_savepoint`: False for a caller that ingests event by event in one transaction (the
+    savepoint is a subtransaction, and past 64 in one transaction PostgreSQL slows every other
+    session's snapshots). The caller commits."""
     now = time.time()
     max_bytes = settings.max_event_data_bytes if settings is not None else math.inf
     ahead = settings.max_event_future_seconds if settings is not None else math.inf
@@ -163,7 +167,7 @@ def ingest(
                 raise EventRejected(i, "seq", _conflict_message(row, "sent"))
     _check_jobs_exist(session, by_job)
     accounts = _lock_accounts(session, sorted(by_job))
-    stored = _store_new(session, [p.row for events in by_job.values() for p in events.values()])
+    stored = _store_new(session, [p.row for events in by_job.values() for p in events.values()], copy_in_savepoint)
     fresh: dict[str, list[_Pending]] = {}
     for job_id, events in by_job.items():
         fresh[job_id] = [p for p in events.values() if (job_id, *p.key) in stored]
@@ -235,10 +239,10 @@ def _account(session: Session, account_row: Row, new: list[_Pending], records: "
     }
 
 
-def _store_new(session: Session, rows: list[_Row]) -> set[tuple[str, int, str, int]]:
+def _store_new(session: Session, rows: list[_Row], copy_in_savepoint: bool) -> set[tuple[str, int, str, int]]:
     """Inserts the rows whose key is not stored yet; returns the keys (job, attempt, source, seq) it stored."""
     connection = session.connection()
-    if connection.dialect.name == "postgresql" and _copy_all_new(connection.connection, rows):
+    if connection.dialect.name == "postgresql" and copy_in_savepoint and _copy_all_new(connection.connection, rows):
         return {(row.job_id, row.attempt, row.source, row.seq) for row in rows}
     cursor = connection.connection.cursor()  # the driver's, inside the session's transaction
     try:
@@ -370,4 +374,4 @@ def _is_checkpoint(row: _Row) -> bool:
 
 def ingest_trusted(session: Session, job_id: str, events: Sequence[dict[str, Any]]) -> IngestResult:
     """The service's own events (service/timeline.py), inside the caller's transaction."""
-    return ingest(session, [(job_id, EventIn.model_validate(e)) for e in events])
+    return ingest(session, [(job_id, EventIn.model_validate(e)) for e in events], copy_in_savepoint=False)
