@@ -5,11 +5,12 @@ A batch is stored whole or not at all, in one transaction whatever the number of
 jobs' accounting rows are locked in one query (SELECT ... FOR UPDATE on PostgreSQL, in job order;
 SQLite has one writer at a time). On PostgreSQL the events go into `events` by one COPY in a
 savepoint; when one of them is stored already (a repeat), and on SQLite, they are staged in a
-temporary table (COPY, or executemany: no per-row work in Python beyond building a tuple) and moved
-into `events` by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job, attempt, source, seq)
-that returns the keys it stored. A repeat with the same content is ignored and one with other content rejects
-the batch; only the new events are folded into their job's `JobAccount` (service/ett/engine.py),
-rank 0's steps one attempt at a time, and their checkpoint events into the job's checkpoint records.
+temporary table (COPY, or executemany: no per-row work in Python beyond building a tuple) and
+moved into `events` by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job, attempt, source,
+seq) that returns the keys it stored. A repeat with the same content is ignored and one with
+other content rejects the batch; only the new events are folded into their job's `JobAccount`
+(service/ett/engine.py), rank 0's steps one attempt at a time, and their checkpoint events into
+the job's checkpoint records.
 """
 
 import json
@@ -249,9 +250,7 @@ def _store_new(session: Session, rows: list[_Row], copy_in_savepoint: bool) -> s
         cursor.execute(_STAGING_DDL[connection.dialect.name])
         cursor.execute("DELETE FROM events_in")  # an earlier batch of this transaction, or (SQLite) of another
         if connection.dialect.name == "postgresql":
-            with cursor.copy(f"COPY events_in ({_COLUMNS}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+            _copy_into(cursor, "events_in", rows)
         else:
             cursor.executemany(f"INSERT INTO events_in VALUES ({', '.join('?' * len(_Row._fields))})", rows)
         # On the driver's cursor: a burst's tens of thousands of keys come back as plain tuples.
@@ -272,15 +271,20 @@ def _copy_all_new(dbapi_connection: Any, rows: list[_Row]) -> bool:
     try:
         cursor.execute("SAVEPOINT copy_events")
         try:
-            with cursor.copy(f"COPY events ({_COLUMNS}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+            _copy_into(cursor, "events", rows)
         except UniqueViolation:
             cursor.execute("ROLLBACK TO SAVEPOINT copy_events")
             return False
         return True  # the savepoint ends with the transaction
     finally:
         cursor.close()
+
+
+def _copy_into(cursor: Any, table: str, rows: list[_Row]) -> None:
+    """PostgreSQL: the rows into `table` by one COPY on the driver's cursor."""
+    with cursor.copy(f"COPY {table} ({_COLUMNS}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(row)
 
 
 def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> None:
