@@ -52,7 +52,7 @@ class LaunchCommand(Incoming):
     entrypoint: list[str] | None = Field(None, min_length=1)
     env: dict[str, str] = {}
     checkpoint: CheckpointSpec = CheckpointSpec()
-    hang_timeout_seconds: float = Field(120.0, gt=0)
+    hang_timeout_seconds: float | None = Field(120.0, gt=0)  # None: no hang detection
     init_timeout_seconds: float = Field(600.0, gt=0)
     faults: list[Fault] = []
 

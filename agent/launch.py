@@ -59,18 +59,30 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths) -> list[str]:
     ]  # fmt: skip
 
 
+def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
+    """What every rank of every job is handed, entrypoint or trainer (docs/library.md, "The job's
+    environment"); `ett.init()` reads it. Unset values are left out."""
+    ckpt = command.checkpoint
+    env = {
+        "ETT_JOB_ID": command.job_id,
+        "ETT_ATTEMPT": str(command.attempt),
+        "ETT_EVENT_DIR": str(paths.events_dir),
+        "ETT_CHECKPOINT_DIR": ckpt.dir,
+        "ETT_CHECKPOINT_LOCAL_DIR": ckpt.local_dir,
+        "ETT_RESUME_FROM": ckpt.resume_from,
+        "ETT_CHECKPOINT_INTERVAL_STEPS": str(ckpt.interval_steps),
+        "ETT_CHECKPOINT_KEEP": str(ckpt.keep),
+    }
+    return {name: value for name, value in env.items() if value is not None}
+
+
 def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None
                ) -> dict[str, str]:
     # The agent's own settings (its token among them) are no business of the job.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")}
     env.update(command.env)
-    env.update({
-        "ETT_EVENT_DIR": str(paths.events_dir),
-        "ETT_JOB_ID": command.job_id,
-        "ETT_ATTEMPT": str(command.attempt),
-        GROUP_MARKER_ENV: marker,
-        "PYTHONUNBUFFERED": "1",
-    })  # fmt: skip
+    env.update(job_env(command, paths))
+    env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})
     # Warm start only for the trainer with no job environment: variables read while torch is
     # imported (in the warm server, long before) could not take effect.
     if warm_socket is not None and command.entrypoint is None and not command.env:

@@ -97,7 +97,8 @@ class WorkerGroup:
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = self._last_progress = clock()
         self._last_step: int | None = None
-        self._progress_marks: dict[str, int] = {}
+        self._progress_marks: dict[str, bytes] = {}
+        self._marked_at: float | None = None  # the last change of any rank's progress mark
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
         self._kill_at: float | None = None
 
@@ -201,23 +202,32 @@ class WorkerGroup:
                     step = record.get("step")
                     if isinstance(step, int):
                         self._last_step = max(step, self._last_step or 0)
-        # Every rank's progress mark (trainer/events.py): nodes without rank 0 see no step events.
+        # Every rank's progress mark (ett/events.py, "<step> <beats>"): nodes without rank 0 see no
+        # step events. Any change is progress; a step above 0 is a step done.
         for path in self.paths.events_dir.glob("progress-rank-*"):
             try:
-                step = int(path.read_bytes().strip() or 0)
+                mark = path.read_bytes().strip()
+                step = int(mark.split()[0]) if mark else 0
             except (OSError, ValueError):
                 continue
-            if step > self._progress_marks.get(path.name, 0):
-                self._progress_marks[path.name] = step
-                self._last_progress = now
-                self._last_step = max(step, self._last_step or 0)
+            if mark and mark != self._progress_marks.get(path.name):
+                self._progress_marks[path.name] = mark
+                self._last_progress = self._marked_at = now
+                if step > 0:
+                    self._last_step = max(step, self._last_step or 0)
         if self._last_step is not None and self._faults.pending and self._ending is None:
             self._faults.on_step(self._last_step, self.rank_pids, self.runner_pids)
 
     def _check_hang(self, now: float) -> None:
+        if self.command.hang_timeout_seconds is None:  # the job turned hang detection off
+            return
         if self._last_step is None:
-            waited, limit, phase = now - self._launched_at, self.command.init_timeout_seconds, "init"
-            detail = f"no first step within the init timeout of {limit:g}s"
+            # Liveness marks (ett's run.progress) before the first step restart the init timeout.
+            since = max(self._launched_at, self._marked_at or 0.0)
+            waited, limit, phase = now - since, self.command.init_timeout_seconds, "init"
+            detail = (f"no first step within the init timeout of {limit:g}s: no rank reported a step or progress "
+                      "(a script reports them with ett's run.step and run.progress, docs/library.md; "
+                      "hang_timeout_seconds = null turns hang detection off)")
         else:
             waited, limit, phase = now - self._last_progress, self.command.hang_timeout_seconds, "train"
             detail = f"no progress for {waited:.1f}s after step {self._last_step} (hang timeout {limit:g}s)"

@@ -18,9 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ett.events import EventWriter
 from trainer.config import JobConfig, parse_args
 from trainer.data import ByteBatchLoader, SourceCorpus
-from trainer.events import EventWriter
 from trainer.model import Transformer
 from trainer.parallel import build_mesh, build_optimizer, parallelize
 from trainer.train import clip_grad_norm_, mean_loss_and_stop

@@ -1,5 +1,5 @@
 """Checkpoint save of a ~1 GB training state: the time the training loop loses to the trainer's
-asynchronous save (trainer.checkpoint.Checkpointer) against a synchronous DCP save of the same
+asynchronous save (ett.checkpoint.Checkpointer) against a synchronous DCP save of the same
 state, in one run.
 
     python bench/checkpoint_save.py [--dir /tmp/ett-ckpt-bench] [--reps 4] [--batch 2]
@@ -33,8 +33,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemWriter
 
-from trainer.checkpoint import CheckpointConfig, Checkpointer, ModelOptimizerState, TrainProgress
-from trainer.events import EventWriter
+from ett.checkpoint import CheckpointConfig, Checkpointer
+from ett.events import EventWriter
+from ett.state import ModelOptimizerState, TrainProgress
 from trainer.model import ModelConfig, Transformer
 from trainer.moe import MoEConfig
 from trainer.parallel import ParallelConfig, build_mesh, build_optimizer, parallelize
@@ -93,7 +94,7 @@ def main() -> None:
 
     modes = ("process", "thread")
     checkpointers = {mode: Checkpointer(CheckpointConfig(dir=str(root / mode), keep=1, async_mode=mode),
-                                        EventWriter(None, 0, 0), app.model) for mode in modes}
+                                        EventWriter(None, 0, 0)) for mode in modes}
     sync_s = []
     blocking_s = {(mode, way): [] for mode in modes for way in WAYS}
     slowdown_s = {key: [] for key in blocking_s}

@@ -10,7 +10,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 
-from trainer.checkpoint import CheckpointConfig
+from ett.checkpoint import CheckpointConfig
 from trainer.data import DataConfig
 from trainer.errors import ConfigError
 from trainer.log import LogConfig

@@ -16,12 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ett.checkpoint import Checkpointer
+from ett.errors import UsageError
+from ett.events import EventWriter
+from ett.state import ModelOptimizerState, RNGState, TrainProgress
 from trainer.allocator import keep_freed_memory
-from trainer.checkpoint import Checkpointer, ModelOptimizerState, RNGState, TrainProgress
 from trainer.config import JobConfig, parse_args
 from trainer.data import ByteBatchLoader, SourceCorpus
-from trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_STOPPED, ConfigError
-from trainer.events import EventWriter
+from trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from trainer.log import LogConfig, setup_logging
 from trainer.metrics import MetricsLogger
 from trainer.model import Transformer
@@ -98,7 +100,7 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
     data = ByteBatchLoader(SourceCorpus(cfg.data.root), cfg.train.batch_size, cfg.train.seq_len, rank, world_size, cfg.data.seed)
     progress = TrainProgress()
     state = {"app": ModelOptimizerState(model, optimizer), "data": data, "rng": RNGState(rank), "progress": progress}
-    checkpointer = Checkpointer(cfg.checkpoint, events, model)
+    checkpointer = Checkpointer(cfg.checkpoint, events)
     metrics = MetricsLogger(cfg.log, model, cfg.train.seq_len, world_size, device)
     logger.info("%d ranks on %s; %.2fM parameters (%.2fM active)", world_size, device,
                 model.num_params() / 1e6, model.num_params(active_only=True) / 1e6)
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():  # a CPU run (see init_distributed); CUDA has its caching allocator
             keep_freed_memory()
         return train(cfg, events, sigterm)
-    except ConfigError as error:
+    except UsageError as error:  # ConfigError, or a checkpoint this run cannot load
         logger.error("configuration error: %s", error)
         return EXIT_CONFIG_ERROR
     except Exception:

@@ -1,4 +1,4 @@
-"""The job spec of DESIGN.md and the job views the API returns."""
+"""The job spec (docs/jobspec.md) and the job views the API returns."""
 
 from datetime import datetime
 from typing import Annotated, Literal, Self
@@ -46,7 +46,8 @@ class JobSpec(Strict):
     entrypoint: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | None = None
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
     checkpoint: CheckpointSpec = CheckpointSpec()
-    hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] = 120
+    # null: no hang detection (neither the init timeout nor this one)
+    hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120
     faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
 

@@ -12,6 +12,7 @@ from agent.commands import LaunchCommand, command_adapter
 from agent.supervisor import Supervisor
 
 FAKE_RANK = Path(__file__).parent / "scripts" / "fake_rank.py"
+ETT_RANK = Path(__file__).parent / "scripts" / "ett_rank.py"  # the same, written with the ett library
 
 
 def free_port() -> int:

@@ -1,5 +1,6 @@
 """Worker groups under real torchrun, with the fake rank: every way an attempt can end."""
 
+import json
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from agent.spool import AttemptPaths
-from tests.agent.helpers import launch_command, pids_with_env, read_events, run_to_end, wait_for
+from tests.agent.helpers import ETT_RANK, launch_command, pids_with_env, read_events, run_to_end, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -96,7 +97,50 @@ def test_no_first_step_within_init_timeout_is_a_hang(supervisor):
     report = run_to_end(supervisor)
 
     assert (report["state"], report["cause"]) == ("failed", "hang")
-    assert report["detail"] == "no first step within the init timeout of 4s"
+    # The detail says what a script must do to be seen, and how to turn detection off.
+    assert report["detail"].startswith("no first step within the init timeout of 4s: no rank reported")
+    assert "run.step" in report["detail"] and "hang_timeout_seconds = null" in report["detail"]
+
+
+def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
+    env_file = tmp_path / "env.json"
+    checkpoint = {"dir": str(tmp_path / "ckpt"), "local_dir": str(tmp_path / "local"), "interval_steps": 7,
+                  "keep": 2, "resume_from": str(tmp_path / "ckpt" / "step-00000007")}
+    command = launch_command("--env-file", str(env_file), attempt=3, checkpoint=checkpoint)
+    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--env-file", str(env_file)]})
+    supervisor.launch(command)
+    assert run_to_end(supervisor)["state"] == "succeeded"
+
+    env = json.loads(env_file.read_text())
+    assert env.pop("ETT_WORKER_GROUP")  # the agent's own marker, for finding leftover processes
+    paths = AttemptPaths.of(supervisor.spool_root, command.job_id, 3)
+    assert env == {
+        "ETT_JOB_ID": command.job_id, "ETT_ATTEMPT": "3", "ETT_EVENT_DIR": str(paths.events_dir),
+        "ETT_CHECKPOINT_DIR": checkpoint["dir"], "ETT_CHECKPOINT_LOCAL_DIR": checkpoint["local_dir"],
+        "ETT_RESUME_FROM": checkpoint["resume_from"], "ETT_CHECKPOINT_INTERVAL_STEPS": "7", "ETT_CHECKPOINT_KEEP": "2",
+    }  # fmt: skip
+    kinds = [e["kind"] for e in spool_events(supervisor, command, "rank:0")]
+    assert kinds == ["init_start", "init_end", "step", "step", "step", "train_end"]
+
+
+def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(supervisor):
+    # 8 s of marked work against an init timeout of 4 s: a live rank is not killed.
+    command = launch_command(init_timeout_seconds=4)
+    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "8"]})
+    supervisor.launch(command)
+    assert run_to_end(supervisor)["state"] == "succeeded"
+
+
+def test_the_same_work_unmarked_is_a_hang_and_null_turns_detection_off(supervisor):
+    silent = [sys.executable, str(ETT_RANK), "--busy-seconds", "8", "--silent"]
+    command = launch_command(init_timeout_seconds=4).model_copy(update={"entrypoint": silent})
+    supervisor.launch(command)
+    assert run_to_end(supervisor)["cause"] == "hang"
+
+    supervisor.reports.acknowledge(supervisor.reports.snapshot())
+    off = launch_command(init_timeout_seconds=4, hang_timeout_seconds=None).model_copy(update={"entrypoint": silent})
+    supervisor.launch(off)
+    assert run_to_end(supervisor)["state"] == "succeeded"
 
 
 def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from trainer.checkpoint import MARKER, CheckpointConfig, find_resume_folder, step_folders, verify
+from ett.checkpoint import CheckpointConfig, find_resume_folder
+from ett.folders import MARKER, step_folders, verify
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_a_corrupt_file_in_the_newest_checkpoint_makes_resume_fall_back_with_a_w
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(data)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ett.checkpoint"):
         assert find_resume_folder(CheckpointConfig(dir=str(checkpoints))) == checkpoints / "step-00000006"
     assert "step-00000008: __1_0.distcp fails its CRC-32 check" in caplog.text
 
@@ -70,7 +71,7 @@ def test_nothing_is_resumed_with_none_or_when_no_checkpoint_verifies(checkpoints
     assert find_resume_folder(CheckpointConfig(dir=str(checkpoints), resume_from="none")) is None
     for folder in step_folders(checkpoints):
         (folder / MARKER).unlink()
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="ett.checkpoint"):
         assert find_resume_folder(CheckpointConfig(dir=str(checkpoints))) is None
     assert "no checkpoint verifies" in caplog.text
 

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ett.checkpoint import CheckpointConfig, Checkpointer
+from ett.events import EventWriter
+from ett.folders import MARKER, step_folder
+from ett.state import ModelOptimizerState, TrainProgress
 from tests.trainer.multiprocess import run_on_ranks
-from trainer.checkpoint import MARKER, CheckpointConfig, Checkpointer, ModelOptimizerState, TrainProgress, step_folder
-from trainer.events import EventWriter
 from trainer.model import ModelConfig, Transformer
 from trainer.moe import MoEConfig
 from trainer.parallel import ParallelConfig, build_mesh, build_optimizer, parallelize
@@ -64,7 +66,7 @@ def save_then_train_on(root: str) -> dict:
     at_save = local_tensors(app.state_dict())
 
     events = EventWriter(f"{root}/events", rank, 0)
-    checkpointer = Checkpointer(CheckpointConfig(dir=f"{root}/ckpt", async_mode="thread"), events, model)
+    checkpointer = Checkpointer(CheckpointConfig(dir=f"{root}/ckpt", async_mode="thread"), events)
     release = hold_copy_thread(checkpointer)
     checkpointer.save(1, state)
     progress.step = 2  # the loop's own state moves on at once: copied by save, not later
@@ -100,7 +102,7 @@ def save_a_state_whose_copy_fails(root: str) -> tuple[list[str], bool]:
     model = nn.Linear(4, 4, device="meta")  # no data: its copy raises in the copy thread
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     events = EventWriter(f"{root}/events", 0, 0)
-    checkpointer = Checkpointer(CheckpointConfig(dir=f"{root}/ckpt", async_mode="thread"), events, model)
+    checkpointer = Checkpointer(CheckpointConfig(dir=f"{root}/ckpt", async_mode="thread"), events)
     checkpointer.save(1, {"app": ModelOptimizerState(model, optimizer), "progress": TrainProgress()})
     checkpointer.wait_for_staging()  # the loop goes on: the failure is reported by an event
     checkpointer.close()

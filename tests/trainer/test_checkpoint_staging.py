@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from trainer.checkpoint_staging import ReusedBufferStager
+from ett.checkpoint_staging import ReusedBufferStager
 
 
 def make_state() -> dict:

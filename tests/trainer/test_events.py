@@ -6,8 +6,8 @@ import time
 
 import pytest
 
+from ett.events import EventWriter
 from tests.trainer.trainer_runs import read_events
-from trainer.events import EventWriter
 
 TRAINER_KINDS = {"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
                  "ckpt_committed", "ckpt_failed", "train_end"}

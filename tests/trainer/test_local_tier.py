@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
+from ett.folders import MARKER, step_folder, step_folders, verify
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, local_checkpoint_dir, run_trainer
-from trainer.checkpoint import MARKER, step_folder, step_folders, verify
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
+from ett.folders import MARKER, step_folders, verify
 from tests.trainer.trainer_runs import has_event, run_trainer
-from trainer.checkpoint import MARKER, step_folders, verify
 from trainer.errors import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow

@@ -1,12 +1,14 @@
-"""Schema-v1 events (DESIGN.md) appended as JSONL to this rank's spool file, which the agent tails.
+"""Schema-v1 events (docs/events.md) appended as JSONL to this rank's spool file, which the agent tails.
 
 `emit` only stamps the event and puts it on a queue (a few microseconds); a background thread
 serialises, writes and flushes each line, so the agent sees it within milliseconds and a slow
 disk never stalls a training step.
 
 Only rank 0 sends `step` events, so every rank also keeps a progress mark: its last finished
-step, overwritten in place in `progress-rank-{RANK}` beside the spool. It is not an event and is
-not forwarded; the agent of each node reads it to detect hangs and time faults of its own ranks.
+step and a count of liveness beats (work outside steps, `Run.progress`), `"<step> <beats>"`
+overwritten in place in `progress-rank-{RANK}` beside the spool. It is not an event and is not
+forwarded; the agent of each node reads it to detect hangs (any change is progress) and to time
+faults of its own ranks (by the step).
 """
 
 import json
@@ -17,7 +19,7 @@ import time
 from pathlib import Path
 
 _CLOSE = object()
-PROGRESS_WIDTH = 20  # fixed, so an overwrite never leaves digits of a longer number behind
+PROGRESS_WIDTH = 40  # fixed, so an overwrite never leaves digits of a longer mark behind
 
 
 class EventWriter:
@@ -30,6 +32,7 @@ class EventWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._seq = 0
+        self._mark = (0, 0)  # (last step, beats): the progress mark
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._seq = self._next_seq_in(self.path)
@@ -49,10 +52,14 @@ class EventWriter:
             self._seq += 1
             self._queue.put(event)
 
-    def progress(self, step: int) -> None:
-        """Marks `step` done on this rank (for the agent; see the module's docstring)."""
+    def progress(self, step: int | None = None) -> None:
+        """Marks `step` done on this rank, or (None) only that the rank is alive and working
+        (for the agent; see the module's docstring)."""
         if self._thread is not None:
-            self._queue.put(step)
+            with self._lock:
+                last_step, beats = self._mark
+                self._mark = (last_step, beats + 1) if step is None else (step, beats)
+                self._queue.put(self._mark)
 
     def close(self) -> None:
         """Write out everything emitted so far and stop the writer thread."""
@@ -93,9 +100,9 @@ class EventWriter:
                     except queue.Empty:
                         break
                 closing = _CLOSE in lines
-                steps = [e for e in lines if isinstance(e, int)]
-                if steps:
-                    os.pwrite(progress.fileno(), str(steps[-1]).rjust(PROGRESS_WIDTH).encode(), 0)
+                marks = [e for e in lines if isinstance(e, tuple)]
+                if marks:
+                    os.pwrite(progress.fileno(), "{} {}".format(*marks[-1]).rjust(PROGRESS_WIDTH).encode(), 0)
                 events = [e for e in lines if isinstance(e, dict)]
                 spool.write(b"".join(json.dumps(e).encode() + b"\n" for e in events))
                 spool.flush()

@@ -1,0 +1,138 @@
+"""The on-disk contract of a checkpoint: its folder, its commit marker, and how one is chosen for resume.
+
+A checkpoint is a folder. It is committed when it holds `COMMITTED`, a JSON manifest written
+last (write-temp + fsync + rename) that lists every file of the checkpoint with its size and
+CRC-32. A folder without a marker is torn (its save never finished); one whose files do not match
+their manifest is corrupt. Neither is ever loaded: resume takes the newest folder that verifies
+and says why it skipped each newer one.
+
+Our own checkpoints are `<dir>/step-00000040/` (DCP's files); the Hugging Face integration marks
+the Trainer's `checkpoint-40/` folders the same way.
+"""
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemReader
+
+from ett.checkpoint_tiers import file_crc32
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMMITTED"
+STEP_FOLDER = re.compile(r"^step-(\d{8})$")
+
+Manifest = dict[str, dict[str, int]]  # file name (relative) -> {"bytes", "crc32"}
+
+
+def step_folder(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def step_of(folder: Path, pattern: re.Pattern = STEP_FOLDER) -> int | None:
+    match = pattern.match(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def step_folders(root: str | Path, pattern: re.Pattern = STEP_FOLDER) -> list[Path]:
+    """Checkpoint folders under root whose names match `pattern`, newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = (p for p in root.iterdir() if p.is_dir() and step_of(p, pattern) is not None)
+    return sorted(found, key=lambda p: step_of(p, pattern), reverse=True)
+
+
+def fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def dcp_manifest(folder: Path) -> Manifest:
+    """The files of a DCP checkpoint, as its `.metadata` names them."""
+    metadata = FileSystemReader(folder).read_metadata()
+    names = sorted({".metadata"} | {item.relative_path for item in metadata.storage_data.values()})
+    return {name: _entry(folder / name) for name in names}
+
+
+def folder_manifest(folder: Path) -> Manifest:
+    """Every file under `folder` but the marker (a checkpoint another library wrote)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MARKER, f"{MARKER}.tmp"))
+    return {str(p.relative_to(folder)): _entry(p) for p in files}
+
+
+def _entry(path: Path) -> dict[str, int]:
+    return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+
+
+def write_marker(folder: Path, step: int, world_size: int, files: Manifest) -> int:
+    """Commit a checkpoint whose files are all durable in `folder`; returns its size in bytes."""
+    manifest = {"step": step, "world_size": world_size, "files": files}
+    fsync_folder(folder)  # the files' directory entries are durable before the marker
+    tmp = folder / f"{MARKER}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MARKER)
+    fsync_folder(folder)
+    return sum(entry["bytes"] for entry in files.values())
+
+
+def read_manifest(folder: Path) -> dict:
+    return json.loads((folder / MARKER).read_text())
+
+
+def verify(folder: Path) -> str | None:
+    """None if the checkpoint is committed and intact, else why it must not be loaded."""
+    if not folder.is_dir():
+        return "no such folder"
+    try:
+        manifest = read_manifest(folder)
+    except FileNotFoundError:
+        return f"no {MARKER} marker (torn: its save never completed)"
+    except ValueError as error:
+        return f"unreadable {MARKER} marker: {error}"
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if file_crc32(path) != expected["crc32"]:
+            return f"{name} fails its CRC-32 check"
+    return None
+
+
+def first_verified(candidates: Iterable[Path]) -> Path | None:
+    """The first candidate that verifies; each one skipped is logged with its reason."""
+    skipped = 0
+    for folder in candidates:
+        reason = verify(folder)
+        if reason is None:
+            if skipped:
+                logger.warning("resuming from %s, the newest checkpoint that verifies", folder)
+            return folder
+        logger.warning("skipping checkpoint %s: %s", folder, reason)
+        skipped += 1
+    if skipped:
+        logger.warning("no checkpoint verifies; starting from step 0")
+    return None
+
+
+def resume_candidates(root: str | Path | None, resume_from: str | Path | None,
+                      pattern: re.Pattern = STEP_FOLDER) -> list[Path]:
+    """Newest first: the named checkpoint (when given) and those older than it beside it, or
+    every checkpoint under `root`."""
+    if resume_from:
+        chosen = Path(resume_from)
+        older = [p for p in step_folders(chosen.parent, pattern) if step_of(p, pattern) < (step_of(chosen, pattern) or 0)]
+        return [chosen, *older]
+    return step_folders(root, pattern) if root else []

@@ -1,0 +1,196 @@
+"""`ett.init()` and `Run`: what a training script calls to get ETT's accounting, checkpoints and
+resume (docs/library.md).
+
+    with ett.init() as run:
+        with run.initializing():
+            model, optimizer = build()
+        state = {"app": ett.ModelOptimizerState(model, optimizer)}
+        start = run.restore(state)
+        for step in range(start + 1, steps + 1):
+            with run.step(step, tokens=tokens_per_step) as s:
+                s.loss = train_step()
+            run.checkpoint(step, state, force=step == steps)
+
+Inside an ETT job the agent's environment (ett/env.py) says where events go, which folder holds
+the job's checkpoints and which one to resume from. Outside one every call still works: events
+go nowhere, and checkpoints are saved only where the script names a folder.
+"""
+
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ett.checkpoint import CheckpointConfig, Checkpointer
+from ett.env import JobEnvironment
+from ett.errors import UsageError
+from ett.events import EventWriter
+from ett.folders import step_of
+
+logger = logging.getLogger("ett")
+
+
+def _check_writable(folder: str) -> None:
+    probe = Path(folder) / f".ett-write-probe-{os.getpid()}"
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"checkpoint folder {folder} cannot be written: {exc.strerror or exc}") from None
+
+
+class Step:
+    """One training step, timed from `with run.step(...)` to its end; set `loss` to report it."""
+
+    def __init__(self, run: "Run", step: int, tokens: int | None):
+        self.run, self.step, self.tokens = run, step, tokens
+        self.loss: Any = None
+        self._start = 0.0
+
+    def __enter__(self) -> "Step":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:  # a step that raised did not happen
+            self.run._step_done(self, time.perf_counter() - self._start)
+
+
+class Run:
+    """One rank's view of one attempt of a job. Made by `ett.init()`; every rank makes its own."""
+
+    def __init__(self, env: JobEnvironment, checkpoint_dir: str | None = None, interval_steps: int = 0, keep: int = 3):
+        self.job_id: str | None = env.job_id
+        self.attempt: int = env.attempt
+        self.rank: int = env.rank
+        self.world_size: int = env.world_size
+        # The job's folder wins over the script's: the service chose it (and keeps jobs apart).
+        self.checkpoint_dir: str | None = env.checkpoint_dir or (str(checkpoint_dir) if checkpoint_dir else None)
+        self.resume_from: str | None = env.resume_from
+        self.interval_steps: int = env.interval_steps if env.interval_steps is not None else interval_steps
+        self.keep: int = env.keep if env.keep is not None else keep
+        self._config = CheckpointConfig(
+            dir=self.checkpoint_dir or "", local_dir=env.checkpoint_local_dir or "",
+            interval_steps=self.interval_steps, keep=self.keep, resume_from=self._dcp_resume_from(),
+            async_mode="thread",  # a checkpoint process would re-import the user's script (spawn)
+        )  # fmt: skip
+        self._config.validate()
+        if self.checkpoint_dir:
+            _check_writable(self.checkpoint_dir)
+        self._events = EventWriter(env.event_dir, env.rank, env.attempt)
+        self._checkpointer: Checkpointer | None = None
+        self._last_step: int | None = None
+        self._closed = False
+
+    def _dcp_resume_from(self) -> str:
+        """The service's choice when it is one of ours (a step folder; another library's
+        checkpoint, as the Trainer's checkpoint-N, is that library's to load), else "auto"."""
+        return self.resume_from if self.resume_from and step_of(Path(self.resume_from)) is not None else "auto"
+
+    @property
+    def in_job(self) -> bool:
+        """True inside an ETT job; False under plain torchrun or in a notebook."""
+        return self.job_id is not None
+
+    # -- phases --------------------------------------------------------------------------------
+
+    @contextmanager
+    def initializing(self):
+        """Start-up: building the model, the optimizer, the data. Only a start-up that finishes
+        is marked done."""
+        self._events.emit("init_start", pid=os.getpid())
+        yield self
+        self._events.emit("init_end")
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Loads, in place, the checkpoint the service named or else the newest committed one that
+        verifies in the job's folder; returns its step (0: none, the state is left as it is)."""
+        if not self._config.dir:
+            return 0
+        step = self._get_checkpointer().restore(state)
+        self._last_step = step
+        return step
+
+    def step(self, step: int, tokens: int | None = None) -> Step:
+        """`with run.step(n) as s:` around one training step; `step` numbers must increase."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise UsageError(f"run.step({step!r}): a step number is an integer >= 1")
+        if self._last_step is not None and step <= self._last_step:
+            raise UsageError(f"run.step({step}): step numbers must increase; the last step was {self._last_step}")
+        return Step(self, step, tokens)
+
+    def _step_done(self, step: Step, duration: float) -> None:
+        self._last_step = step.step
+        self._events.progress(step.step)  # every rank: its agent watches it for hangs and faults
+        if self.rank == 0:  # the report takes its timings from rank 0
+            data: dict[str, Any] = {"duration": duration}
+            if step.tokens is not None:
+                data["tokens"] = int(step.tokens)
+            if step.loss is not None:
+                data["loss"] = float(step.loss)
+            self._events.emit("step", step=step.step, **data)
+
+    def checkpoint(self, step: int, state: dict[str, Any], force: bool = False) -> bool:
+        """Saves `state` when a save is due by the job's interval, or when forced. Returns once the
+        state is copied (the write and the commit go on in the background); True when a save started."""
+        if not self._config.dir or not (force or self._due(step)):
+            return False
+        checkpointer = self._get_checkpointer()
+        started = checkpointer.save(step, state)
+        checkpointer.wait_for_staging()  # the caller may change the state as soon as we return
+        return started
+
+    def _due(self, step: int) -> bool:
+        return self.interval_steps > 0 and step % self.interval_steps == 0
+
+    def progress(self) -> None:
+        """A liveness mark for long work outside steps (evaluation, data loading): the agent's
+        hang detection counts it as progress."""
+        self._events.progress(None)
+
+    def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
+        """Writes one event of the schema (docs/events.md); the calls above cover the usual ones."""
+        self._events.emit(kind, step=step, **data)
+
+    def close(self) -> None:
+        """Waits for the last save to be committed, then marks the end of training."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self._events.emit("train_end", step=self._last_step)
+        self._events.close()
+
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # a failing run: its events are written out, and a save in flight is not waited for
+            self._closed = True
+            self._events.close()
+
+    def _get_checkpointer(self) -> Checkpointer:
+        if self._checkpointer is None:
+            if not dist.is_initialized():
+                if self.world_size > 1:
+                    raise UsageError(f"this job has {self.world_size} ranks: call torch.distributed.init_process_group "
+                                     "before run.restore or run.checkpoint")
+                # One process on its own (a notebook, `python train.py`): a one-rank group of our own.
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._checkpointer = Checkpointer(self._config, self._events)
+        return self._checkpointer
+
+
+def init(checkpoint_dir: str | os.PathLike | None = None, interval_steps: int = 0, keep: int = 3) -> Run:
+    """The Run of this rank. Inside an ETT job the job's settings win; the arguments are what the
+    script uses elsewhere: the folder to save into and resume from, save every `interval_steps`
+    steps (0: only forced saves), keep the newest `keep`."""
+    return Run(JobEnvironment.from_environ(), checkpoint_dir, interval_steps, keep)

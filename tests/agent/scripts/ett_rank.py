@@ -1,0 +1,35 @@
+"""A rank written against the `ett` library (no model): what the agent sees of a script's run.
+
+--env-file F: rank 0 writes the ETT_* environment it was handed to F (JSON).
+--busy-seconds S: S seconds of work before the first step, marked with run.progress() every 0.2 s
+(or, with --silent, not marked at all).
+"""
+
+import argparse
+import json
+import os
+import time
+
+import ett
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--env-file", default=None)
+parser.add_argument("--busy-seconds", type=float, default=0.0)
+parser.add_argument("--silent", action="store_true")
+args = parser.parse_args()
+
+with ett.init() as run:
+    if args.env_file and run.rank == 0:
+        with open(args.env_file, "w") as f:
+            json.dump({k: v for k, v in os.environ.items() if k.startswith("ETT_")}, f)
+    with run.initializing():
+        busy_until = time.monotonic() + args.busy_seconds
+        while time.monotonic() < busy_until:
+            time.sleep(0.2)
+            if not args.silent:
+                run.progress()
+    for step in range(1, args.steps + 1):
+        with run.step(step, tokens=64) as s:
+            time.sleep(0.05)
+            s.loss = 1.0 / step
