@@ -116,6 +116,12 @@ class Run:
         self._last_step = step
         return step
 
+    def restored(self, step: int, source: str = "persistent") -> None:
+        """For a framework that loads its own checkpoints (the Hugging Face Trainer): marks the
+        restore done at `step`; steps go on from there."""
+        self._events.emit("restore_end", step=step, source=source)
+        self._last_step = step
+
     def step(self, step: int, tokens: int | None = None) -> Step:
         """`with run.step(n) as s:` around one training step; `step` numbers must increase."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:

@@ -46,10 +46,15 @@ class JobSpec(Strict):
     entrypoint: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | None = None
     max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
     checkpoint: CheckpointSpec = CheckpointSpec()
-    # null: no hang detection (neither the init timeout nor this one)
+    # null (TOML, which has no null: "off"): no hang detection, neither the init timeout nor this one
     hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120
     faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
+
+    @field_validator("hang_timeout_seconds", mode="before")
+    @classmethod
+    def _off_is_null(cls, value: object) -> object:
+        return None if value == "off" else value
 
     @field_validator("faults")
     @classmethod

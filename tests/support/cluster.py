@@ -14,11 +14,14 @@ from typing import Any
 
 import httpx
 
+from service.cli.client_cmd import load_spec
 from service.migrate import upgrade
 from service.settings import Settings
 from tests.support.live import LiveService, live_service
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE_JOBS = REPO / "examples" / "jobs"
 
 
 @dataclass
@@ -36,11 +39,13 @@ class Cluster:
             "ETT_AGENT_NAME": name, "ETT_AGENT_SLOTS": str(slots), "ETT_AGENT_DATA_DIR": str(self.root / name),
             "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
             "ETT_AGENT_STOP_GRACE_SECONDS": "3",
+            # The example job files run `python examples/...`: this interpreter, from the repository's root.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             **{f"ETT_AGENT_{k.upper()}": v for k, v in settings.items()},
         }  # fmt: skip
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process's life)
         proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "agent"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
         self.agents[name] = proc
         wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
         return proc
@@ -79,14 +84,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
     return result
 
 
+def example_job(file_name: str, **overrides: Any) -> dict[str, Any]:
+    """A job file of examples/jobs, read as `ett submit` reads it, with top-level fields replaced."""
+    return load_spec(EXAMPLE_JOBS / file_name) | overrides
+
+
 def trainer_job(name: str = "e2e", **overrides: Any) -> dict[str, Any]:
-    """A small real MoE job: 2 nodes x 2 ranks, EP 2, ZeRO-3, checkpoints every 5 steps."""
-    spec: dict[str, Any] = {
-        "name": name, "nodes": 2, "procs_per_node": 2,
-        "trainer": {"preset": "tiny", "overrides": {"train.steps": 24, "parallel.ep": 2, "parallel.zero": 3}},
-        "max_restarts": 2, "checkpoint": {"interval_steps": 5, "keep": 3}, "hang_timeout_seconds": 15,
-    }  # fmt: skip
-    return spec | overrides
+    """A small real MoE job (examples/jobs/moe_trainer.toml): 2 nodes x 2 ranks, EP 2, ZeRO-3,
+    24 steps, checkpoints every 5 steps."""
+    return example_job("moe_trainer.toml", name=name, **overrides)
 
 
 @contextmanager

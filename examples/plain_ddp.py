@@ -1,0 +1,71 @@
+"""A plain PyTorch DDP training loop with ETT: accounting, checkpoints and exact resume.
+
+    torchrun --nproc-per-node 2 examples/plain_ddp.py --checkpoint-dir /tmp/ddp --interval 5
+    ett submit examples/jobs/plain_ddp.toml             # the same script as an ETT job
+
+Every batch is drawn from a generator seeded by (step, rank), so the data needs no state of its
+own; the model has dropout, so resume must restore each rank's RNG to be exact.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ett
+
+
+def batch(step: int, rank: int, batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1_000_003 * step + rank)
+    inputs_BD = torch.randn(batch_size, 32, generator=generator)
+    targets_B1 = inputs_BD[:, :4].sum(dim=1, keepdim=True).sin()
+    return inputs_BD, targets_B1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--checkpoint-dir", default=None, help="outside ETT: where to save and resume from")
+    parser.add_argument("--interval", type=int, default=5, help="outside ETT: save every N steps")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step, to stand for real compute")
+    parser.add_argument("--out", default=None, help="rank 0 writes the final parameters here (torch.save)")
+    args = parser.parse_args()
+
+    if "WORLD_SIZE" in os.environ:  # torchrun (or an ETT agent, through torchrun)
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rank = dist.get_rank()
+
+    with ett.init(checkpoint_dir=args.checkpoint_dir, interval_steps=args.interval) as run:
+        with run.initializing():
+            torch.manual_seed(0)  # the same initial weights on every rank
+            model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1)))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            torch.manual_seed(1 + rank)  # each rank its own dropout masks
+            state = {"app": ett.ModelOptimizerState(model, optimizer), "rng": ett.RNGState(rank)}
+
+        start = run.restore(state)
+        for step in range(start + 1, args.steps + 1):
+            with run.step(step, tokens=16 * dist.get_world_size()) as s:
+                inputs_BD, targets_B1 = batch(step, rank)
+                loss = F.mse_loss(model(inputs_BD), targets_B1)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                time.sleep(args.step_seconds)
+                s.loss = loss.item()
+            run.checkpoint(step, state, force=step == args.steps)
+
+    if args.out and rank == 0:
+        torch.save(model.module.state_dict(), args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
