@@ -138,7 +138,7 @@ class Run:
             if step.tokens is not None:
                 data["tokens"] = int(step.tokens)
             if step.loss is not None:
-                data["loss"] = float(step.loss)
+                data["loss"] = float(step.loss.detach() if hasattr(step.loss, "detach") else step.loss)
             self._events.emit("step", step=step.step, **data)
 
     def checkpoint(self, step: int, state: dict[str, Any], force: bool = False) -> bool:

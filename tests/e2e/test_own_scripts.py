@@ -73,7 +73,6 @@ def test_plain_ddp_job_recovers_and_ends_bitwise_equal_to_an_uninterrupted_run(t
 
 
 def test_hf_trainer_job_recovers_and_its_losses_after_resume_match_the_uninterrupted_run(tmp_path):
-    pytest.importorskip("transformers")
     plain_torchrun("hf_trainer.py", "--steps", "30", "--output-dir", str(tmp_path / "plain"),
                    "--losses", str(tmp_path / "plain.json"))
     spec = example_job("hf_trainer.toml")

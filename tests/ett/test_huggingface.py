@@ -1,0 +1,70 @@
+"""ETTCallback and resume_checkpoint on a real Trainer (examples/hf_trainer.py, one process):
+the events of a job, committed `checkpoint-N` folders, and resume that skips a bad one."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ett
+from ett.folders import MARKER, verify
+from ett.integrations.huggingface import resume_checkpoint
+from tests.support.cluster import REPO
+from tests.trainer.trainer_runs import read_events
+
+
+@pytest.fixture(scope="module")
+def hf_job(tmp_path_factory):
+    """12 steps of the example as attempt 0 of an ETT job that saves every 5 steps."""
+    root = tmp_path_factory.mktemp("hf")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETT_", "RANK", "WORLD_SIZE"))}
+    env |= {"ETT_JOB_ID": "hf", "ETT_ATTEMPT": "0", "ETT_EVENT_DIR": str(root / "events"),
+            "ETT_CHECKPOINT_DIR": str(root / "ckpt"), "ETT_CHECKPOINT_INTERVAL_STEPS": "5"}
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "hf_trainer.py"), "--steps", "12"],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root
+
+
+def test_the_callback_records_steps_and_saves_and_commits_each_checkpoint(hf_job):
+    events = read_events(hf_job / "events" / "rank-0.jsonl")
+    kinds = [(e["kind"], e["step"]) for e in events]
+    assert kinds[:2] == [("init_start", None), ("init_end", None)] and kinds[-1] == ("train_end", 12)
+    assert [s for k, s in kinds if k == "step"] == list(range(1, 13))
+    for step in (5, 10):
+        start = kinds.index(("ckpt_start", step))
+        assert kinds[start - 1] == ("step", step)
+        assert kinds[start + 1 : start + 3] == [("ckpt_staged", step), ("ckpt_committed", step)]
+    step = next(e for e in events if e["kind"] == "step")["data"]
+    assert step["duration"] > 0 and step["tokens"] == 4 * 32
+    for step in (5, 10):
+        folder = hf_job / "ckpt" / f"checkpoint-{step}"
+        manifest = json.loads((folder / MARKER).read_text())
+        assert {"model.safetensors", "optimizer.pt", "trainer_state.json", "rng_state.pth"} <= set(manifest["files"])
+        assert manifest["step"] == step and verify(folder) is None
+
+
+def test_resume_checkpoint_takes_the_newest_that_verifies_and_says_why_it_skipped_others(hf_job, tmp_path, caplog,
+                                                                                       monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_job / "ckpt", ckpt)
+    weights = ckpt / "checkpoint-10" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # corrupt: same size, other bytes
+    (ckpt / "checkpoint-15").mkdir()  # torn: killed while the Trainer wrote it
+    (ckpt / "checkpoint-15" / "config.json").write_text("{}")
+    for name in ("ETT_JOB_ID", "ETT_EVENT_DIR", "ETT_CHECKPOINT_DIR", "ETT_RESUME_FROM"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.WARNING, logger="ett"):
+        with ett.init(checkpoint_dir=ckpt) as run:
+            assert resume_checkpoint(run) == str(ckpt / "checkpoint-5")
+    assert f"skipping checkpoint {ckpt / 'checkpoint-15'}: no {MARKER} marker" in caplog.text
+    assert f"skipping checkpoint {ckpt / 'checkpoint-10'}: model.safetensors fails its CRC-32 check" in caplog.text
+
+    # The service's choice is tried first, and older ones after it.
+    monkeypatch.setenv("ETT_RESUME_FROM", str(ckpt / "checkpoint-10"))
+    with ett.init(checkpoint_dir=ckpt) as run:
+        assert resume_checkpoint(run) == str(ckpt / "checkpoint-5")

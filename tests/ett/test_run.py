@@ -1,0 +1,198 @@
+"""The library a script calls (ett.init, Run) in this process: inert outside a job, the events
+and checkpoints of a job inside one, and a clear error for each misuse."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ett
+from ett.folders import MARKER, step_folders
+from ett.run import Run
+from tests.trainer.trainer_runs import read_events
+
+
+@pytest.fixture(autouse=True)
+def no_ett_environment(monkeypatch):
+    for name in ("ETT_JOB_ID", "ETT_ATTEMPT", "ETT_EVENT_DIR", "ETT_CHECKPOINT_DIR", "ETT_CHECKPOINT_LOCAL_DIR",
+                 "ETT_RESUME_FROM", "ETT_CHECKPOINT_INTERVAL_STEPS", "ETT_CHECKPOINT_KEEP", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_initialized():  # the one-rank group a Run made for itself
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def in_job(monkeypatch, tmp_path):
+    monkeypatch.setenv("ETT_JOB_ID", "job1")
+    monkeypatch.setenv("ETT_ATTEMPT", "2")
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "events"))
+    monkeypatch.setenv("ETT_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("ETT_CHECKPOINT_INTERVAL_STEPS", "2")
+    monkeypatch.setenv("ETT_CHECKPOINT_KEEP", "5")
+    return tmp_path
+
+
+def model_state() -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer, {"app": ett.ModelOptimizerState(model, optimizer)}
+
+
+def train(run: Run, model, optimizer, state, steps: range) -> None:
+    for step in steps:
+        with run.step(step, tokens=8) as s:
+            loss = model(torch.full((2, 4), float(step))).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            s.loss = loss
+        run.checkpoint(step, state)
+
+
+def test_outside_a_job_a_run_records_nothing_and_saves_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, optimizer, state = model_state()
+    with ett.init(interval_steps=1) as run:
+        assert not run.in_job and run.job_id is None and run.checkpoint_dir is None
+        with run.initializing():
+            pass
+        assert run.restore(state) == 0
+        train(run, model, optimizer, state, range(1, 4))
+        assert run.checkpoint(3, state, force=True) is False
+        run.progress()
+    assert list(tmp_path.iterdir()) == [] and not dist.is_initialized()
+
+
+def test_outside_a_job_a_named_folder_gets_checkpoints_and_resume(tmp_path):
+    model, optimizer, state = model_state()
+    with ett.init(checkpoint_dir=tmp_path / "ckpt", interval_steps=2) as run:
+        train(run, model, optimizer, state, range(1, 6))
+    assert [f.name for f in step_folders(tmp_path / "ckpt")] == ["step-00000004", "step-00000002"]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}  # after step 5, not saved
+
+    model2, optimizer2, state2 = model_state()
+    with ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        assert run.restore(state2) == 4
+        train(run, model2, optimizer2, state2, range(5, 6))
+    assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+
+
+def test_inside_a_job_the_events_and_checkpoints_follow_the_job(in_job):
+    model, optimizer, state = model_state()
+    with ett.init(checkpoint_dir=in_job / "ignored", interval_steps=100) as run:
+        assert (run.job_id, run.attempt, run.rank, run.interval_steps, run.keep) == ("job1", 2, 0, 2, 5)
+        with run.initializing():
+            pass
+        assert run.restore(state) == 0
+        train(run, model, optimizer, state, range(1, 4))
+        run.progress()
+    assert not (in_job / "ignored").exists(), "the job's folder wins over the script's"
+    events = read_events(in_job / "events" / "rank-0.jsonl")
+    # The commit is written in the background: anywhere after its staging, before train_end.
+    [committed] = [e for e in events if e["kind"] == "ckpt_committed"]
+    assert [(e["kind"], e["step"]) for e in events if e is not committed] == [
+        ("init_start", None), ("init_end", None), ("step", 1),
+        ("step", 2), ("ckpt_start", 2), ("ckpt_staged", 2),
+        ("step", 3), ("train_end", 3),
+    ]  # fmt: skip
+    assert 5 < events.index(committed) < len(events) - 1
+    assert committed["step"] == 2 and committed["data"]["path"] == str(in_job / "ckpt" / "step-00000002")
+    assert all(e["attempt"] == 2 and e["source"] == "rank:0" for e in events)
+    step = events[2]["data"]
+    assert step["tokens"] == 8 and step["duration"] > 0 and isinstance(step["loss"], float)
+    # The progress mark: the last step and one liveness beat.
+    assert (in_job / "events" / "progress-rank-0").read_text().split() == ["3", "1"]
+
+
+class FailsToSave:
+    """A Stateful whose second save fails, as a full disk or a bad tensor would."""
+
+    def __init__(self):
+        self.saves = 0
+
+    def state_dict(self) -> dict:
+        self.saves += 1
+        if self.saves == 2:
+            raise OSError(28, "No space left on device")
+        return {"value": torch.tensor([self.saves])}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.saves = int(state["value"])
+
+
+def test_a_failed_save_is_never_offered_for_resume(in_job):
+    model, optimizer, state = model_state()
+    state["flaky"] = FailsToSave()
+    with ett.init() as run:
+        train(run, model, optimizer, state, range(1, 5))  # saves at 2 (good) and 4 (fails)
+    events = read_events(in_job / "events" / "rank-0.jsonl")
+    assert [e["step"] for e in events if e["kind"] == "ckpt_failed"] == [4]
+    assert "No space left" in next(e for e in events if e["kind"] == "ckpt_failed")["data"]["error"]
+
+    model2, optimizer2, state2 = model_state()
+    state2["flaky"] = FailsToSave()
+    with ett.init() as run:
+        assert run.restore(state2) == 2
+
+
+def test_step_numbers_must_increase(tmp_path):
+    with ett.init() as run:
+        with run.step(3):
+            pass
+        with pytest.raises(ett.UsageError, match=r"run.step\(3\): step numbers must increase; the last step was 3"):
+            run.step(3)
+        with pytest.raises(ett.UsageError, match=r"run.step\(0\): a step number is an integer >= 1"):
+            run.step(0)
+
+
+def test_a_step_that_raises_is_not_recorded(in_job):
+    with ett.init() as run:
+        with pytest.raises(RuntimeError), run.step(1):
+            raise RuntimeError("out of memory")
+        with run.step(1):  # the same step again: it never happened
+            pass
+    assert [e["step"] for e in read_events(in_job / "events" / "rank-0.jsonl") if e["kind"] == "step"] == [1]
+
+
+def test_a_checkpoint_folder_that_cannot_be_written_is_named(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ett.UsageError, match=rf"checkpoint folder {tmp_path}/a-file/ckpt cannot be written"):
+        ett.init(checkpoint_dir=tmp_path / "a-file" / "ckpt")
+
+
+def test_a_bad_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ETT_CHECKPOINT_INTERVAL_STEPS", "often")
+    with pytest.raises(ett.UsageError, match="ETT_CHECKPOINT_INTERVAL_STEPS: expected an integer, got 'often'"):
+        ett.init()
+
+
+def test_a_job_of_several_ranks_must_initialise_torch_distributed_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = ett.init(checkpoint_dir=tmp_path)
+    with pytest.raises(ett.UsageError, match="call torch.distributed.init_process_group before run.restore"):
+        run.restore({})
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint_and_says_so(tmp_path, caplog):
+    model, optimizer, state = model_state()
+    with ett.init(checkpoint_dir=tmp_path, interval_steps=2) as run:
+        train(run, model, optimizer, state, range(1, 5))
+    shard = next((tmp_path / "step-00000004").glob("*.distcp"))
+    shard.write_bytes(b"\0" * shard.stat().st_size)  # same size, other bytes
+    torn = tmp_path / "step-00000006"  # a save killed before its marker
+    torn.mkdir()
+    (torn / ".metadata").write_bytes(b"partial")
+    model2, optimizer2, state2 = model_state()
+    with caplog.at_level(logging.WARNING, logger="ett"), ett.init(checkpoint_dir=tmp_path) as run:
+        assert run.restore(state2) == 2
+    said = caplog.text
+    assert f"skipping checkpoint {torn}: no {MARKER} marker (torn" in said
+    assert f"skipping checkpoint {tmp_path / 'step-00000004'}: {shard.name} fails its CRC-32 check" in said
+    assert f"resuming from {tmp_path / 'step-00000002'}" in said
+    assert json.loads((tmp_path / "step-00000002" / MARKER).read_text())["step"] == 2
