@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 _CLOSE = object()
+# The kinds a rank writes (docs/events.md); the agents and the service write the others.
+RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
+                        "ckpt_committed", "ckpt_failed", "train_end"})
 PROGRESS_WIDTH = 40  # fixed, so an overwrite never leaves digits of a longer mark behind
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.env import JobEnvironment
 from ett.errors import UsageError
-from ett.events import EventWriter
+from ett.events import RANK_KINDS, EventWriter
 from ett.folders import step_of
 
 logger = logging.getLogger("ett")
@@ -160,7 +160,10 @@ class Run:
         self._events.progress(None)
 
     def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
-        """Writes one event of the schema (docs/events.md); the calls above cover the usual ones."""
+        """Writes one rank event of the schema (docs/events.md), for an integration with a
+        framework that saves or loads on its own; the calls above cover a plain loop."""
+        if kind not in RANK_KINDS:
+            raise UsageError(f"run.emit({kind!r}): a rank writes one of {', '.join(sorted(RANK_KINDS))}")
         self._events.emit(kind, step=step, **data)
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ simulated: the job stops there).
 
 Aggregation: a step event every `steps_per_event` real steps (a "block" of B = steps_per_event *
 step_seconds seconds), numbered with the real step count; 54 days of 10 s steps would otherwise
-be 470,000 events. Only rank 0 and the service emit (DESIGN.md takes timings from rank 0), so
+be 470,000 events. Only rank 0 and the service emit (docs/ett.md takes timings from rank 0), so
 the 16,384 ranks of the default job add nothing to the accounting. Nothing sleeps: events carry
 simulated timestamps, the last one at `end_ts`.
 

@@ -1,4 +1,4 @@
-"""The ETT engine: DESIGN.md's accounting table as a fold over events.
+"""The ETT engine: the accounting table of docs/ett.md as a fold over events.
 
 No database and no HTTP. A job's state (`JobAccount`) is bounded: one `AttemptSummary` per
 attempt, whatever the number of steps, so a report costs O(attempts). Every field is folded

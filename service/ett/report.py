@@ -1,7 +1,7 @@
-"""A job's ETT report (the shape of DESIGN.md) from its settled `JobAccount`, in O(attempts).
+"""A job's ETT report (its fields in docs/ett.md) from its settled `JobAccount`, in O(attempts).
 
 Each attempt owns the span from its allocation to the next attempt's allocation (the last one:
-to `job_finished`, or now). Inside it, by DESIGN.md's table:
+to `job_finished`, or now). Inside it, by the table of docs/ett.md:
 
     init        allocation -> first step start, less the restore (no step: to the last
                 init_end/restore_end if the attempt ended, to now if it is still starting)

@@ -1,4 +1,4 @@
-"""Schema-v1 events (DESIGN.md "Events") as request bodies, and the ETT reports as answers."""
+"""Schema-v1 events (docs/events.md) as request bodies, and the ETT reports as answers."""
 
 import math
 from typing import Annotated, Any, Literal

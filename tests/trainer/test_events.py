@@ -1,5 +1,5 @@
 """The event spool: the writer itself, and the streams of real runs (conftest.py) against
-schema v1 of DESIGN.md and its rules."""
+schema v1 (docs/events.md) and its rules."""
 
 import json
 import time

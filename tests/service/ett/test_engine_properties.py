@@ -2,7 +2,7 @@
 
 The generator lays a job out on a clock of 1/8 s ticks (so every sum is exact in floating
 point) and tallies, while it lays each interval down, which category that interval is: an oracle
-written from DESIGN.md's table independently of the engine. The engine must agree with it and
+written from the table of docs/ett.md independently of the engine. The engine must agree with it and
 give the very same report whatever the order, the batch split or the repeats of ingestion.
 """
 

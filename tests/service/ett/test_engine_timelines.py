@@ -1,7 +1,7 @@
 """Hand-computed timelines through the pure engine: every category to the millisecond.
 
 Each timeline's comment walks through the numbers attempt by attempt; the figures asserted are
-worked out by hand from DESIGN.md's table, not from the engine.
+worked out by hand from the table of docs/ett.md, not from the engine.
 """
 
 import math
