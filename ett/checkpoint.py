@@ -68,7 +68,8 @@ class CheckpointConfig:
         if self.keep < 1:
             raise UsageError(f"checkpoint.keep must be >= 1, got {self.keep}")
         if self.resume_from not in ("auto", "none") and step_of(Path(self.resume_from)) is None:
-            raise UsageError(f"checkpoint.resume_from must be auto, none or a step-NNNNNNNN folder, got {self.resume_from!r}")
+            raise UsageError(
+                f"checkpoint.resume_from must be auto, none or a step-NNNNNNNN folder, got {self.resume_from!r}")
         if self.async_mode not in ("process", "thread"):
             raise UsageError(f"checkpoint.async_mode must be 'process' or 'thread', got {self.async_mode!r}")
         if self.local_dir and (not self.dir or Path(self.local_dir).resolve() == Path(self.dir).resolve()):

@@ -133,6 +133,6 @@ def resume_candidates(root: str | Path | None, resume_from: str | Path | None,
     every checkpoint under `root`."""
     if resume_from:
         chosen = Path(resume_from)
-        older = [p for p in step_folders(chosen.parent, pattern) if step_of(p, pattern) < (step_of(chosen, pattern) or 0)]
-        return [chosen, *older]
+        chosen_step = step_of(chosen, pattern) or 0
+        return [chosen, *(p for p in step_folders(chosen.parent, pattern) if step_of(p, pattern) < chosen_step)]
     return step_folders(root, pattern) if root else []

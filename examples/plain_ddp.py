@@ -45,7 +45,8 @@ def main() -> None:
     with ett.init(checkpoint_dir=args.checkpoint_dir, interval_steps=args.interval) as run:
         with run.initializing():
             torch.manual_seed(0)  # the same initial weights on every rank
-            model = DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1)))
+            layers = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
+            model = DistributedDataParallel(layers)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             torch.manual_seed(1 + rank)  # each rank its own dropout masks
             state = {"app": ett.ModelOptimizerState(model, optimizer), "rng": ett.RNGState(rank)}

@@ -1,28 +1,23 @@
 """End to end: the real service, real agent daemons, real torchrun ranks training the MoE on CPU."""
 
-import math
 import os
 import signal
 
 import pytest
 from sqlalchemy import select
 
-from service.models import Checkpoint, JobEvent, Node, NodeState
+from service.models import Node, NodeState
 from tests.agent.helpers import pids_with_env
-from tests.support.cluster import Cluster, cluster, trainer_job, wait_for
+from tests.support.cluster import (
+    assert_categories_sum_to_wall,
+    cluster,
+    events,
+    newest_committed_before_the_failure,
+    trainer_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def events(c: Cluster, job_id: str, kind: str) -> list[JobEvent]:
-    with c.service.app.state.sessions() as session:
-        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == kind).order_by(JobEvent.ts)
-        return list(session.scalars(query))
-
-
-def assert_categories_sum_to_wall(report: dict) -> None:
-    assert math.isclose(sum(report["seconds"].values()), report["wall_seconds"], abs_tol=1e-6)
-    assert all(v >= 0 for v in report["seconds"].values())
 
 
 def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
@@ -34,11 +29,7 @@ def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
         first, second = job["attempts"]
         assert first["cause"] == "signal" and second["state"] == "succeeded"
 
-        failed_at = events(c, job_id, "attempt_failed")[0].ts
-        with c.service.app.state.sessions() as session:
-            committed = session.scalars(select(Checkpoint).where(
-                Checkpoint.job_id == job_id, Checkpoint.attempt == 0, Checkpoint.committed_at <= failed_at)).all()
-        newest = max(ckpt.step for ckpt in committed)
+        newest = newest_committed_before_the_failure(c, job_id)
         assert second["resume_from"].endswith(f"step-{newest:08d}")
         [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
         assert restore.step == newest

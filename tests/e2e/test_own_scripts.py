@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from sqlalchemy import select
 
-from service.models import Checkpoint
-from tests.e2e.test_orchestration import assert_categories_sum_to_wall, events
-from tests.support.cluster import REPO, Cluster, cluster, example_job
+from tests.support.cluster import (
+    REPO,
+    Cluster,
+    assert_categories_sum_to_wall,
+    cluster,
+    events,
+    example_job,
+    newest_committed_before_the_failure,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +45,7 @@ def run_with_a_kill(c: Cluster, spec: dict) -> dict:
     assert first["cause"] == "signal" and second["state"] == "succeeded"
 
     # The second attempt restored the newest checkpoint committed before the failure.
-    failed_at = events(c, job_id, "attempt_failed")[0].ts
-    with c.service.app.state.sessions() as session:
-        committed = session.scalars(select(Checkpoint).where(
-            Checkpoint.job_id == job_id, Checkpoint.attempt == 0, Checkpoint.committed_at <= failed_at)).all()
-    newest = max(ckpt.step for ckpt in committed)
+    newest = newest_committed_before_the_failure(c, job_id)
     [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
     assert restore.step == newest and second["resume_from"].endswith(str(newest))
 

@@ -3,7 +3,6 @@ and checkpoints of a job inside one, and a clear error for each misuse."""
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch

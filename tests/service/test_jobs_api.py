@@ -50,3 +50,12 @@ def test_health_and_readiness(service):
     assert anonymous.get("/readyz").json() == {"status": "ready"}
     assert "/api/v1/jobs" in anonymous.get("/openapi.json").json()["paths"]
     assert anonymous.get("/docs").status_code == 200
+
+
+def test_hang_detection_can_be_turned_off_with_null_or_off(service):
+    alice = service.client(service.token("user", "alice"))
+    for value in (None, "off"):
+        job = submit(alice, hang_timeout_seconds=value)
+        assert job["spec"]["hang_timeout_seconds"] is None
+    refused = alice.post("/api/v1/jobs", json=job_spec(hang_timeout_seconds="never"))
+    assert refused.status_code == 422 and "hang_timeout_seconds" in refused.text

@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from agent.commands import command_adapter
 from service import commands, scheduler
 from service.db import make_engine, make_session_factory
 from service.models import (
@@ -81,6 +82,16 @@ def test_gang_allocation_waits_for_all_nodes(session, settings):
     assert first["master_port"] == second["master_port"] and first["nnodes"] == 2
     assert first["checkpoint"]["resume_from"] is None
     assert {a.state, b.state} == {NodeState.busy}
+
+
+def test_a_job_without_hang_detection_launches_without_it(session, settings):
+    (a,) = add_nodes(session, "a")
+    add_job(session, nodes=1, hang_timeout_seconds=None, entrypoint=["python", "train.py"])
+    tick(session, settings, T0)
+    [launch] = taken(session, a)
+    assert launch["hang_timeout_seconds"] is None
+    # The agent reads it as "no hang detection", not as a launch it cannot read.
+    assert command_adapter.validate_python(launch).hang_timeout_seconds is None
 
 
 def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, settings):

@@ -1,6 +1,7 @@
 """A whole ETT on this machine for end-to-end tests: a live service, agent daemons as real
 processes (each a "node"), real torchrun ranks under them."""
 
+import math
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy import select
 
 from service.cli.client_cmd import load_spec
 from service.migrate import upgrade
@@ -73,6 +75,30 @@ class Cluster:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.root.glob("*.log"))
+
+
+def events(c: Cluster, job_id: str, kind: str) -> list:
+    from service.models import JobEvent
+
+    with c.service.app.state.sessions() as session:
+        query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == kind).order_by(JobEvent.ts)
+        return list(session.scalars(query))
+
+
+def newest_committed_before_the_failure(c: Cluster, job_id: str) -> int:
+    """The step of the newest checkpoint attempt 0 committed before it failed: where attempt 1 must resume."""
+    from service.models import Checkpoint
+
+    failed_at = events(c, job_id, "attempt_failed")[0].ts
+    with c.service.app.state.sessions() as session:
+        committed = session.scalars(select(Checkpoint).where(
+            Checkpoint.job_id == job_id, Checkpoint.attempt == 0, Checkpoint.committed_at <= failed_at)).all()
+    return max(ckpt.step for ckpt in committed)
+
+
+def assert_categories_sum_to_wall(report: dict) -> None:
+    assert math.isclose(sum(report["seconds"].values()), report["wall_seconds"], abs_tol=1e-6)
+    assert all(v >= 0 for v in report["seconds"].values())
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
