@@ -1,4 +1,4 @@
-# The ETT image: the service, the agent and the trainer (one image, the command picks the role).
+# The ETT image: the service, the agent, the trainer and the ett library (one image, the command picks the role).
 FROM python:3.11.10-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -8,6 +8,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY ett ett
 COPY service service
 COPY agent agent
 COPY trainer trainer

@@ -3,6 +3,7 @@ files, ports and names it shares with the Prometheus and Grafana configuration a
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,12 @@ def test_grafana_provisions_the_datasource_and_the_dashboard_it_mounts(compose):
     assert [v["name"] for v in dashboard["templating"]["list"]][0] == "job"
     home = compose["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == f"{provider['options']['path']}/ett.json"
+
+
+def test_the_image_copies_every_package_the_project_installs():
+    # The packages pyproject.toml installs (ett, service, agent, trainer): a package left out of
+    # the image installs nothing and fails only when first imported in a container.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {name.rstrip("*") for name in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "Dockerfile").read_text(), re.M))
+    assert packages == copied == {"ett", "service", "agent", "trainer"}
