@@ -68,7 +68,8 @@ def main() -> None:
                 disable_tqdm=True, ddp_find_unused_parameters=False,
             )  # fmt: skip
             world = max(1, training.world_size)
-            callbacks = [ETTCallback(run, tokens_per_step=BATCH * SEQ_LEN * world), SlowSteps(args.step_seconds)]
+            # SlowSteps first: its sleep, standing for compute, then falls inside the step ETTCallback times.
+            callbacks = [SlowSteps(args.step_seconds), ETTCallback(run, tokens_per_step=BATCH * SEQ_LEN * world)]
             trainer = Trainer(model=model, args=training, train_dataset=SyntheticText(256), callbacks=callbacks)
 
         trainer.train(resume_from_checkpoint=resume_checkpoint(run))
