@@ -12,6 +12,7 @@ COPY ett ett
 COPY service service
 COPY agent agent
 COPY trainer trainer
+COPY migrations migrations
 RUN pip install '.[postgres]' && rm -rf /src
 
 # An unprivileged user; /run/ett is created here so a named volume mounted there is its to write.

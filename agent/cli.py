@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Adds `ett agent` to the `ett` command (service/cli/main.py)."""
+    """Adds `ett agent` to the `ett` command (ett/cli/main.py)."""
     parser = sub.add_parser("agent", help="run the node agent (one per machine)")
     add_arguments(parser)
     parser.set_defaults(run=main)

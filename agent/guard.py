@@ -17,6 +17,7 @@ import sys
 from agent.procs import GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
 from agent.warm import WARM_SOCKET_ENV, WarmProcess, start_process
 
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         sys.exit("usage: python -m agent.guard AGENT_PID -- ARGV...")

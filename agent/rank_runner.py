@@ -14,7 +14,6 @@ imports already done (agent.warm); otherwise, or when the server cannot, it is a
 import argparse
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 """Benchmark: the job page (figures + SVG timeline) against the ETT report it is built on.
 
 For each size (rank 0 step events over 10 attempts, each restoring the previous attempt's last
-checkpoint), a SQLite job is filled through the ingestion code (service.ingest, no HTTP), then
+checkpoint), a SQLite job is filled through the ingestion code (service.ingest.store, no HTTP), then
 GET /jobs/{id} and its baseline GET /api/v1/jobs/{id}/ett are requested in turn through
 FastAPI's in-process client. Figures: wall p50 per request, and process CPU ms per request (less
 sensitive to a shared machine's load), plus the page's size and SVG element count. Usage:
@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.ingest import ingest  # noqa: E402
+from service.ingest.store import ingest  # noqa: E402
 from service.main import create_app  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import Role  # noqa: E402

@@ -30,7 +30,7 @@ from sqlalchemy import select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
 
-from service.cli.render import CATEGORY_ORDER  # noqa: E402
+from ett.cli.render import CATEGORY_ORDER  # noqa: E402
 from service.ett.engine import Event  # noqa: E402
 from service.ett.memory import MemoryJob  # noqa: E402
 from service.models import JobEvent  # noqa: E402

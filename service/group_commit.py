@@ -1,4 +1,4 @@
-"""What the two group writers share (service/heartbeats.py, service/event_batches.py): requests
+"""What the two group writers share (service/agents/heartbeats.py, service/ingest/batches.py): requests
 waiting on the event loop for the next group, and handing each its own outcome."""
 
 import asyncio

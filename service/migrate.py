@@ -8,7 +8,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+import migrations
+
+MIGRATIONS_DIR = Path(migrations.__file__).parent
 
 
 class DatabaseNotAtHead(RuntimeError):

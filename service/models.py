@@ -5,7 +5,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
-    JSON, BigInteger, DateTime, Enum, ForeignKey, Index, Integer, MetaData, String, TypeDecorator, UniqueConstraint,
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
     text,
 )  # fmt: skip
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -179,7 +189,7 @@ class AgentCommand(Base):
     delivered_at: Mapped[datetime | None] = mapped_column(index=True)
 
 
-# ---- ETT: events, checkpoints and per-job accounting (service/ingest.py, service/ett/) ----
+# ---- ETT: events, checkpoints and per-job accounting (service/ingest/store.py, service/ett/) ----
 # Times here are unix seconds on the service's clock (UTC), as in the events themselves.
 
 

@@ -5,6 +5,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
+from fastapi import HTTPException, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -16,6 +17,14 @@ TOKEN_PREFIX = "ett_"
 def hash_token(secret: str) -> str:
     # The secrets are 256-bit random values, so a fast hash is enough (no password stretching).
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def unauthorized() -> HTTPException:
+    return HTTPException(
+        status.HTTP_401_UNAUTHORIZED,
+        "a valid bearer token is required (create one with `ett token create`)",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def create_token(session: Session, role: Role, subject: str) -> str:

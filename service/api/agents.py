@@ -8,10 +8,10 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import select
 from starlette.datastructures import State
 
-from service import commands
+from service.agents import commands
+from service.agents.heartbeats import HeartbeatWriter
 from service.api.deps import AgentCallerDep, AgentDep
 from service.db import SessionDep
-from service.heartbeats import HeartbeatWriter
 from service.models import Node, NodeState, utcnow
 from service.schemas.agents import AgentRegister, Heartbeat, HeartbeatReply, NodeOut
 from service.security import Caller
@@ -53,7 +53,7 @@ async def heartbeat(
 
 
 async def answer_heartbeat(state: State, name: str, caller: Caller, beat: Heartbeat, wait: float) -> HeartbeatReply:
-    """A heartbeat's answer, after its checks (also taken by service/api/hot_paths.py)."""
+    """A heartbeat's answer, after its checks (also taken by service/asgi/hot_paths.py)."""
     received = time.time()
     settings: Settings = state.settings
     bell: commands.CommandBell = state.bell
@@ -68,7 +68,7 @@ async def answer_heartbeat(state: State, name: str, caller: Caller, beat: Heartb
             session.commit()
             return taken
 
-    # Written with the other heartbeats that arrive meanwhile (service/heartbeats.py), commands included.
+    # Written with the other heartbeats that arrive meanwhile (service/agents/heartbeats.py), commands included.
     writer: HeartbeatWriter = state.heartbeats
     node_id, pending = await writer.record(name, caller, beat, received)
     # Only an attempt that ended may need the scheduler now (a restart, a finish): a busy node

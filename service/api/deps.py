@@ -6,24 +6,14 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from service.db import SessionDep
-from service.commands import WAITING_FOR_NODE
-from service.models import Job, Node, Role, Token
-from service.security import Caller, CallerCache, find_token, hash_token
+from service.jobs.queries import visible_job
+from service.models import Job, Role, Token
+from service.security import Caller, CallerCache, find_token, hash_token, unauthorized
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `ett token create`")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-
-
-def unauthorized() -> HTTPException:
-    return HTTPException(
-        status.HTTP_401_UNAUTHORIZED,
-        "a valid bearer token is required (create one with `ett token create`)",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
 
 
 def current_token(session: SessionDep, credentials: BearerDep) -> Token:
@@ -54,7 +44,7 @@ def require(*roles: Role) -> Callable[[Token], Token]:
 async def current_agent(request: Request, credentials: BearerDep) -> Caller:
     """The calling agent for the hot agent endpoints (heartbeat, events): from this process's cache
     of seen tokens, so most calls skip the lookup. These endpoints must check revocation in their
-    own query (own_node below, or the heartbeat writer's), since the cache does not know of it."""
+    own query (service/agents/nodes.py), since the cache does not know of it."""
     if credentials is None:
         raise unauthorized()
     digest = hash_token(credentials.credentials)
@@ -75,23 +65,6 @@ async def current_agent(request: Request, credentials: BearerDep) -> Caller:
     return caller
 
 
-def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:
-    """The node named in the path, if the caller's token registered it and is not revoked, and
-    whether commands wait for it: one query for the three (the hot agent endpoints run it first)."""
-    row = session.execute(
-        select(Token.revoked, Node, WAITING_FOR_NODE).select_from(Token)
-        .outerjoin(Node, Node.name == name).where(Token.id == caller.token_id)
-    ).one_or_none()  # fmt: skip
-    if row is None or row.revoked:
-        raise unauthorized()
-    node = row.Node
-    if node is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no agent {name}: register it first")
-    if node.token_id != caller.token_id:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"agent {name} was registered with another token")
-    return node, bool(row[2])
-
-
 UserDep = Annotated[Token, Depends(require(Role.user, Role.admin))]
 AdminDep = Annotated[Token, Depends(require(Role.admin))]
 AgentDep = Annotated[Token, Depends(require(Role.agent))]
@@ -100,9 +73,8 @@ AgentCallerDep = Annotated[Caller, Depends(current_agent)]
 
 def get_visible_job(session: SessionDep, job_id: str, caller: UserDep) -> Job:
     """The job named in the path, if the caller may see it (its owner or an admin)."""
-    job = session.get(Job, job_id)
-    # A job of someone else answers 404 like a missing one: ids are not disclosed.
-    if job is None or (caller.role != Role.admin and job.owner != caller.subject):
+    job = visible_job(session, job_id, caller)
+    if job is None:  # someone else's job answers 404 like a missing one: ids are not disclosed
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
     return job
 

@@ -1,45 +1,21 @@
-"""ETT reports: one job's (GET /jobs/{id}/ett) and the fleet's (GET /ett), read from the
-accounting rows that ingestion keeps up to date: O(attempts) per job, whatever its step count."""
+"""ETT reports over HTTP: one job's (GET /jobs/{id}/ett) and the fleet's (GET /ett)."""
 
 import time
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import select
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
+from service.ett.accounts import job_report
 from service.ett.engine import JobAccount
 from service.ett.fleet import FleetJob, fleet_report
-from service.ett.report import build_report
 from service.models import Job, JobAccountRow, Role
 from service.schemas.events import EttReport, FleetReport
 
 router = APIRouter(tags=["ett"])
-
-
-def fleet_mtbf_seconds(session: Session, now: float) -> float | None:
-    """All jobs' accounted wall time over all their failures (for jobs without a failure)."""
-    wall, failures = session.execute(
-        select(
-            func.sum(func.coalesce(JobAccountRow.finished_at, now) - JobAccountRow.window_start),
-            func.sum(JobAccountRow.failures),
-        ).where(JobAccountRow.window_start.is_not(None))
-    ).one()
-    return float(wall) / failures if failures else None
-
-
-def job_report(session: Session, job: Job, now: float, fleet_mtbf: float | None = None) -> dict[str, Any]:
-    row = session.get(JobAccountRow, job.id)
-    account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
-    if fleet_mtbf is None and not (row is not None and row.failures):
-        fleet_mtbf = fleet_mtbf_seconds(session, now)
-    return build_report(
-        account, job_id=job.id, state=job.state.value, now=now,
-        submitted_at=job.submitted_at.timestamp(), fleet_mtbf_seconds=fleet_mtbf,
-    )  # fmt: skip
 
 
 @router.get("/jobs/{job_id}/ett")

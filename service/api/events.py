@@ -5,8 +5,8 @@ from sqlalchemy.orm import Session
 
 from service.api.deps import AdminDep, AgentCallerDep
 from service.db import SessionDep
-from service.event_batches import EventBatchWriter, unprocessable
-from service.ingest import EventRejected, ingest
+from service.ingest.batches import EventBatchWriter, unprocessable
+from service.ingest.store import EventRejected, ingest
 from service.models import Job
 from service.schemas.events import AgentEventBatch, EventBatch, EventIn, IngestOut
 from service.settings import Settings
@@ -28,7 +28,7 @@ def _store(session: Session, batch: list[tuple[str, EventIn]], settings: Setting
 async def agent_events(body: AgentEventBatch, name: str, caller: AgentCallerDep, request: Request) -> IngestOut:
     """An agent's batch: its ranks' and its own events, each naming its job. Their times are
     moved onto the service's clock by the node's offset measured at heartbeat, recorded per event.
-    Stored with the other batches that arrive meanwhile (service/event_batches.py)."""
+    Stored with the other batches that arrive meanwhile (service/ingest/batches.py)."""
     writer: EventBatchWriter = request.app.state.event_batches
     return await writer.store(name, caller, body.events)
 

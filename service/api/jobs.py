@@ -4,12 +4,12 @@ import time
 import uuid
 
 from fastapi import APIRouter, Query, Request, status
-from sqlalchemy import func, select
 
-from service import scheduler
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
-from service.models import Job, JobState, Role
+from service.jobs import scheduler
+from service.jobs.queries import visible_jobs
+from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobList, JobOut, JobSpec
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -47,13 +47,7 @@ def list_jobs(
     limit: int = Query(50, ge=1, le=500),
     offset: int = Query(0, ge=0, le=2**31),  # bounded: a huge offset overflows SQLite's integers
 ) -> JobList:
-    query = select(Job)
-    if caller.role != Role.admin:
-        query = query.where(Job.owner == caller.subject)
-    if state is not None:
-        query = query.where(Job.state == state)
-    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    jobs = session.scalars(query.order_by(Job.submitted_at.desc(), Job.id).limit(limit).offset(offset)).all()
+    jobs, total = visible_jobs(session, caller, state, limit, offset)
     return JobList(items=[job_out(j) for j in jobs], total=total)
 
 

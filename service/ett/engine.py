@@ -201,7 +201,7 @@ class JobAccount:
             a.allocated_at = _min(a.allocated_at, e.ts)
         elif e.kind == "attempt_failed":
             # The earliest report wins; at the same time the root cause (a signal or hang over a
-            # peer's exit, service/scheduler.py) wins, so any order of arrival agrees.
+            # peer's exit, service/jobs/scheduler.py) wins, so any order of arrival agrees.
             key = (e.ts, _cause_rank(e.data.get("cause")))
             if a.failed_at is None or key < (a.failed_at, _cause_rank(a.failure_cause)):
                 a.failed_at, a.failure_cause = e.ts, e.data.get("cause")

@@ -1,7 +1,7 @@
 """The pages: the jobs list and a job's page (ETT breakdown, failures, timeline of its attempts).
 
 Server-rendered with Jinja2, no script. Every figure comes from the same code as the API
-(`job_report` of service/api/ett.py), so a page and `GET /api/v1/jobs/{id}/ett` agree.
+(`job_report` of service/ett/accounts.py), so a page and `GET /api/v1/jobs/{id}/ett` agree.
 """
 
 import time
@@ -9,16 +9,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from service.api.deps import get_visible_job
-from service.api.ett import fleet_mtbf_seconds, job_report
-from service.api.jobs import list_jobs
 from service.db import SessionDep
-from service.ett.engine import CATEGORIES, JobAccount
-from service.models import Job, JobAccountRow, JobState
+from service.ett.accounts import fleet_mtbf_seconds, job_account, job_report
+from service.ett.engine import CATEGORIES
+from service.jobs.queries import visible_job, visible_jobs
+from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
 from service.pages.timeline import build_timeline, frame_of
 from service.pages.timeline_data import checkpoint_saves, step_time
@@ -64,24 +63,22 @@ def jobs_page(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> Response:
     now = time.time()
-    listing = list_jobs(session=session, caller=caller, state=state, limit=limit, offset=offset)
+    jobs, total = visible_jobs(session, caller, state, limit, offset)
     fleet_mtbf = fleet_mtbf_seconds(session, now)
-    rows = [(job, job_report(session, session.get(Job, job.id), now, fleet_mtbf)) for job in listing.items]
-    context = {"caller": caller, "rows": rows, "total": listing.total, "state": state, "states": list(JobState),
+    rows = [(job, job_report(session, job, now, fleet_mtbf)) for job in jobs]
+    context = {"caller": caller, "rows": rows, "total": total, "state": state, "states": list(JobState),
                "limit": limit, "offset": offset}  # fmt: skip
     return render(request, "jobs.html", context)
 
 
 @router.get("/jobs/{job_id}")
 def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCallerDep) -> Response:
-    try:
-        job = get_visible_job(session, job_id, caller)
-    except HTTPException as missing:
-        return render(request, "error.html", {"caller": caller, "message": missing.detail}, missing.status_code)
+    job = visible_job(session, job_id, caller)
+    if job is None:
+        return render(request, "error.html", {"caller": caller, "message": f"no job {job_id}"}, 404)
     now = time.time()  # one instant for the figures and the drawing
     report = job_report(session, job, now)
-    row = session.get(JobAccountRow, job.id)
-    account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
+    account = job_account(session, job.id)
     frame = frame_of(account, now)
     timeline = None
     if frame is not None:

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry
 
 from agent import cli
 from agent.launch import torchrun_argv, worker_env
-from agent.procs import GROUP_MARKER_ENV
 from agent.metrics import AgentStats, serve_metrics
+from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
 from tests.agent.helpers import free_port, launch_command
 

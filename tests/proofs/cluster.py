@@ -65,7 +65,7 @@ class Cluster:
         env = os.environ | SERVICE_ENV | self.service_env | {
             "ETT_DATABASE_URL": self.database_url, "ETT_DATA_DIR": str(self.root / "service"),
             "ETT_PORT": str(self.port)}  # fmt: skip
-        self.service = self._spawn([sys.executable, "-m", "service.cli.main", "service"], env, "service.log")
+        self.service = self._spawn([sys.executable, "-m", "ett.cli.main", "service"], env, "service.log")
         wait_for(self._ready, 60, "the service to answer /readyz", interval=0.2)
 
     def _ready(self) -> bool:

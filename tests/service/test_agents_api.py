@@ -3,7 +3,7 @@
 import threading
 import time
 
-from service import commands
+from service.agents import commands
 from service.models import Node
 from tests.service.factories import register_agent
 

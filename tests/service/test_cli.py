@@ -5,7 +5,7 @@ import sys
 
 
 def ett(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli.main", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ett.cli.main", *args], env=env, capture_output=True,
                           text=True, timeout=60)
 
 

@@ -1,4 +1,4 @@
-"""Agents' event batches written as one group (service/event_batches.py): each batch still gets
+"""Agents' event batches written as one group (service/ingest/batches.py): each batch still gets
 its own answer, counts and errors, and a rejected batch stores nothing while the others of its
 group are stored (SQLite and PostgreSQL)."""
 
@@ -8,7 +8,7 @@ import time
 from fastapi import HTTPException
 from sqlalchemy import func, select
 
-from service.event_batches import EventBatchWriter
+from service.ingest.batches import EventBatchWriter
 from service.models import JobAccountRow, JobEvent
 from service.schemas.events import AgentEventIn
 from service.security import Caller, find_token

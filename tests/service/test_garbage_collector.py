@@ -1,4 +1,4 @@
-"""The service collects cyclic garbage on a clock (service/main.py YoungCollector), not by
+"""The service collects cyclic garbage on a clock (service/asgi/background.py YoungCollector), not by
 allocation count: a cycle left by a request is freed within a pass or two even when nothing
 else allocates."""
 

@@ -1,4 +1,4 @@
-"""The agents' hot paths (service/api/hot_paths.py): a seen agent's well-formed heartbeat and
+"""The agents' hot paths (service/asgi/hot_paths.py): a seen agent's well-formed heartbeat and
 event batch are answered without the declared routes, as those would answer them; everything
 else reaches the routes with its body intact."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from fastapi.testclient import TestClient
 
-from service.api.hot_paths import AgentHotPaths
+from service.asgi.hot_paths import AgentHotPaths
 from service.main import create_app
 from service.models import Role
 from service.security import create_token

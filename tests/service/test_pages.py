@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.cli.render import report_table
+from ett.cli.render import report_table
 from service.ett.engine import CATEGORIES
 from service.ett.memory import MemoryJob
 from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
 from tests.deploy.replayed import replayed_job
-from tests.service.factories import submit
 from tests.service.ett.timelines import Timeline
+from tests.service.factories import submit
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -9,10 +9,22 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from agent.commands import command_adapter
-from service import commands, scheduler
+from service.agents import commands
 from service.db import make_engine, make_session_factory
+from service.jobs import scheduler
 from service.models import (
-    AgentCommand, Attempt, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState, Role, Token, utcnow,
+    AgentCommand,
+    Attempt,
+    AttemptState,
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobState,
+    Node,
+    NodeState,
+    Role,
+    Token,
+    utcnow,
 )
 from service.schemas.agents import AttemptReport
 from service.settings import Settings

@@ -8,11 +8,11 @@ from collections import Counter
 import sqlalchemy as sa
 from sqlalchemy import select
 
-from service import scheduler
 from service.db import make_engine, make_session_factory
+from service.jobs import scheduler
 from service.migrate import upgrade
-from service.schemas.agents import AttemptReport
 from service.models import Attempt, AttemptNode, Job, JobState, Node, Role, Token
+from service.schemas.agents import AttemptReport
 from service.settings import Settings
 from tests.service.factories import job_spec
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from service.cli.client_cmd import load_spec
+from ett.cli.client_cmd import load_spec
 from service.migrate import upgrade
 from service.settings import Settings
 from tests.support.live import LiveService, live_service
@@ -46,7 +46,7 @@ class Cluster:
             **{f"ETT_AGENT_{k.upper()}": v for k, v in settings.items()},
         }  # fmt: skip
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process's life)
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli.main", "agent"], env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "ett.cli.main", "agent"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
         self.agents[name] = proc
         wait_for(lambda: self._registered(name), 60, f"agent {name} to register")

@@ -13,11 +13,12 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
-from service import commands
+from service.agents import commands
+from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
+from service.jobs.service_events import emit
 from service.models import Attempt, AttemptNode, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
-from service.timeline import emit
 
 ACTIVE = (AttemptState.allocated, AttemptState.running)
 # The trainer's exit code for a bad configuration: retrying cannot help (trainer/config.py).
@@ -49,7 +50,7 @@ def report_changes_nothing(share_state: AttemptState, attempt_state: AttemptStat
 
 def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt).
-    Heartbeats written in a batch (service/heartbeats.py) load their shares at once and call this."""
+    Heartbeats written in a batch (service/agents/heartbeats.py) load their shares at once and call this."""
     if share.state not in ACTIVE:
         return
     share.state = AttemptState(report.state)
@@ -241,8 +242,6 @@ def _free_port(session: Session, settings: Settings, address: str, job: Job) -> 
 
 
 def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float) -> None:
-    from service.checkpoints import checkpoint_interval_steps, newest_checkpoint
-
     number = len(job.attempts)
     attempt = Attempt(
         job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,

@@ -28,6 +28,9 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
+from service.ett.engine import Event
+from service.ett.memory import MemoryJob
+
 # Failure causes: (cause, share, detection seconds). The shares are illustrative, in the spirit
 # of Llama 3's report (most interruptions are GPU or host faults that kill a rank, some lose a
 # node, a few hang); detection: a dead rank at once, a silent node after the heartbeat timeout,
@@ -200,9 +203,6 @@ def _train(
 
 def memory_report(m: FleetModel, end_ts: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The timeline and the report the pure engine makes of it (no service)."""
-    from service.ett.engine import Event
-    from service.ett.memory import MemoryJob
-
     events = simulate(m, end_ts)
     job = MemoryJob("simulated")
     job.ingest(Event(**e) for e in events)

@@ -377,5 +377,5 @@ def _is_checkpoint(row: _Row) -> bool:
 
 
 def ingest_trusted(session: Session, job_id: str, events: Sequence[dict[str, Any]]) -> IngestResult:
-    """The service's own events (service/timeline.py), inside the caller's transaction."""
+    """The service's own events (service/jobs/service_events.py), inside the caller's transaction."""
     return ingest(session, [(job_id, EventIn.model_validate(e)) for e in events], copy_in_savepoint=False)

@@ -22,10 +22,11 @@ from fastapi import HTTPException
 from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session, joinedload, sessionmaker
 
-from service import commands, scheduler
-from service.api.deps import own_node
+from service.agents import commands
+from service.agents.nodes import own_node
 from service.db import retry_on_disconnect
 from service.group_commit import Waiting, answer
+from service.jobs import scheduler
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.schemas.agents import AttemptReport, Heartbeat
 from service.security import Caller

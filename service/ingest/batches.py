@@ -1,7 +1,7 @@
 """The agents' event batches, written in groups: all batches that arrive while one group is
-written go together in the next (group commit, as heartbeats are: service/heartbeats.py), in one
+written go together in the next (group commit, as heartbeats are: service/agents/heartbeats.py), in one
 transaction of a fixed number of statements: the nodes, the attempts given to them, and one
-ingestion (service/ingest.py) of all their events.
+ingestion (service/ingest/store.py) of all their events.
 
 Under load a batch's time went to waiting for its fifteen or so database round trips (each a
 wake-up of PostgreSQL and of a worker thread on a busy machine) and for a thread, not to
@@ -21,10 +21,10 @@ from fastapi import HTTPException, status
 from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.deps import own_node
+from service.agents.nodes import own_node
 from service.db import retry_on_disconnect
 from service.group_commit import Waiting, answer_all
-from service.ingest import EventRejected, ingest
+from service.ingest.store import EventRejected, ingest
 from service.models import Attempt, AttemptNode, Job, Node, Token
 from service.schemas.events import AgentEventIn, IngestOut
 from service.security import Caller

@@ -2,7 +2,7 @@
 
 import argparse
 
-from service.cli.service_cmd import load_settings
+from ett.cli.service_cmd import load_settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:

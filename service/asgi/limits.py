@@ -1,4 +1,5 @@
-"""A token-bucket rate limit per bearer token (per client address for requests without one).
+"""Request limits, answered before anything parses a request: the body's size, and a
+token-bucket rate limit per bearer token (per client address for requests without one).
 
 Per token rather than per address: a fleet's agents may all reach the service through one
 proxy or NAT, and each must get its own allowance. An agent needs well under one request a
@@ -14,7 +15,7 @@ import time
 
 from fastapi import status
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Buckets idle this long are full again, so they are forgotten (memory stays bounded by the
 # number of clients seen in the last minute or so).
@@ -62,3 +63,38 @@ class RateLimit:
             return (1.0 - tokens) / self.per_second
         self.buckets[key] = (tokens - 1.0, now)
         return None
+
+
+class BodySizeLimit:
+    """Answers 413 to bodies over the limit, declared or streamed, before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        seen, rejected = 0, False
+
+        async def counting_receive() -> Message:
+            nonlocal seen, rejected
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes and not rejected:
+                # Answer now and tell the app the client left, so it stops reading and its reply is dropped.
+                rejected = True
+                await self._too_large(scope, receive, send)
+            return {"type": "http.disconnect"} if rejected else message
+
+        async def guarded_send(message: Message) -> None:
+            if not rejected:
+                await send(message)
+
+        await self.app(scope, counting_receive, guarded_send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        detail = f"request body over the limit of {self.max_bytes} bytes"
+        await JSONResponse({"detail": detail}, status.HTTP_413_CONTENT_TOO_LARGE)(scope, receive, send)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from service.cli.render import report_table
+from ett.cli.render import report_table
 
 
 def register(sub: argparse._SubParsersAction) -> None:

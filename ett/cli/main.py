@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from agent import cli as agent_cmd
-from service.cli import client_cmd, demo_cmd, service_cmd, simulate_cmd, token_cmd
+from ett.cli import client_cmd, demo_cmd, service_cmd, simulate_cmd, token_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:

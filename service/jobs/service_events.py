@@ -5,15 +5,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.ingest.store import ingest_trusted
 from service.models import Attempt
 
 
 def emit(session: Session, job_id: str, attempt: int, kind: str, ts: float, data: dict[str, Any]) -> None:
     """Records one `service` event through the same ingestion code as the agents' events."""
-    from service import ingest
-
     row = session.scalar(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt))
     row.service_seq += 1
     event = {"kind": kind, "ts": ts, "attempt": attempt, "source": "service", "seq": row.service_seq,
              "step": None, "data": data}
-    ingest.ingest_trusted(session, job_id, [event])
+    ingest_trusted(session, job_id, [event])

@@ -5,8 +5,8 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.ett.engine import JobAccount
-from service.models import Checkpoint, Job, JobAccountRow
+from service.ett.accounts import job_account, job_report
+from service.models import Checkpoint, Job
 
 # Used for `interval_steps: "auto"` until the job has measured what a step and a save cost.
 DEFAULT_INTERVAL_STEPS = 50
@@ -28,10 +28,7 @@ def checkpoint_interval_steps(session: Session, job: Job) -> int:
     interval = job.spec["checkpoint"]["interval_steps"]
     if interval != "auto":
         return int(interval)
-    from service.api.ett import job_report
-
-    row = session.get(JobAccountRow, job.id)
-    account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
+    account = job_account(session, job.id)
     steps = sum(a.steps for a in account.attempts.values())
     step_seconds = sum(a.step_seconds for a in account.attempts.values())
     recommended = job_report(session, job, time.time())["recommended_checkpoint_interval_seconds"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from service.cli.render import report_table
+from ett.cli.render import report_table
 
 DEMO_STEPS = 60
 
@@ -61,12 +61,12 @@ def _free_port() -> int:
 
 def _ett(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "service.cli.main", *args], env=env, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "ett.cli.main", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _token(role: str, subject: str, env: dict[str, str]) -> str:
-    result = subprocess.run([sys.executable, "-m", "service.cli.main", "token", "create", "--role", role,
+    result = subprocess.run([sys.executable, "-m", "ett.cli.main", "token", "create", "--role", role,
                              "--subject", subject], env=env, capture_output=True, text=True, check=True)
     return result.stdout.strip()
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
            "ETT_HEARTBEAT_TIMEOUT_SECONDS": "30"}
     started = time.monotonic()
     print(f"ett demo: working in {root}")
-    subprocess.run([sys.executable, "-m", "service.cli.main", "service", "migrate"], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "ett.cli.main", "service", "migrate"], env=env, check=True,
                    capture_output=True)
     with _processes() as procs:
         service_log = root / "service.log"

@@ -1,0 +1,38 @@
+"""ETT reports read from the accounting rows that ingestion keeps up to date: O(attempts) per
+job, whatever its step count. The API, the pages, the metrics and the scheduler all read them here."""
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.ett.engine import JobAccount
+from service.ett.report import build_report
+from service.models import Job, JobAccountRow
+
+
+def job_account(session: Session, job_id: str) -> JobAccount:
+    row = session.get(JobAccountRow, job_id)
+    return JobAccount.from_dict(row.account) if row is not None else JobAccount()
+
+
+def fleet_mtbf_seconds(session: Session, now: float) -> float | None:
+    """All jobs' accounted wall time over all their failures (for jobs without a failure)."""
+    wall, failures = session.execute(
+        select(
+            func.sum(func.coalesce(JobAccountRow.finished_at, now) - JobAccountRow.window_start),
+            func.sum(JobAccountRow.failures),
+        ).where(JobAccountRow.window_start.is_not(None))
+    ).one()
+    return float(wall) / failures if failures else None
+
+
+def job_report(session: Session, job: Job, now: float, fleet_mtbf: float | None = None) -> dict[str, Any]:
+    row = session.get(JobAccountRow, job.id)
+    account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
+    if fleet_mtbf is None and not (row is not None and row.failures):  # Young's formula takes the fleet's
+        fleet_mtbf = fleet_mtbf_seconds(session, now)
+    return build_report(
+        account, job_id=job.id, state=job.state.value, now=now,
+        submitted_at=job.submitted_at.timestamp(), fleet_mtbf_seconds=fleet_mtbf,
+    )  # fmt: skip

@@ -1,0 +1,30 @@
+"""The jobs a caller may see: their owner's, or every job for an admin."""
+
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.models import Job, JobState, Role, Token
+
+
+def visible_job(session: Session, job_id: str, caller: Token) -> Job | None:
+    """The job, or None when it does not exist or is someone else's (the two look alike)."""
+    job = session.get(Job, job_id)
+    if job is None or (caller.role != Role.admin and job.owner != caller.subject):
+        return None
+    return job
+
+
+def visible_jobs(
+    session: Session, caller: Token, state: JobState | None, limit: int, offset: int
+) -> tuple[Sequence[Job], int]:
+    """A page of the caller's jobs, newest first, and how many there are in all."""
+    query = select(Job)
+    if caller.role != Role.admin:
+        query = query.where(Job.owner == caller.subject)
+    if state is not None:
+        query = query.where(Job.state == state)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    jobs = session.scalars(query.order_by(Job.submitted_at.desc(), Job.id).limit(limit).offset(offset)).all()
+    return jobs, total
