@@ -1,10 +1,25 @@
-"""What the two group writers share (service/agents/heartbeats.py, service/ingest/batches.py): requests
-waiting on the event loop for the next group, and handing each its own outcome."""
+"""Group commit, written once: requests wait on the event loop, a task takes them in groups and
+writes each group in one transaction on a worker thread; each request still gets its own answer.
+
+The heartbeats (service/agents/heartbeats.py) and the agents' event batches
+(service/ingest/batches.py) only say what a group writes. A group whose write fails is written
+again one request at a time, so an error, and the nothing-stored of a refused request, stay with
+the request that caused them.
+"""
 
 import asyncio
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from service.db import retry_on_disconnect
+
+log = logging.getLogger("ett.group_commit")
 
 
 class Request(Protocol):
@@ -60,6 +75,60 @@ def answer(item: Request, outcome: Any) -> None:
         item.answer.set_result(outcome)
 
 
-def answer_all(items: Sequence[Request], outcomes: Sequence[Any]) -> None:
-    for item, outcome in zip(items, outcomes, strict=True):
-        answer(item, outcome)
+
+class GroupWriter(Generic[T]):
+    """One lane of group commit.
+
+    `write` runs on a worker thread (of `threads`) and returns one outcome per request of the
+    group: its result, an exception to raise in it, or None when this lane cannot write it now
+    (it is handed to `unplaced`). When `write` raises, the group is written again one request at
+    a time; a request that fails alone gets `refused(request, error)` (default: the error itself,
+    logged), so one bad request never fails the others.
+    """
+
+    def __init__(
+        self,
+        write: Callable[[list[T]], Sequence[Any]],
+        threads: anyio.CapacityLimiter,
+        *,
+        most: int,
+        pace: float = 0.0,
+        unplaced: Callable[[T], None] | None = None,
+        refused: Callable[[T, Exception], Any] | None = None,
+    ) -> None:
+        self.write, self.threads, self.most = write, threads, most
+        self.waiting: Waiting[T] = Waiting(pace)
+        self.unplaced = unplaced
+        self.refused = refused or _log_and_return
+
+    def put(self, item: T) -> None:
+        self.waiting.put(item)
+
+    async def run(self) -> None:
+        """The lane's task (cancel to stop; the requests still waiting then fail)."""
+        try:
+            while True:
+                group = await self.waiting.take(self.most)
+                for item, outcome in zip(group, await self._write(group), strict=True):
+                    if outcome is not None:
+                        answer(item, outcome)
+                    elif not item.answer.done():
+                        assert self.unplaced is not None, "only a lane with somewhere to send them leaves requests"
+                        self.unplaced(item)
+        finally:
+            self.waiting.cancel_all()
+
+    async def _write(self, group: list[T]) -> Sequence[Any]:
+        try:
+            write = partial(retry_on_disconnect, partial(self.write, group))
+            return await anyio.to_thread.run_sync(write, limiter=self.threads)
+        except Exception as exc:
+            if len(group) == 1:
+                return [self.refused(group[0], exc)]
+        # One request broke the group: write them one by one, so only that one fails.
+        return [outcome for item in group for outcome in await self._write([item])]
+
+
+def _log_and_return(item: Request, error: Exception) -> Exception:
+    log.error("%s failed", type(item).__name__, exc_info=error)
+    return error

@@ -10,29 +10,24 @@ error stays with the heartbeat that caused it.
 """
 
 import asyncio
-import logging
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any
 
 import anyio
-import anyio.to_thread
 from fastapi import HTTPException
 from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session, joinedload, sessionmaker
 
 from service.agents import commands
 from service.agents.nodes import own_node
-from service.db import retry_on_disconnect
-from service.group_commit import Waiting, answer
+from service.group_commit import GroupWriter
 from service.jobs import scheduler
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.schemas.agents import AttemptReport, Heartbeat
 from service.security import Caller
 from service.settings import Settings
-
-log = logging.getLogger("ett.heartbeats")
 
 # What a heartbeat gets: its node's id and the commands handed out with it, or its error.
 Outcome = tuple[int, list[dict]] | Exception
@@ -97,7 +92,8 @@ class Beat:
 
 
 class HeartbeatWriter:
-    """Collects heartbeats on the event loop; two tasks write them in batches on worker threads.
+    """Collects heartbeats on the event loop; two lanes of group commit (service/group_commit.py)
+    write them in batches on worker threads.
 
     The fast lane skips nodes whose row another transaction holds (the scheduler's, allocating
     or declaring nodes lost, for up to seconds): one held row would hold up every heartbeat of
@@ -107,11 +103,12 @@ class HeartbeatWriter:
     def __init__(
         self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512, pace: float = 0.025
     ) -> None:
-        self.sessions, self.settings, self.max_batch = sessions, settings, max_batch
-        self.fast: Waiting[Beat] = Waiting(pace)
-        self.held: Waiting[Beat] = Waiting(pace)
+        self.sessions, self.settings = sessions, settings
         # Threads of their own (one a lane): heartbeats never queue behind event batches for a thread.
-        self.threads = anyio.CapacityLimiter(2)
+        threads = anyio.CapacityLimiter(2)
+        self.held = GroupWriter(partial(self._write_batch, skip_locked=False), threads, most=max_batch, pace=pace)
+        self.fast = GroupWriter(partial(self._write_batch, skip_locked=True), threads, most=max_batch, pace=pace,
+                                unplaced=self.held.put)  # fmt: skip
 
     async def record(self, name: str, caller: Caller, beat: Heartbeat, received: float) -> tuple[int, list[dict]]:
         """Records a heartbeat; returns its node's id and the commands handed out with it."""
@@ -121,31 +118,7 @@ class HeartbeatWriter:
 
     async def run(self) -> None:
         """The writer's tasks (cancel to stop; heartbeats still waiting then fail)."""
-        try:
-            await asyncio.gather(self._drain(self.fast, skip_locked=True), self._drain(self.held, skip_locked=False))
-        finally:
-            self.fast.cancel_all()
-            self.held.cancel_all()
-
-    async def _drain(self, lane: Waiting[Beat], skip_locked: bool) -> None:
-        while True:
-            batch = await lane.take(self.max_batch)
-            for item, outcome in zip(batch, await self._write(batch, skip_locked), strict=True):
-                if outcome is not None:
-                    answer(item, outcome)
-                elif not item.answer.done():  # its node row is held: the held lane writes it
-                    self.held.put(item)
-
-    async def _write(self, batch: list[Beat], skip_locked: bool) -> list[Outcome | None]:
-        try:
-            write = partial(retry_on_disconnect, partial(self._write_batch, batch, skip_locked))
-            return await anyio.to_thread.run_sync(write, limiter=self.threads)
-        except Exception as exc:
-            if len(batch) == 1:
-                log.exception("heartbeat of %s not recorded", batch[0].name)
-                return [exc]
-        # One heartbeat broke the batch: write them one by one, so only that one fails.
-        return [outcome for item in batch for outcome in await self._write([item], skip_locked)]
+        await asyncio.gather(self.fast.run(), self.held.run())
 
     def _write_batch(self, batch: list[Beat], skip_locked: bool) -> list[Outcome | None]:
         """Writes the batch in one transaction; None for a heartbeat whose node row is held

@@ -7,8 +7,13 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from service.ett.engine import CHECKPOINT_KINDS, TIMING_SOURCE, CheckpointRecord, Event, JobAccount
+from service.ett.engine import TIMING_SOURCE, CheckpointRecord, Event, JobAccount
+from service.ett.fold import fold
 from service.ett.report import build_report
+
+
+def _duration(e: Event) -> float:
+    return float(e.data.get("duration", 0.0))
 
 
 class ConflictingEvent(ValueError):
@@ -40,23 +45,17 @@ class MemoryJob:
                 duplicates += 1
             else:
                 raise ConflictingEvent(f"seq {e.seq} of {e.source} in attempt {e.attempt} was sent with other content")
-        steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, folded per attempt
         for e in fresh.values():
             self.events[e.key] = e
-            checkpoint = None
             if e.kind == "step" and e.source == TIMING_SOURCE:
-                duration = float(e.data.get("duration", 0.0))
-                self._steps[e.attempt].append((e.step or 0, duration))
-                steps[e.attempt].append((e.step or 0, e.ts, duration))
-                continue
-            if e.kind in CHECKPOINT_KINDS and e.source == TIMING_SOURCE:
-                key = (e.attempt, e.step or 0)
-                checkpoint = self.checkpoints.setdefault(key, CheckpointRecord(*key))
-            self.account.apply(e, checkpoint)
-        for attempt, numbered in steps.items():
-            self.account.apply_steps(attempt, numbered)
+                self._steps[e.attempt].append((e.step or 0, _duration(e)))
+        fold(self.account, fresh.values(), duration=_duration, event=lambda e: e, record=self._record)
         self.account.settle(self)
         return len(fresh), duplicates
+
+    def _record(self, e: Event) -> CheckpointRecord:
+        key = (e.attempt, e.step or 0)
+        return self.checkpoints.setdefault(key, CheckpointRecord(*key))
 
     def report(
         self, now: float, *, submitted_at: float | None = None, fleet_mtbf_seconds: float | None = None

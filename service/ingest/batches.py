@@ -13,17 +13,14 @@ nothing-stored of a rejected batch, stay with the batch that caused them.
 import asyncio
 import logging
 from dataclasses import dataclass
-from functools import partial
 
 import anyio
-import anyio.to_thread
 from fastapi import HTTPException, status
 from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.agents.nodes import own_node
-from service.db import retry_on_disconnect
-from service.group_commit import Waiting, answer_all
+from service.group_commit import GroupWriter
 from service.ingest.store import EventRejected, ingest
 from service.models import Attempt, AttemptNode, Job, Node, Token
 from service.schemas.events import AgentEventIn, IngestOut
@@ -34,6 +31,14 @@ log = logging.getLogger("ett.events")
 
 Outcome = IngestOut | Exception
 NodeLike = Node | Row  # a node's row, or (a batch refused at first, then found) its ORM object
+
+
+def _refused(item: "Posted", error: Exception) -> Exception:
+    """A batch whose write failed alone: a 422 when one of its events is unacceptable."""
+    if isinstance(error, EventRejected):
+        return unprocessable(error)
+    log.error("event batch of %s not stored", item.name, exc_info=error)
+    return error
 
 
 def unprocessable(rejected: EventRejected) -> HTTPException:
@@ -51,47 +56,29 @@ class Posted:
 
 
 class EventBatchWriter:
-    """Collects the agents' batches on the event loop; one task writes them in groups on a
-    worker thread of its own (so they never queue behind other requests for one)."""
+    """Collects the agents' batches on the event loop; one lane of group commit
+    (service/group_commit.py) writes them in groups on a worker thread of its own (so they never
+    queue behind other requests for one)."""
 
     def __init__(
         self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256, pace: float = 0.025
     ) -> None:
-        self.sessions, self.settings, self.max_batches = sessions, settings, max_batches
+        self.sessions, self.settings = sessions, settings
         # In a checkpoint burst a batch waits about one pace for its group to start: in the load
         # bench, batch p99 was 67 to 105 ms at 35 ms and 54 to 99 ms at 25 ms, with the same CPU
         # between bursts (BENCHMARKS.md, "Load"). The heartbeats' pace is the same.
-        self.waiting: Waiting[Posted] = Waiting(pace)
-        self.thread = anyio.CapacityLimiter(1)
+        self.lane = GroupWriter(self._write_group, anyio.CapacityLimiter(1), most=max_batches, pace=pace,
+                                refused=_refused)  # fmt: skip
 
     async def store(self, name: str, caller: Caller, events: list[AgentEventIn]) -> IngestOut:
         """Stores an agent's batch whole (or raises its 403/404/422, nothing stored)."""
         item = Posted(name, caller, events, asyncio.get_running_loop().create_future())
-        self.waiting.put(item)
+        self.lane.put(item)
         return await item.answer
 
     async def run(self) -> None:
         """The writer's task (cancel to stop; batches still waiting then fail)."""
-        try:
-            while True:
-                group = await self.waiting.take(self.max_batches)
-                answer_all(group, await self._write(group))
-        finally:
-            self.waiting.cancel_all()
-
-    async def _write(self, group: list[Posted]) -> list[Outcome]:
-        try:
-            write = partial(retry_on_disconnect, partial(self._write_group, group))
-            return await anyio.to_thread.run_sync(write, limiter=self.thread)
-        except EventRejected as rejected:
-            if len(group) == 1:
-                return [unprocessable(rejected)]
-        except Exception as exc:
-            if len(group) == 1:
-                log.exception("event batch of %s not stored", group[0].name)
-                return [exc]
-        # One batch broke the group: write them one by one, so only that one fails.
-        return [outcome for item in group for outcome in await self._write([item])]
+        await self.lane.run()
 
     def _write_group(self, group: list[Posted]) -> list[Outcome]:
         """Checks each batch, then ingests those that pass in one transaction; raises

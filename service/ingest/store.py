@@ -13,20 +13,19 @@ other content rejects the batch; only the new events are folded into their job's
 the job's checkpoint records.
 """
 
-import json
 import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
-import orjson
 from sqlalchemy import Row, bindparam, func, insert, select, tuple_, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.ett.engine import CHECKPOINT_KINDS, TIMING_SOURCE, CheckpointRecord, Event, JobAccount
+from service.ett.engine import CheckpointRecord, Event, JobAccount
+from service.ett.fold import fold, is_checkpoint
+from service.ingest.rows import EventRow, Pending, dialect_insert, encode_data, store_new
 from service.models import RANK0_STEPS, Checkpoint, Job, JobAccountRow, JobEvent
 from service.schemas.events import EventIn
 from service.settings import Settings
@@ -45,75 +44,6 @@ class IngestResult:
     accepted: int
     duplicates: int
     stored: frozenset[int]  # the indexes in the batch of the events stored by it (the others were repeats)
-
-
-class _Row(NamedTuple):
-    """An event as stored: the columns of `events` (JobEvent), `data` as JSON text."""
-
-    job_id: str
-    attempt: int
-    source: str
-    seq: int
-    kind: str
-    ts: float  # on the service's clock: the emitter's ts plus clock_offset_seconds
-    clock_offset_seconds: float
-    step: int | None
-    duration: float | None  # data.duration of `step` events, summed by the rollback lookup
-    data: str
-
-
-class _Pending(NamedTuple):
-    """An event of the batch on its way in."""
-
-    row: _Row
-    data: dict[str, Any]  # `data` as stored, decoded (NaN and infinities are null)
-    index: int  # in the request, for error messages
-
-    @property
-    def key(self) -> tuple[int, str, int]:
-        return (self.row.attempt, self.row.source, self.row.seq)
-
-
-# Each connection stages its batches in a temporary table of the same columns as `events`.
-_COLUMNS = ", ".join(_Row._fields)
-_STAGING_DDL = {
-    "postgresql": f"CREATE TEMP TABLE IF NOT EXISTS events_in ON COMMIT DELETE ROWS AS SELECT {_COLUMNS} "
-    "FROM events WITH NO DATA",
-    "sqlite": f"CREATE TEMP TABLE IF NOT EXISTS events_in AS SELECT {_COLUMNS} FROM events WHERE 0",
-}
-
-
-# WHERE true: SQLite would read the ON of ON CONFLICT as a join's otherwise.
-_MOVE = (
-    f"INSERT INTO events ({_COLUMNS}) SELECT {_COLUMNS} FROM events_in WHERE true ON CONFLICT DO NOTHING "
-    "RETURNING job_id, attempt, source, seq"
-)
-
-
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity (PostgreSQL refuses them): a diverged loss is stored as null."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _encoded(data: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-    """`data` as stored, and its JSON: encoded once, for the size limit and the column."""
-    try:
-        encoded = orjson.dumps(data)
-    except orjson.JSONEncodeError:  # an integer over 64 bits, or nesting deeper than orjson goes
-        data = _finite(data)
-        return data, json.dumps(data, separators=(",", ":")).encode()
-    # orjson writes NaN and infinities as null: where the JSON has a null, read the stored form back.
-    return (orjson.loads(encoded) if b"null" in encoded else data), encoded
-
-
-def _insert(session: Session):
-    return (postgresql if session.get_bind().dialect.name == "postgresql" else sqlite).insert
 
 
 class _SqlSteps:
@@ -148,11 +78,11 @@ def ingest(
     now = time.time()
     max_bytes = settings.max_event_data_bytes if settings is not None else math.inf
     ahead = settings.max_event_future_seconds if settings is not None else math.inf
-    by_job: dict[str, dict[tuple[int, str, int], _Pending]] = defaultdict(dict)  # first of each key, per job
+    by_job: dict[str, dict[tuple[int, str, int], Pending]] = defaultdict(dict)  # first of each key, per job
     for i, (job_id, e) in enumerate(batch):
         clock_offset = clock_offsets[i] if clock_offsets is not None else 0.0
         latest_ts = now + ahead - clock_offset
-        data, encoded = _encoded(e.data)
+        data, encoded = encode_data(e.data)
         if len(encoded) > max_bytes:
             raise EventRejected(i, "data", f"data is over the limit of {max_bytes} bytes")
         if e.ts > latest_ts:
@@ -160,16 +90,16 @@ def ingest(
             raise EventRejected(i, "ts", msg)
         duration = float(data["duration"]) if e.kind == "step" else None
         ts = e.ts + clock_offset
-        row = _Row(job_id, e.attempt, e.source, e.seq, e.kind, ts, clock_offset, e.step, duration, encoded.decode())
-        pending = _Pending(row, data, i)
+        row = EventRow(job_id, e.attempt, e.source, e.seq, e.kind, ts, clock_offset, e.step, duration, encoded.decode())
+        pending = Pending(row, data, i)
         earlier = by_job[job_id].setdefault(pending.key, pending)
         if earlier is not pending:
             if _content(earlier.row, earlier.data) != _content(row, data):
                 raise EventRejected(i, "seq", _conflict_message(row, "sent"))
     _check_jobs_exist(session, by_job)
     accounts = _lock_accounts(session, sorted(by_job))
-    stored = _store_new(session, [p.row for events in by_job.values() for p in events.values()], copy_in_savepoint)
-    fresh: dict[str, list[_Pending]] = {}
+    stored = store_new(session, [p.row for events in by_job.values() for p in events.values()], copy_in_savepoint)
+    fresh: dict[str, list[Pending]] = {}
     for job_id, events in by_job.items():
         fresh[job_id] = [p for p in events.values() if (job_id, *p.key) in stored]
         if len(fresh[job_id]) < len(events):  # the others were stored before: each must be a true repeat
@@ -183,12 +113,12 @@ def ingest(
     return IngestResult(len(new), len(batch) - len(new), new)
 
 
-def _content(row: _Row | JobEvent, data: dict[str, Any]) -> tuple:
+def _content(row: EventRow | JobEvent, data: dict[str, Any]) -> tuple:
     # The emitter's own time: a repeat sent after the node's offset changed is still a repeat.
     return (row.kind, round(row.ts - row.clock_offset_seconds, 6), row.step, data)
 
 
-def _conflict_message(row: _Row, where: str) -> str:
+def _conflict_message(row: EventRow, where: str) -> str:
     return f"seq {row.seq} of {row.source} in attempt {row.attempt} was already {where} with other content"
 
 
@@ -197,7 +127,7 @@ def _chunks(keys: list, size: int = 500) -> Iterator[list]:
     return (keys[start : start + size] for start in range(0, len(keys), size))
 
 
-def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, _Pending]]) -> None:
+def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, Pending]]) -> None:
     # FOR KEY SHARE (PostgreSQL): the job before its accounting row, in the order the scheduler
     # takes them (it locks jobs, then emits events), so the two never wait on each other in a circle.
     query = (
@@ -218,15 +148,15 @@ def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, Row]:
     rows = [{"job_id": job_id, "account": {}, "failures": 0, "events": 0} for job_id in job_ids]
     # One statement run for each row (executemany): compiled once, where a multi-row VALUES of
     # a new length each time was compiled anew for every batch.
-    session.execute(_insert(session)(JobAccountRow.__table__).on_conflict_do_nothing(), rows)
+    session.execute(dialect_insert(session)(JobAccountRow.__table__).on_conflict_do_nothing(), rows)
     return {row.job_id: row for row in session.execute(_LOCK_ACCOUNTS, {"jobs": job_ids})}
 
 
-def _account(session: Session, account_row: Row, new: list[_Pending], records: "_Records") -> dict[str, Any]:
+def _account(session: Session, account_row: Row, new: list[Pending], records: "_Records") -> dict[str, Any]:
     """Folds a job's new events into its accounting row, returned as the row's new values, and
     their checkpoint events into `records`."""
     account = JobAccount.from_dict(account_row.account)
-    _fold(account, new, records)
+    fold(account, new, duration=_step_duration, event=_event, record=lambda p: records.get(p.job_id, p.attempt, p.step))
     account.settle(_SqlSteps(session, account_row.job_id))
     starts = [a.start for a in account.attempts.values() if a.start is not None]
     return {
@@ -240,54 +170,7 @@ def _account(session: Session, account_row: Row, new: list[_Pending], records: "
     }
 
 
-def _store_new(session: Session, rows: list[_Row], copy_in_savepoint: bool) -> set[tuple[str, int, str, int]]:
-    """Inserts the rows whose key is not stored yet; returns the keys (job, attempt, source, seq) it stored."""
-    connection = session.connection()
-    if connection.dialect.name == "postgresql" and copy_in_savepoint and _copy_all_new(connection.connection, rows):
-        return {(row.job_id, row.attempt, row.source, row.seq) for row in rows}
-    cursor = connection.connection.cursor()  # the driver's, inside the session's transaction
-    try:
-        cursor.execute(_STAGING_DDL[connection.dialect.name])
-        cursor.execute("DELETE FROM events_in")  # an earlier batch of this transaction, or (SQLite) of another
-        if connection.dialect.name == "postgresql":
-            _copy_into(cursor, "events_in", rows)
-        else:
-            cursor.executemany(f"INSERT INTO events_in VALUES ({', '.join('?' * len(_Row._fields))})", rows)
-        # On the driver's cursor: a burst's tens of thousands of keys come back as plain tuples.
-        cursor.execute(_MOVE)
-        return set(cursor.fetchall())
-    finally:
-        cursor.close()
-
-
-def _copy_all_new(dbapi_connection: Any, rows: list[_Row]) -> bool:
-    """PostgreSQL: COPY the rows straight into `events`, inside a savepoint; False, with nothing
-    stored, if one of them is stored already (an agent repeats a batch only when its answer was
-    lost). Against staging them and moving them by INSERT ... ON CONFLICT: 30% less of the
-    server's time per row, and no emptying of the staging table at commit (BENCHMARKS.md, "Load")."""
-    from psycopg.errors import UniqueViolation  # the PostgreSQL driver: an optional dependency
-
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("SAVEPOINT copy_events")
-        try:
-            _copy_into(cursor, "events", rows)
-        except UniqueViolation:
-            cursor.execute("ROLLBACK TO SAVEPOINT copy_events")
-            return False
-        return True  # the savepoint ends with the transaction
-    finally:
-        cursor.close()
-
-
-def _copy_into(cursor: Any, table: str, rows: list[_Row]) -> None:
-    """PostgreSQL: the rows into `table` by one COPY on the driver's cursor."""
-    with cursor.copy(f"COPY {table} ({_COLUMNS}) FROM STDIN") as copy:
-        for row in rows:
-            copy.write_row(row)
-
-
-def _check_repeats(session: Session, job_id: str, repeats: list[_Pending]) -> None:
+def _check_repeats(session: Session, job_id: str, repeats: list[Pending]) -> None:
     """Each repeat must have the stored event's content."""
     keys = [p.key for p in repeats]
     existing: dict[tuple[int, str, int], JobEvent] = {}
@@ -306,8 +189,8 @@ class _Records:
     for all jobs of the batch in one query, written back in one statement for the new ones and
     one for the changed ones."""
 
-    def __init__(self, session: Session, events: list[_Pending]) -> None:
-        keys = list({(p.row.job_id, p.row.attempt, p.row.step) for p in events if _is_checkpoint(p.row)})
+    def __init__(self, session: Session, events: list[Pending]) -> None:
+        keys = list({(p.row.job_id, p.row.attempt, p.row.step) for p in events if is_checkpoint(p.row)})
         self.found: dict[tuple[str, int, int], tuple[int, CheckpointRecord]] = {}  # with the row's id
         self.made: dict[tuple[str, int, int], CheckpointRecord] = {}
         self.changed: set[tuple[str, int, int]] = set()
@@ -338,31 +221,6 @@ class _Records:
             session.execute(update(Checkpoint), updates)
 
 
-def _fold(account: JobAccount, events: list[_Pending], records: _Records) -> None:
-    """Applies a job's new events to its account, and their checkpoint events to the records."""
-    steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, per attempt
-    seen: dict[int, list[float]] = defaultdict(list)  # the other ranks' and the agents' times, per attempt
-    others: list[_Pending] = []
-    for p in events:
-        r = p.row
-        if r.source == TIMING_SOURCE:
-            if r.kind == "step":
-                steps[r.attempt].append((r.step, r.ts, r.duration))
-            else:
-                others.append(p)
-        elif r.source == "service":
-            others.append(p)
-        else:  # all these change is the attempt's first and last times (most events of a big job)
-            seen[r.attempt].append(r.ts)
-    for attempt, times in seen.items():
-        account.seen(attempt, min(times), max(times))
-    for attempt, numbered in steps.items():
-        account.apply_steps(attempt, numbered)
-    for r, data, _ in others:
-        event = Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, data)
-        account.apply(event, records.get(r.job_id, r.attempt, r.step) if _is_checkpoint(r) else None)
-
-
 # Statements built once (built per batch, each left cyclic garbage for the collector).
 _LOCK_ACCOUNTS = (
     select(JobAccountRow.job_id, JobAccountRow.account, JobAccountRow.events)
@@ -372,8 +230,13 @@ _LOCK_ACCOUNTS = (
 _RECORD_COLUMNS = [getattr(Checkpoint, f) for f in CheckpointRecord.__slots__]  # attempt, step, started_at, ...
 
 
-def _is_checkpoint(row: _Row) -> bool:
-    return row.kind in CHECKPOINT_KINDS and row.source == TIMING_SOURCE
+def _step_duration(p: Pending) -> float:
+    return p.row.duration
+
+
+def _event(p: Pending) -> Event:
+    r = p.row
+    return Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, p.data)
 
 
 def ingest_trusted(session: Session, job_id: str, events: Sequence[dict[str, Any]]) -> IngestResult:

@@ -1,0 +1,146 @@
+"""The import graph: every module imports on its own, the service's layers import only downwards
+(routers -> domain -> storage), nothing imports in a circle, the service imports nothing of the
+agent, the trainer or the library, and no import hides inside a function."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("service", "ett", "agent", "trainer")
+
+# The service's layers, lowest first; a module sits in the first whose prefix it starts with.
+LAYERS = (
+    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.migrate",
+                                      "service.security", "service.group_commit", "service.schemas",
+                                      "service.ett.engine", "service.ett.report", "service.ett.fleet",
+                                      "service.ett.fold", "service.ett.memory", "service.ett.simulate")),
+    ("domain", ("service.agents", "service.ingest", "service.jobs", "service.ett")),
+    ("HTTP", ("service.api", "service.pages", "service.asgi")),
+    ("assembly", ("service.main", "service")),
+)  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imports_of(path: Path, name: str) -> tuple[set[str], list[int]]:
+    """The project modules `path` imports at its top level, and the lines of imports inside functions."""
+    found, nested = set(), []
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        targets = [t for t in targets if t.split(".")[0] in PACKAGES]
+        if not targets:
+            continue
+        if node.col_offset > 0 and not _under_type_checking(tree, node):
+            nested.append(node.lineno)
+        found.update(targets)
+    return found, nested
+
+
+def _under_type_checking(tree: ast.Module, target: ast.AST) -> bool:
+    return any(isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING" and target in ast.walk(n)
+               for n in tree.body)  # fmt: skip
+
+
+def graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    edges = {}
+    for name, path in modules.items():
+        targets, _ = imports_of(path, name)
+        edges[name] = {t for t in targets if t in modules and t != name}
+    return edges
+
+
+def layer(name: str) -> int:
+    return next(i for i, (_, prefixes) in enumerate(LAYERS) if any(name == p or name.startswith(p + ".") for p in prefixes))
+
+
+def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
+    # One interpreter per module would take a minute; instead one interpreter forgets every
+    # project module between imports (third-party ones stay: circles are only among ours).
+    names = sorted(project_modules())
+    script = """
+import importlib, sys, traceback
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m.split(".")[0] in ("service", "ett", "agent", "trainer", "migrations")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except Exception:
+        failed.append(name + ": " + traceback.format_exc().strip().splitlines()[-1])
+print("\\n".join(failed))
+"""
+    result = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True, cwd=ROOT,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"modules that fail to import on their own:\n{result.stdout}"
+
+
+def test_the_service_imports_only_downwards_and_nothing_of_the_other_parts():
+    upward = []
+    for name, targets in graph().items():
+        if not name.startswith("service"):
+            continue
+        for target in targets:
+            assert target.split(".")[0] == "service", f"{name} imports {target}: the service stands on its own"
+            if layer(target) > layer(name):
+                upward.append(f"{name} ({LAYERS[layer(name)][0]}) imports {target} ({LAYERS[layer(target)][0]})")
+    assert upward == []
+
+
+def test_no_circle_in_the_import_graph():
+    edges = graph()
+    # Packages import their own modules from __init__ (api collects its routers): an edge from a
+    # module to its own package's __init__ is not a circle through it.
+    circles, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(edges.get(name, ())):
+            if name.startswith(target + "."):
+                continue
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in sorted(edges):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
+
+
+@pytest.mark.parametrize("package", ["service", "agent", "ett"])
+def test_no_import_hides_inside_a_function(package):
+    # Imports inside functions dodge circles and hide what a module needs. The command line
+    # (ett/cli, agent/cli.py) is the exception: it defers each subcommand's imports, so that
+    # `ett --help` or `ett agent` does not load the service, and `ett service` not the agent.
+    nested = {}
+    for name, path in project_modules().items():
+        if name.startswith(package) and not (name.startswith("ett.cli") or name == "agent.cli"):
+            lines = imports_of(path, name)[1]
+            if lines:
+                nested[name] = lines
+    assert nested == {}
