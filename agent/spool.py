@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ett.events import make_event
+
 
 @dataclass(frozen=True)
 class AttemptPaths:
@@ -137,9 +139,7 @@ class NodeEventLog:
                    default=-1)
 
     def emit(self, kind: str, data: dict[str, Any], step: int | None = None) -> None:
-        event = {"kind": kind, "ts": time.time(), "attempt": self.attempt, "source": self.source,
-                 "seq": self.seq, "step": step, "data": data}
-        append_json_line(self.path, event)
+        append_json_line(self.path, make_event(kind, time.time(), self.attempt, self.source, self.seq, step, data))
         self.seq += 1
 
 

@@ -25,6 +25,14 @@ RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end"
 PROGRESS_WIDTH = 40  # fixed, so an overwrite never leaves digits of a longer mark behind
 
 
+def make_event(kind: str, ts: float, attempt: int, source: str, seq: int, step: int | None = None,
+               data: dict | None = None) -> dict:
+    """One schema-v1 event (docs/events.md) as written to a spool or ingested: the one place its
+    fields are named, for the ranks, the agents and the service."""
+    return {"kind": kind, "ts": ts, "attempt": attempt, "source": source, "seq": seq, "step": step,
+            "data": data if data is not None else {}}
+
+
 class EventWriter:
     def __init__(self, spool_dir: str | None, rank: int, attempt: int):
         self.source = f"rank:{rank}"
@@ -50,10 +58,8 @@ class EventWriter:
         if self._thread is None:
             return
         with self._lock:
-            event = {"kind": kind, "ts": time.time(), "attempt": self.attempt, "source": self.source,
-                     "seq": self._seq, "step": step, "data": data}
+            self._queue.put(make_event(kind, time.time(), self.attempt, self.source, self._seq, step, data))
             self._seq += 1
-            self._queue.put(event)
 
     def progress(self, step: int | None = None) -> None:
         """Marks `step` done on this rank, or (None) only that the rank is alive and working

@@ -5,6 +5,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ett.events import make_event
 from service.ingest.store import ingest_trusted
 from service.models import Attempt
 
@@ -13,6 +14,4 @@ def emit(session: Session, job_id: str, attempt: int, kind: str, ts: float, data
     """Records one `service` event through the same ingestion code as the agents' events."""
     row = session.scalar(select(Attempt).where(Attempt.job_id == job_id, Attempt.number == attempt))
     row.service_seq += 1
-    event = {"kind": kind, "ts": ts, "attempt": attempt, "source": "service", "seq": row.service_seq,
-             "step": None, "data": data}
-    ingest_trusted(session, job_id, [event])
+    ingest_trusted(session, job_id, [make_event(kind, ts, attempt, "service", row.service_seq, None, data)])

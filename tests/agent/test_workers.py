@@ -85,7 +85,8 @@ def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
     assert (report["state"], report["cause"]) == ("failed", "hang")
     [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
     assert hang["step"] == 2 and hang["data"]["phase"] == "train"
-    assert 2.0 <= hang["data"]["seconds_without_progress"] < 4.0
+    # Not before the timeout (the rule); well before the 30 s init timeout (a margin no load eats).
+    assert 2.0 <= hang["data"]["seconds_without_progress"] < 20.0
     exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
     assert sorted(exits, key=lambda d: d["rank"]) == [{"rank": r, "signal": "SIGKILL"} for r in (0, 1)]
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
@@ -157,7 +158,9 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
     report = run_to_end(supervisor)
 
     assert report["state"] == "stopped" and report["detail"] == "stopped: cancelled"
-    assert time.monotonic() - started < 10.0  # grace 1s, then SIGKILL; not torchrun's default 30s
+    assert time.monotonic() - started < 25.0  # grace 1s, then SIGKILL; not torchrun's default 30s
+    exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
+    assert {e.get("signal") for e in exits} == {"SIGKILL"}  # the ranks ignored SIGTERM: the kill ended them
     assert pids_with_env("ETT_JOB_ID", command.job_id) == []
 
 

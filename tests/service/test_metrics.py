@@ -29,7 +29,7 @@ def documented_metrics() -> set[str]:
     return set(re.findall(r"^\| `(ett_[a-z_]+)` \|", doc, re.M))
 
 
-def test_job_series_from_the_database_in_every_process(service, settings):
+def test_job_series_come_from_the_database_whichever_app_serves_them(service, settings):
     admin = service.client(service.token("admin"))
     alice = service.client(service.token("user", "alice"))
     recent, old = submit(alice, name="recent", nodes=8), submit(alice, name="old", nodes=8)
@@ -41,7 +41,9 @@ def test_job_series_from_the_database_in_every_process(service, settings):
     def series(samples, name, **extra):
         return samples[(name, frozenset((labels | extra).items()))]
 
-    with live_service(settings) as other:  # a second service process on the same database
+    # A second app on the same database, in this same process (its own engine, registry and
+    # collector; no state shared with the first): it answers with the same figures.
+    with live_service(settings) as other:
         for samples in (scrape(service.client()), scrape(other.client())):
             assert series(samples, "ett_job_ett_ratio") == pytest.approx(24 / 58)
             assert series(samples, "ett_job_wall_seconds") == pytest.approx(58)

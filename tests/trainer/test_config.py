@@ -16,7 +16,9 @@ from trainer.train import main
 
 @pytest.mark.parametrize("name, world_size", [("tiny", 1), ("cpu-demo", 4), ("gpu-moe", 8)])
 def test_every_preset_is_valid(name, world_size):
-    parse_args(["--preset", name]).validate(world_size)
+    cfg = parse_args(["--preset", name])
+    cfg.validate(world_size)  # raises ConfigError naming the field of a preset that does not hold
+    assert cfg == PRESETS[name]() and world_size % cfg.parallel.ep == 0
 
 
 def test_overrides_are_typed_from_the_fields_and_applied_after_the_preset():

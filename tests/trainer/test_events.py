@@ -29,11 +29,16 @@ def kinds(events: list[dict]) -> list[str]:
     return [e["kind"] for e in events]
 
 
-def test_nothing_is_written_without_a_spool_folder(tmp_path):
+def test_nothing_is_written_without_a_spool_folder(tmp_path, monkeypatch):
+    # Where a writer that wrongly fell back to something would write: the working folder, or the
+    # spool folder of the environment.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "from-env"))
     writer = EventWriter(None, rank=0, attempt=0)
     writer.emit("init_start", pid=1)
+    writer.progress(1)
     writer.close()
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [] and writer.path is None
 
 
 def test_each_event_reaches_the_file_before_close(tmp_path):
