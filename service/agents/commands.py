@@ -61,7 +61,8 @@ class CommandBell:
 def _with_pending(sessions: sessionmaker[Session], node_ids: list[int]) -> list[int]:
     with sessions() as session:
         query = select(AgentCommand.node_id).distinct()
-        return list(session.scalars(query.where(AgentCommand.node_id.in_(node_ids), AgentCommand.delivered_at.is_(None))))
+        query = query.where(AgentCommand.node_id.in_(node_ids), AgentCommand.delivered_at.is_(None))
+        return list(session.scalars(query))
 
 
 def enqueue(session: Session, node: Node, payload: dict[str, Any]) -> None:

@@ -5,8 +5,25 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.agents.commands import WAITING_FOR_NODE
-from service.models import Node, Token
+from service.models import Node, NodeState, Token, utcnow
 from service.security import Caller, unauthorized
+
+
+def register_node(session: Session, name: str, address: str, slots: int, token_id: int) -> Node:
+    """The node, made or updated; a node registered with another token stays that token's (403).
+    A lost node that registers again is back. The caller commits."""
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        node = Node(name=name, address=address, slots=slots, token_id=token_id)
+        session.add(node)
+    elif node.token_id != token_id:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"agent {name} was registered with another token")
+    else:
+        node.address, node.slots = address, slots
+        if node.state == NodeState.lost:
+            node.state = NodeState.idle
+    node.last_heartbeat_at = utcnow()
+    return node
 
 
 def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:

@@ -8,7 +8,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from service.db import SessionDep
-from service.jobs.queries import visible_job
+from service.jobs.catalog import visible_job
 from service.models import Job, Role, Token
 from service.security import Caller, CallerCache, find_token, hash_token, unauthorized
 

@@ -1,14 +1,13 @@
 """Jobs: submit, list, get, cancel."""
 
 import time
-import uuid
 
 from fastapi import APIRouter, Query, Request, status
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
 from service.jobs import scheduler
-from service.jobs.queries import visible_jobs
+from service.jobs.catalog import create_job, visible_jobs
 from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobList, JobOut, JobSpec
 
@@ -32,8 +31,7 @@ def job_out(job: Job) -> JobOut:
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobOut:
-    job = Job(id=uuid.uuid4().hex, name=spec.name, owner=caller.subject, spec=spec.model_dump(mode="json"))
-    session.add(job)
+    job = create_job(session, spec.model_dump(mode="json"), caller.subject)
     session.commit()
     request.app.state.wake_scheduler()
     return job_out(job)

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.agents.heartbeats import answer_heartbeat
 from service.api import PREFIX, agents, events
 from service.models import Role
 from service.schemas.agents import Heartbeat
@@ -71,7 +72,7 @@ class AgentHotPaths:
         scope["route"] = route  # the metrics' label, as the router would set it
         try:
             if isinstance(parsed, Heartbeat):
-                reply: BaseModel = await agents.answer_heartbeat(state, match["name"], caller, parsed, wait)
+                reply: BaseModel = await answer_heartbeat(state, match["name"], caller, parsed, wait)
             else:
                 reply = await state.event_batches.store(match["name"], caller, parsed.events)
         except HTTPException as refused:

@@ -85,7 +85,8 @@ def fail_attempt(
         attempt.cause, attempt.detail = cause, detail
         first_report = session.scalar(select(func.min(JobEvent.ts)).where(
             JobEvent.job_id == attempt.job_id, JobEvent.attempt == attempt.number, JobEvent.kind == "attempt_failed"))
-        emit(session, attempt.job_id, attempt.number, "attempt_failed", first_report, {"cause": cause, "detail": detail})
+        data = {"cause": cause, "detail": detail}
+        emit(session, attempt.job_id, attempt.number, "attempt_failed", first_report, data)
     if attempt.state not in ACTIVE:
         return
     attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, _at(now)

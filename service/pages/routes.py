@@ -16,7 +16,7 @@ from fastapi.templating import Jinja2Templates
 from service.db import SessionDep
 from service.ett.accounts import fleet_mtbf_seconds, job_account, job_report
 from service.ett.engine import CATEGORIES
-from service.jobs.queries import visible_job, visible_jobs
+from service.jobs.catalog import visible_job, visible_jobs
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
 from service.pages.timeline import build_timeline, frame_of

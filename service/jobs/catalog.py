@@ -1,11 +1,19 @@
-"""The jobs a caller may see: their owner's, or every job for an admin."""
+"""The jobs: a new one submitted, and those a caller may see (their owner's, or every job for an admin)."""
 
+import uuid
 from collections.abc import Sequence
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.models import Job, JobState, Role, Token
+
+
+def create_job(session: Session, spec: dict, owner: str) -> Job:
+    """A new queued job (the spec already validated); the caller commits and wakes the scheduler."""
+    job = Job(id=uuid.uuid4().hex, name=spec["name"], owner=owner, spec=spec)
+    session.add(job)
+    return job
 
 
 def visible_job(session: Session, job_id: str, caller: Token) -> Job | None:
