@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, joinedload, sessionmaker
 from starlette.datastructures import State
 
 from service.agents import commands
-from service.agents.nodes import own_node
+from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
@@ -141,12 +141,11 @@ class HeartbeatWriter:
             to_take: dict[int, int] = {}  # node id -> batch index of its first heartbeat with commands waiting
             outcomes: list[Outcome | None] = [None] * len(batch)
             for i, item in enumerate(batch):
-                node = nodes.get(item.name)
-                if node is None or node.revoked or node.token_id != item.caller.token_id:
-                    try:  # the answer it would get alone: 401, 403 or 404; else its node is held: later
-                        own_node(session, item.name, item.caller)
-                    except HTTPException as refused:
-                        outcomes[i] = refused
+                node = claimed_node(session, nodes.get(item.name), item.name, item.caller)
+                if isinstance(node, HTTPException):
+                    outcomes[i] = node
+                    continue
+                if isinstance(node, Node):  # its row is held (skip_locked): the held lane writes it
                     continue
                 # Two heartbeats of a node in one batch: the second goes on from the first's offset.
                 offset = updates[node.id]["clock_offset_seconds"] if node.id in updates else node.clock_offset_seconds

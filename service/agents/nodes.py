@@ -1,7 +1,7 @@
 """An agent's claim on its node: the check every hot agent endpoint runs first."""
 
 from fastapi import HTTPException, status
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from service.agents.commands import WAITING_FOR_NODE
@@ -24,6 +24,20 @@ def register_node(session: Session, name: str, address: str, slots: int, token_i
             node.state = NodeState.idle
     node.last_heartbeat_at = utcnow()
     return node
+
+
+def claimed_node(session: Session, row: Row | None, name: str, caller: Caller) -> Row | Node | HTTPException:
+    """The node a request of a group claims, checked against `row`, the node's row as the group's
+    one query read it (with its token's `revoked`; None if the query did not find it): `row` when
+    the caller's token registered the node and is not revoked. Otherwise the answer the request
+    would get alone (own_node): its 401, 403 or 404, or the node itself when it exists after all
+    (the group's query skipped a row another transaction held)."""
+    if row is not None and not row.revoked and row.token_id == caller.token_id:
+        return row
+    try:
+        return own_node(session, name, caller)[0]
+    except HTTPException as refused:
+        return refused
 
 
 def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:

@@ -19,7 +19,7 @@ from fastapi import HTTPException, status
 from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.agents.nodes import own_node
+from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.ingest.store import EventRejected, ingest
 from service.models import Attempt, AttemptNode, Job, Node, Token
@@ -114,14 +114,11 @@ class EventBatchWriter:
         found = {row.name: row for row in session.execute(_NODES, {"names": list({item.name for item in group})})}
         nodes: dict[int, NodeLike] = {}
         for i, item in enumerate(group):
-            node = found.get(item.name)
-            if node is not None and not node.revoked and node.token_id == item.caller.token_id:
+            node = claimed_node(session, found.get(item.name), item.name, item.caller)
+            if isinstance(node, HTTPException):
+                outcomes[i] = node
+            else:
                 nodes[i] = node
-                continue
-            try:
-                nodes[i], _ = own_node(session, item.name, item.caller)
-            except HTTPException as refused:
-                outcomes[i] = refused
         return nodes
 
     @staticmethod
