@@ -85,6 +85,7 @@ class Run:
         self._events = EventWriter(env.event_dir, env.rank, env.attempt)
         self._checkpointer: Checkpointer | None = None
         self._last_step: int | None = None
+        self._init_marked = False
         self._closed = False
 
     def _dcp_resume_from(self) -> str:
@@ -103,8 +104,21 @@ class Run:
     def initializing(self):
         """Start-up: building the model, the optimizer, the data. Only a start-up that finishes
         is marked done."""
-        self._events.emit("init_start", pid=os.getpid())
+        began = self._begin_init()
         yield self
+        if began:
+            self._end_init()
+
+    def _begin_init(self) -> bool:
+        """Marks the start-up's start, once per run (an integration may mark it for the script);
+        False when it was marked already."""
+        if self._init_marked:
+            return False
+        self._init_marked = True
+        self._events.emit("init_start", pid=os.getpid())
+        return True
+
+    def _end_init(self) -> None:
         self._events.emit("init_end")
 
     def restore(self, state: dict[str, Any]) -> int:

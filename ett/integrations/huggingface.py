@@ -47,8 +47,13 @@ class ETTCallback(TrainerCallback):
         self.run, self.tokens_per_step = run, tokens_per_step
         self._step: Step | None = None
         self._saving_step: int | None = None
+        # Start-up from here (the Trainer is built next) to the start of training, unless the
+        # script marks it itself with `run.initializing()`.
+        self._marks_init = run._begin_init()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if self._marks_init:
+            self.run._end_init()
         # The Trainer has loaded the checkpoint resume_checkpoint() chose (model, optimizer,
         # scheduler; RNG states follow at the epoch's start).
         if state.global_step > 0:

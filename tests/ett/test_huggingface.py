@@ -68,3 +68,26 @@ def test_resume_checkpoint_takes_the_newest_that_verifies_and_says_why_it_skippe
     monkeypatch.setenv("ETT_RESUME_FROM", str(ckpt / "checkpoint-10"))
     with ett.init(checkpoint_dir=ckpt) as run:
         assert resume_checkpoint(run) == str(ckpt / "checkpoint-5")
+
+
+def test_the_callback_marks_the_start_up_when_the_script_does_not(tmp_path, monkeypatch):
+    import importlib.util
+
+    from transformers import Trainer, TrainingArguments
+
+    from ett.integrations.huggingface import ETTCallback
+
+    spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_trainer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setenv("ETT_JOB_ID", "hf")
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "events"))
+    with ett.init() as run:
+        model = example.LlamaForCausalLM(example.LlamaConfig(
+            vocab_size=example.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=example.SEQ_LEN))
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+        Trainer(model=model, args=args, train_dataset=example.SyntheticText(8), callbacks=[ETTCallback(run)]).train()
+    kinds = [e["kind"] for e in read_events(tmp_path / "events" / "rank-0.jsonl")]
+    assert kinds == ["init_start", "init_end", "step", "step", "train_end"]
