@@ -34,6 +34,8 @@ class CheckpointSpec(Incoming):
     interval_steps: int | Literal["auto"] = 50
     keep: int = Field(3, ge=1)
     dir: str | None = None
+    # The owner's checkpoint area: `dir` must resolve inside it (agent/confine.py).
+    area: str | None = None
     # Node-local fast folder; the service leaves it out and the agent names its own (agent.supervisor).
     local_dir: str | None = None
     resume_from: str | None = None

@@ -26,6 +26,9 @@ class AgentSettings(BaseSettings):
     data_dir: Path = Path("agent-data")
     # Node-local fast disk where the ranks save checkpoints first (default DATA_DIR/checkpoints).
     local_checkpoint_dir: Path | None = None
+    # Where jobs' checkpoint folders may be (the service's checkpoint root, as this node mounts it):
+    # a launch whose folder resolves elsewhere is refused. None: only the job's own area is checked.
+    checkpoint_root: Path | None = None
     # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm).
     warm_start: bool = True
 

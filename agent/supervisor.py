@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from agent.commands import LaunchCommand, StopCommand
+from agent.confine import launch_refusal
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 
 log = logging.getLogger(__name__)
+CONFIG_ERROR_EXIT_CODE = 3  # the service fails the job at once, as for a trainer's configuration error
 AttemptKey = tuple[str, int]
 
 
@@ -48,12 +50,15 @@ def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) 
 
 
 class Supervisor:
-    def __init__(self, spool_root: Path, node_name: str, stop_grace_seconds: float,
-                 local_checkpoint_root: Path | None = None, warm_socket: Path | None = None) -> None:
+    def __init__(
+        self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
+        warm_socket: Path | None = None, checkpoint_root: Path | None = None,
+    ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
         self.local_checkpoint_root = local_checkpoint_root
         self.warm_socket = warm_socket  # where the agent's warm server listens (agent.warm), if it runs one
+        self.checkpoint_root = checkpoint_root  # where jobs' checkpoint folders may be (agent/confine.py)
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
@@ -89,6 +94,11 @@ class Supervisor:
         self._start(command)
 
     def _start(self, command: LaunchCommand) -> None:
+        refusal = launch_refusal(command, self.checkpoint_root)
+        if refusal is not None:
+            log.warning("attempt %s/%d: %s", command.job_id, command.attempt, refusal)
+            self.refuse(command.job_id, command.attempt, refusal, exit_code=CONFIG_ERROR_EXIT_CODE)
+            return
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
         group = WorkerGroup(self._with_local_checkpoints(command), paths, self.node_name, self.stop_grace_seconds,
                             warm_socket=self.warm_socket)
@@ -107,9 +117,10 @@ class Supervisor:
         local = ckpt.model_copy(update={"local_dir": str(self.local_checkpoint_root / command.job_id)})
         return command.model_copy(update={"checkpoint": local})
 
-    def refuse(self, job_id: str, attempt: int, detail: str) -> None:
-        """A launch the agent could not read still gets an answer, so the service can move on."""
-        end = GroupEnd(WorkerState.FAILED, "exit", detail)
+    def refuse(self, job_id: str, attempt: int, detail: str, exit_code: int | None = None) -> None:
+        """A launch the agent could not read, or will not run, still gets an answer, so the
+        service can move on. With the configuration error's exit code it does not retry."""
+        end = GroupEnd(WorkerState.FAILED, "exit", detail, exit_code)
         self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state.value, end))
 
     def stop(self, command: StopCommand) -> None:

@@ -30,6 +30,7 @@ from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.events import RANK_KINDS, EventWriter
 from ett.folders import step_of
+from ett.paths import inside
 
 logger = logging.getLogger("ett")
 
@@ -72,6 +73,11 @@ class Run:
         # The job's folder wins over the script's: the service chose it (and keeps jobs apart).
         self.checkpoint_dir: str | None = env.checkpoint_dir or (str(checkpoint_dir) if checkpoint_dir else None)
         self.resume_from: str | None = env.resume_from
+        if self.resume_from and self.checkpoint_dir and not inside(self.resume_from, self.checkpoint_dir):
+            # A run resumes from, and prunes, only its own folder.
+            logger.warning("ignoring ETT_RESUME_FROM %s: outside the checkpoint folder %s", self.resume_from,
+                           self.checkpoint_dir)
+            self.resume_from = None
         self.interval_steps: int = env.interval_steps if env.interval_steps is not None else interval_steps
         self.keep: int = env.keep if env.keep is not None else keep
         self._config = CheckpointConfig(

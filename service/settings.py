@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     max_event_future_seconds: float = Field(300.0, ge=0)
     # /metrics exports per-job series for running jobs and jobs finished this recently.
     metrics_recent_seconds: float = Field(3600.0, ge=0)
-    # Checkpoints of jobs go under this folder unless the job names its own.
+    # Each owner's jobs checkpoint under <checkpoint_root>/<owner>/: by default in
+    # <owner>/<job id>, or in a folder the job names, which must lie inside that owner's area.
     checkpoint_root: Path | None = None
 
     @field_validator("database_url")

@@ -6,11 +6,17 @@ from collections.abc import Sequence
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.jobs.checkpoints import confined_checkpoint_dir
 from service.models import Job, JobState, Role, Token
+from service.settings import Settings
 
 
-def create_job(session: Session, spec: dict, owner: str) -> Job:
-    """A new queued job (the spec already validated); the caller commits and wakes the scheduler."""
+def create_job(session: Session, settings: Settings, spec: dict, owner: str) -> Job:
+    """A new queued job (the spec already validated); the caller commits and wakes the scheduler.
+    Raises CheckpointDirRefused for a checkpoint folder outside the owner's area."""
+    if spec["checkpoint"]["dir"] is not None:
+        confined = confined_checkpoint_dir(settings, owner, spec["checkpoint"]["dir"])
+        spec = {**spec, "checkpoint": {**spec["checkpoint"], "dir": confined}}
     job = Job(id=uuid.uuid4().hex, name=spec["name"], owner=owner, spec=spec)
     session.add(job)
     return job

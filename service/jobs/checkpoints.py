@@ -1,15 +1,51 @@
-"""The checkpoint decisions of a launch: which checkpoint to resume from, how often to save."""
+"""The checkpoint decisions of a job: where its checkpoints go (confined to its owner's area),
+which one a launch resumes from, how often to save."""
 
+import hashlib
+import os
+import re
 import time
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ett.paths import inside
 from service.ett.accounts import job_account, job_report
 from service.models import Checkpoint, Job
+from service.settings import Settings
 
 # Used for `interval_steps: "auto"` until the job has measured what a step and a save cost.
 DEFAULT_INTERVAL_STEPS = 50
+
+
+SAFE_FOLDER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+
+
+class CheckpointDirRefused(ValueError):
+    """A job's `checkpoint.dir` outside its owner's area; the message says where it resolved."""
+
+
+def owner_area(settings: Settings, owner: str) -> Path:
+    """The folder under which an owner's jobs checkpoint. A name unfit for a folder (a slash,
+    dots, over 64 characters) gets a folder named by its digest instead."""
+    name = owner if SAFE_FOLDER_NAME.match(owner) else "owner-" + hashlib.sha256(owner.encode()).hexdigest()[:16]
+    return settings.resolved_checkpoint_root / name
+
+
+def confined_checkpoint_dir(settings: Settings, owner: str, requested: str) -> str:
+    """The folder a job names, resolved (normalised, links followed as they are now), if it lies
+    inside the owner's area; the agent resolves it again at each launch."""
+    area = owner_area(settings, owner)
+    if not inside(Path(requested), area):
+        raise CheckpointDirRefused(f"{requested} resolves to {os.path.realpath(requested)}, outside {area}, the "
+                                   f"checkpoint area of {owner}: name a folder inside it, or none (default: "
+                                   f"{area}/<job id>)")  # fmt: skip
+    return os.path.realpath(requested)
+
+
+def job_checkpoint_dir(settings: Settings, job: Job) -> str:
+    return job.spec["checkpoint"]["dir"] or str(owner_area(settings, job.owner) / job.id)
 
 
 def newest_checkpoint(session: Session, job_id: str) -> str | None:

@@ -14,7 +14,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from service.agents import commands
-from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
+from service.jobs.checkpoints import checkpoint_interval_steps, job_checkpoint_dir, newest_checkpoint, owner_area
 from service.jobs.service_events import emit
 from service.models import Attempt, AttemptNode, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState
 from service.schemas.agents import AttemptReport
@@ -265,14 +265,14 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
     spec = job.spec
     per_node = spec["procs_per_node"]
     first, last = share.node_rank * per_node, (share.node_rank + 1) * per_node
-    checkpoint_dir = spec["checkpoint"]["dir"] or str(settings.resolved_checkpoint_root / job.id)
+    checkpoint_dir = job_checkpoint_dir(settings, job)
     return {
         "type": "launch", "job_id": job.id, "attempt": attempt.number,
         "node_rank": share.node_rank, "nnodes": spec["nodes"], "nproc_per_node": per_node,
         "master_addr": attempt.master_addr, "master_port": attempt.master_port,
         "trainer": spec["trainer"], "entrypoint": spec["entrypoint"], "env": spec["env"],
         "checkpoint": {"interval_steps": interval, "keep": spec["checkpoint"]["keep"], "dir": checkpoint_dir,
-                       "resume_from": attempt.resume_from},
+                       "area": str(owner_area(settings, job.owner)), "resume_from": attempt.resume_from},
         "hang_timeout_seconds": spec["hang_timeout_seconds"], "init_timeout_seconds": settings.init_timeout_seconds,
         "faults": [f for f in spec["faults"] if f["attempt"] == attempt.number and first <= f["rank"] < last],
     }  # fmt: skip

@@ -195,3 +195,18 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_says_so(tmp_path, caplog):
     assert f"skipping checkpoint {tmp_path / 'step-00000004'}: {shard.name} fails its CRC-32 check" in said
     assert f"resuming from {tmp_path / 'step-00000002'}" in said
     assert json.loads((tmp_path / "step-00000002" / MARKER).read_text())["step"] == 2
+
+
+def test_a_resume_point_outside_the_jobs_folder_is_ignored(in_job, monkeypatch, caplog):
+    # Another job's checkpoint, named as this job's resume point: never read (nor pruned beside).
+    model, optimizer, state = model_state()
+    monkeypatch.setenv("ETT_CHECKPOINT_DIR", str(in_job / "other"))  # the other job
+    with ett.init() as other:
+        train(other, model, optimizer, state, range(1, 3))
+    monkeypatch.setenv("ETT_CHECKPOINT_DIR", str(in_job / "ckpt"))  # this job
+    monkeypatch.setenv("ETT_RESUME_FROM", str(in_job / "other" / "step-00000002"))
+    model2, optimizer2, state2 = model_state()
+    with caplog.at_level(logging.WARNING, logger="ett"), ett.init() as run:
+        assert run.resume_from is None and run.restore(state2) == 0
+    assert f"ignoring ETT_RESUME_FROM {in_job / 'other' / 'step-00000002'}: outside the checkpoint folder" in caplog.text
+    assert (in_job / "other" / "step-00000002" / MARKER).exists()

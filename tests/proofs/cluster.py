@@ -54,6 +54,14 @@ class Cluster:
         self.sessions = make_session_factory(self.engine)
 
     @property
+    def checkpoint_root(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint_area(self, owner: str = "alice") -> Path:
+        """Where the owner's jobs may name their checkpoint folders."""
+        return self.checkpoint_root / owner
+
+    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -64,7 +72,7 @@ class Cluster:
     def start_service(self) -> None:
         env = os.environ | SERVICE_ENV | self.service_env | {
             "ETT_DATABASE_URL": self.database_url, "ETT_DATA_DIR": str(self.root / "service"),
-            "ETT_PORT": str(self.port)}  # fmt: skip
+            "ETT_PORT": str(self.port), "ETT_CHECKPOINT_ROOT": str(self.checkpoint_root)}  # fmt: skip
         self.service = self._spawn([sys.executable, "-m", "ett.cli.main", "service"], env, "service.log")
         wait_for(self._ready, 60, "the service to answer /readyz", interval=0.2)
 

@@ -102,7 +102,7 @@ def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_commi
     # mid-write, however late the agent sees step 8. The pipe is laid once step 4's save has
     # begun: a fresh run's restore removes any step folder left from before it.
     kill = {"attempt": 0, "rank": 1, "at_step": 8, "action": "kill"}
-    root = tmp_path / "ckpt"
+    root = tmp_path / "checkpoints" / "alice" / "ckpt"  # inside alice's area (tests/proofs/cluster.py)
     stalled = root / "step-00000008"
 
     def lay_pipe() -> None:
@@ -133,7 +133,7 @@ def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_commi
 
 def test_corrupt_newest_checkpoint_is_skipped_and_resume_falls_back_saying_so(tmp_path):
     fail = {"attempt": 0, "rank": 1, "at_step": 10, "action": "exit", "code": 1}
-    checkpoints = tmp_path / "ckpt"
+    checkpoints = tmp_path / "checkpoints" / "alice" / "ckpt"
     with cluster(tmp_path) as c:
         c.start_agent("node-0")
         job_id = c.submit(tiny_job("ckpt-corrupt", checkpoints, steps=12, interval=4, faults=[fail]))

@@ -133,3 +133,30 @@ def test_heartbeats_written_together_each_get_their_own_answer(service):
     with service.app.state.sessions() as session:
         stats = {node.name: node.stats for node in session.query(Node)}
     assert stats == {f"node-{i}": {"processes": i} for i in range(8)} | {"node-r": {}}
+
+
+def test_a_node_reports_only_its_own_attempts(service):
+    # Two agents, each with its own token; the job runs on node-a only. node-b's heartbeat that
+    # reports the job's attempt failed is answered but changes nothing; node-a's own report does.
+    from tests.service.factories import submit
+
+    node_a = service.client(service.token("agent", "node-a"))
+    node_b = service.client(service.token("agent", "node-b"))
+    register_agent(node_a, "node-a", slots=1)
+    job = submit(service.client(service.token("user", "alice")), nodes=1, procs_per_node=1)
+    deadline = time.monotonic() + 30
+    while not (attempts := service.client(service.token("admin")).get(f"/api/v1/jobs/{job['id']}").json()["attempts"]):
+        assert time.monotonic() < deadline, "the job was never allocated"
+        time.sleep(0.1)
+    assert attempts[0]["nodes"] == ["node-a"]
+    register_agent(node_b, "node-b", slots=1)
+    failed = {"job_id": job["id"], "attempt": 0, "state": "failed", "cause": "exit", "detail": "forged", "exit_code": 1}
+
+    reply = node_b.post("/api/v1/agents/node-b/heartbeat", json={"clock": time.time(), "attempts": [failed]})
+    assert reply.status_code == 200
+    admin = service.client(service.token("admin"))
+    assert admin.get(f"/api/v1/jobs/{job['id']}").json()["attempts"][0]["state"] != "failed"
+
+    node_a.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time(), "attempts": [failed]})
+    first = admin.get(f"/api/v1/jobs/{job['id']}").json()["attempts"][0]
+    assert (first["state"], first["detail"]) == ("failed", "forged")

@@ -93,6 +93,9 @@ def test_gang_allocation_waits_for_all_nodes(session, settings):
     assert first["master_addr"] == second["master_addr"] == a.address
     assert first["master_port"] == second["master_port"] and first["nnodes"] == 2
     assert first["checkpoint"]["resume_from"] is None
+    # The job's own folder, in its owner's area, which the agent checks again at launch.
+    area = settings.resolved_checkpoint_root / "alice"
+    assert first["checkpoint"]["dir"] == str(area / job.id) and first["checkpoint"]["area"] == str(area)
     assert {a.state, b.state} == {NodeState.busy}
 
 
