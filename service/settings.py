@@ -2,6 +2,7 @@
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,6 +48,12 @@ class Settings(BaseSettings):
     max_event_future_seconds: float = Field(300.0, ge=0)
     # /metrics exports per-job series for running jobs and jobs finished this recently.
     metrics_recent_seconds: float = Field(3600.0, ge=0)
+    # Who may submit a job with an `entrypoint` (its own program): "any" user, "admins" only, or
+    # "listed": only programs whose argv starts as one of `allowed_entrypoints` (each a command
+    # line, split like a shell's: "python examples/plain_ddp.py"). Jobs of the built-in trainer
+    # are always allowed.
+    entrypoint_policy: Literal["any", "admins", "listed"] = "any"
+    allowed_entrypoints: list[str] = []
     # Each owner's jobs checkpoint under <checkpoint_root>/<owner>/: by default in
     # <owner>/<job id>, or in a folder the job names, which must lie inside that owner's area.
     checkpoint_root: Path | None = None

@@ -7,7 +7,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
 from service.jobs import scheduler
-from service.jobs.catalog import create_job, visible_jobs
+from service.jobs.catalog import EntrypointRefused, create_job, visible_jobs
 from service.jobs.checkpoints import CheckpointDirRefused
 from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobList, JobOut, JobSpec
@@ -33,7 +33,9 @@ def job_out(job: Job) -> JobOut:
 @router.post("", status_code=status.HTTP_201_CREATED)
 def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobOut:
     try:
-        job = create_job(session, request.app.state.settings, spec.model_dump(mode="json"), caller.subject)
+        job = create_job(session, request.app.state.settings, spec.model_dump(mode="json"), caller)
+    except EntrypointRefused as refused:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(refused)) from None
     except CheckpointDirRefused as refused:
         detail = [{"field": "checkpoint.dir", "msg": str(refused), "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None

@@ -1,5 +1,6 @@
 """The jobs: a new one submitted, and those a caller may see (their owner's, or every job for an admin)."""
 
+import shlex
 import uuid
 from collections.abc import Sequence
 
@@ -11,9 +12,31 @@ from service.models import Job, JobState, Role, Token
 from service.settings import Settings
 
 
-def create_job(session: Session, settings: Settings, spec: dict, owner: str) -> Job:
-    """A new queued job (the spec already validated); the caller commits and wakes the scheduler.
-    Raises CheckpointDirRefused for a checkpoint folder outside the owner's area."""
+class EntrypointRefused(PermissionError):
+    """A job's entrypoint that the operator's policy does not allow; the message names the rule."""
+
+
+def check_entrypoint(settings: Settings, entrypoint: list[str] | None, caller: Token) -> None:
+    if entrypoint is None or settings.entrypoint_policy == "any":
+        return
+    if settings.entrypoint_policy == "admins":
+        if caller.role != Role.admin:
+            raise EntrypointRefused("entrypoint refused by ETT_ENTRYPOINT_POLICY=admins: only an admin may submit "
+                                    "a job that runs its own program; submit a trainer job instead")
+        return
+    allowed = [shlex.split(line) for line in settings.allowed_entrypoints]
+    if not any(entrypoint[: len(prefix)] == prefix for prefix in allowed if prefix):
+        listed = "; ".join(settings.allowed_entrypoints) or "none listed"
+        raise EntrypointRefused(f"entrypoint refused by ETT_ENTRYPOINT_POLICY=listed: {shlex.join(entrypoint)!r} "
+                                f"starts as none of ETT_ALLOWED_ENTRYPOINTS ({listed})")
+
+
+def create_job(session: Session, settings: Settings, spec: dict, caller: Token) -> Job:
+    """A new queued job of the caller (the spec already validated); the caller commits and wakes
+    the scheduler. Raises EntrypointRefused, or CheckpointDirRefused for a checkpoint folder
+    outside the owner's area."""
+    check_entrypoint(settings, spec["entrypoint"], caller)
+    owner = caller.subject
     if spec["checkpoint"]["dir"] is not None:
         confined = confined_checkpoint_dir(settings, owner, spec["checkpoint"]["dir"])
         spec = {**spec, "checkpoint": {**spec["checkpoint"], "dir": confined}}

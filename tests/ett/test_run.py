@@ -208,5 +208,6 @@ def test_a_resume_point_outside_the_jobs_folder_is_ignored(in_job, monkeypatch, 
     model2, optimizer2, state2 = model_state()
     with caplog.at_level(logging.WARNING, logger="ett"), ett.init() as run:
         assert run.resume_from is None and run.restore(state2) == 0
-    assert f"ignoring ETT_RESUME_FROM {in_job / 'other' / 'step-00000002'}: outside the checkpoint folder" in caplog.text
+    other_step = in_job / "other" / "step-00000002"
+    assert f"ignoring ETT_RESUME_FROM {other_step}: outside the checkpoint folder" in caplog.text
     assert (in_job / "other" / "step-00000002" / MARKER).exists()
