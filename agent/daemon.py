@@ -91,6 +91,8 @@ class Agent:
             if self.supervisor.warm_socket is not None:
                 self.warm.ensure_running()
             self.stats.processes = self.supervisor.live_ranks
+            self.stats.rank_events_unwritten, self.stats.rank_events_dropped = (
+                self.supervisor.rank_events_unwritten_and_dropped())
             self.stopping.wait(self.settings.monitor_interval_seconds)
 
     def _carry_out(self, payload: dict[str, Any]) -> None:

@@ -24,6 +24,9 @@ class AgentStats:
     forward_failures: int = 0
     heartbeat_failures: int = 0
     last_heartbeat: float = 0.0  # unix time of the last heartbeat the service answered
+    # The ranks' own spools on a full disk (ett/events.py): events waiting for space, and dropped.
+    rank_events_unwritten: int = 0
+    rank_events_dropped: int = 0
 
     def heartbeat_figures(self) -> dict[str, float]:
         return asdict(self)
@@ -46,6 +49,12 @@ class StatsCollector(Collector):
         yield CounterMetricFamily("ett_agent_forward_failures", "Event batches that failed to post",
                                   s.forward_failures)
         yield CounterMetricFamily("ett_agent_heartbeat_failures", "Heartbeats that failed", s.heartbeat_failures)
+        yield GaugeMetricFamily("ett_agent_rank_events_unwritten",
+                                "Events the node's ranks hold in memory for want of disk space",
+                                s.rank_events_unwritten)
+        yield GaugeMetricFamily("ett_agent_rank_events_dropped",
+                                "Events the node's running ranks dropped past their memory bound",
+                                s.rank_events_dropped)
         yield GaugeMetricFamily("ett_agent_last_heartbeat_timestamp_seconds",
                                 "Unix time of the last answered heartbeat", s.last_heartbeat)
 

@@ -71,6 +71,11 @@ class Supervisor:
     def live_ranks(self) -> int:
         return sum(group.live_ranks for group in self.groups.values())
 
+    def rank_events_unwritten_and_dropped(self) -> tuple[int, int]:
+        """Over this node's running ranks: events waiting for disk space, and events dropped."""
+        trouble = [t for group in self.groups.values() for t in group.spool_trouble.values()]
+        return sum(t[0] for t in trouble), sum(t[1] for t in trouble)
+
     def recover(self) -> None:
         """Reports the attempts a previous agent run left unfinished: their groups died with it."""
         for attempt_dir in sorted(self.spool_root.glob("*/*")):

@@ -97,7 +97,9 @@ class WorkerGroup:
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = self._last_progress = clock()
         self._last_step: int | None = None
-        self._progress_marks: dict[str, bytes] = {}
+        self._progress_marks: dict[str, tuple[int, ...]] = {}
+        # Per rank: events its writer could not write yet (a full disk), and events it dropped.
+        self.spool_trouble: dict[str, tuple[int, int]] = {}
         self._marked_at: float | None = None  # the last change of any rank's progress mark
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
         self._kill_at: float | None = None
@@ -202,16 +204,20 @@ class WorkerGroup:
                     step = record.get("step")
                     if isinstance(step, int):
                         self._last_step = max(step, self._last_step or 0)
-        # Every rank's progress mark (ett/events.py, "<step> <beats>"): nodes without rank 0 see no
-        # step events. Any change is progress; a step above 0 is a step done.
+        # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped>"): nodes
+        # without rank 0 see no step events. A new step or beat is progress; a step above 0 is a
+        # step done; the last two say whether the rank's disk is full.
         for path in self.paths.events_dir.glob("progress-rank-*"):
             try:
-                mark = path.read_bytes().strip()
-                step = int(mark.split()[0]) if mark else 0
+                fields = [int(field) for field in path.read_bytes().split()]
             except (OSError, ValueError):
                 continue
-            if mark and mark != self._progress_marks.get(path.name):
-                self._progress_marks[path.name] = mark
+            if not fields:
+                continue
+            step, progress = fields[0], tuple(fields[:2])
+            self.spool_trouble[path.name] = (fields[2], fields[3]) if len(fields) >= 4 else (0, 0)
+            if progress != self._progress_marks.get(path.name):
+                self._progress_marks[path.name] = progress
                 self._last_progress = self._marked_at = now
                 if step > 0:
                     self._last_step = max(step, self._last_step or 0)

@@ -5,24 +5,36 @@ serialises, writes and flushes each line, so the agent sees it within millisecon
 disk never stalls a training step.
 
 Only rank 0 sends `step` events, so every rank also keeps a progress mark: its last finished
-step and a count of liveness beats (work outside steps, `Run.progress`), `"<step> <beats>"`
-overwritten in place in `progress-rank-{RANK}` beside the spool. It is not an event and is not
-forwarded; the agent of each node reads it to detect hangs (any change is progress) and to time
-faults of its own ranks (by the step).
+step, a count of liveness beats (work outside steps, `Run.progress`), and the spool's state,
+`"<step> <beats> <unwritten> <dropped>"` overwritten in place in `progress-rank-{RANK}` beside the
+spool. It is not an event and is not forwarded; the agent of each node reads it to detect hangs
+(a new step or beat is progress), to time faults of its own ranks (by the step), and to report a
+full disk.
+
+A full disk loses no event: the lines that cannot be written wait in memory, in order, and are
+written when space returns; only past MAX_UNWRITTEN_BYTES are lines dropped, and counted. The
+mark's bytes exist from the start, so overwriting it needs no free space.
 """
 
+import collections
 import json
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 _CLOSE = object()
 # The kinds a rank writes (docs/events.md); the agents and the service write the others.
 RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
                         "ckpt_committed", "ckpt_failed", "train_end"})
-PROGRESS_WIDTH = 40  # fixed, so an overwrite never leaves digits of a longer mark behind
+PROGRESS_WIDTH = 64  # fixed, so an overwrite never leaves digits of a longer mark behind
+# A full disk: lines wait in memory up to this many bytes (dropped and counted past it), and are
+# tried again every RETRY_SECONDS; closing waits at most CLOSE_RETRY_SECONDS for space.
+MAX_UNWRITTEN_BYTES = 16 << 20
+RETRY_SECONDS = 0.5
+CLOSE_RETRY_SECONDS = 5.0
 
 
 def make_event(kind: str, ts: float, attempt: int, source: str, seq: int, step: int | None = None,
@@ -91,29 +103,89 @@ class EventWriter:
         return last + 1
 
     def _write_loop(self) -> None:
-        with open(self.path, "ab") as spool, open(self.progress_path, "wb", buffering=0) as progress:
-            if spool.tell() > 0:
-                # A kill may have left a partial last line: start ours on a fresh line.
-                with open(self.path, "rb") as existing:
-                    existing.seek(-1, os.SEEK_END)
-                    if existing.read(1) != b"\n":
-                        spool.write(b"\n")
-            while True:
-                event = self._queue.get()
-                if event is _CLOSE:
-                    break
-                lines = [event]
-                while True:  # write whatever else is already queued with one flush
+        spool = _Spool(self.path)
+        fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        mark = (0, 0)
+        try:
+            _write_mark(fd, mark, spool)  # its bytes exist from now on: overwriting them needs no free space
+            closing = False
+            while not closing:
+                try:  # while lines wait for space, try again every RETRY_SECONDS
+                    items = [self._queue.get(timeout=RETRY_SECONDS if spool.pending else None)]
+                except queue.Empty:
+                    items = []
+                while True:  # write whatever else is already queued at once
                     try:
-                        lines.append(self._queue.get_nowait())
+                        items.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                closing = _CLOSE in lines
-                marks = [e for e in lines if isinstance(e, tuple)]
-                if marks:
-                    os.pwrite(progress.fileno(), "{} {}".format(*marks[-1]).rjust(PROGRESS_WIDTH).encode(), 0)
-                events = [e for e in lines if isinstance(e, dict)]
-                spool.write(b"".join(json.dumps(e).encode() + b"\n" for e in events))
-                spool.flush()
-                if closing:
-                    break
+                closing = _CLOSE in items
+                marks = [item for item in items if isinstance(item, tuple)]
+                mark = marks[-1] if marks else mark
+                spool.add(json.dumps(item).encode() + b"\n" for item in items if isinstance(item, dict))
+                spool.write()
+                _write_mark(fd, mark, spool)
+            deadline = time.monotonic() + CLOSE_RETRY_SECONDS
+            while spool.pending and time.monotonic() < deadline:  # a last chance for space to return
+                time.sleep(RETRY_SECONDS)
+                spool.write()
+                _write_mark(fd, mark, spool)
+        finally:
+            os.close(fd)
+            spool.close()
+
+
+def _write_mark(fd: int, mark: tuple[int, int], spool: "_Spool") -> None:
+    """`<step> <beats> <unwritten> <dropped>` in place: the agent reads it (agent/workers.py)."""
+    text = f"{mark[0]} {mark[1]} {len(spool.pending)} {spool.dropped}".rjust(PROGRESS_WIDTH).encode()
+    try:
+        os.pwrite(fd, text, 0)
+    except OSError:
+        pass  # the mark's own bytes exist already; a failure here is the disk's, seen by the spool too
+
+
+class _Spool:
+    """A rank's spool file, and the lines that could not be written to it yet (a full disk),
+    kept in order up to MAX_UNWRITTEN_BYTES; lines past that bound are dropped and counted."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.pending_bytes = 0
+        self.dropped = 0
+        self.partial = False  # the first pending line is the rest of a line written in part
+        if os.fstat(self.fd).st_size > 0:
+            with open(path, "rb") as existing:  # a kill may have left a partial last line: start a fresh one
+                existing.seek(-1, os.SEEK_END)
+                if existing.read(1) != b"\n":
+                    self.add([b"\n"])
+
+    def add(self, lines: Iterable[bytes]) -> None:
+        for line in lines:
+            if self.pending_bytes + len(line) > MAX_UNWRITTEN_BYTES:
+                self.dropped += 1
+                continue
+            self.pending.append(line)
+            self.pending_bytes += len(line)
+
+    def write(self) -> None:
+        """Writes the pending lines in order, as far as the disk lets it (one write a batch)."""
+        while self.pending:
+            data = b"".join(self.pending)
+            try:
+                written = os.write(self.fd, data)
+            except OSError:  # ENOSPC, EDQUOT, EIO: kept, and tried again later
+                return
+            self._consume(written)
+
+    def _consume(self, written: int) -> None:
+        self.pending_bytes -= written
+        while written:
+            line = self.pending.popleft()
+            if written < len(line):
+                self.pending.appendleft(line[written:])  # the rest of a line written in part
+                return
+            written -= len(line)
+
+    def close(self) -> None:
+        os.close(self.fd)

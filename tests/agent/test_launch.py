@@ -64,7 +64,8 @@ def test_a_bad_setting_stops_the_agent_naming_it(capsys, monkeypatch, tmp_path):
 
 
 def test_metrics_endpoint_serves_the_heartbeat_figures():
-    stats = AgentStats(processes=2, events_forwarded=10, dead_letters=1, spool_bytes=1234)
+    stats = AgentStats(processes=2, events_forwarded=10, dead_letters=1, spool_bytes=1234, rank_events_unwritten=5,
+                       rank_events_dropped=2)  # fmt: skip
     port = free_port()
     server = serve_metrics(stats, port, CollectorRegistry())
     stats.events_forwarded = 11  # read at scrape time
@@ -76,3 +77,5 @@ def test_metrics_endpoint_serves_the_heartbeat_figures():
     assert "ett_agent_events_forwarded_total 11.0" in text
     assert "ett_agent_dead_letters_total 1.0" in text
     assert "ett_agent_spool_bytes 1234.0" in text
+    assert "ett_agent_rank_events_unwritten 5.0" in text and "ett_agent_rank_events_dropped 2.0" in text
+    assert stats.heartbeat_figures()["rank_events_unwritten"] == 5  # the heartbeat carries the same

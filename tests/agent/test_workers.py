@@ -216,3 +216,17 @@ def test_a_crashed_agent_leaves_no_orphan(tmp_path):
         agent.send_signal(signal.SIGKILL)
         agent.wait()
     wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the guard to clear the group")
+
+
+def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):
+    # The rank's writer keeps "<step> <beats> <unwritten> <dropped>" (tests/ett/test_full_disk.py
+    # shows it on a real full disk); the agent sums the node's ranks for its heartbeat and metrics.
+    silent = [sys.executable, str(ETT_RANK), "--busy-seconds", "20", "--silent"]
+    command = launch_command(init_timeout_seconds=60).model_copy(update={"entrypoint": silent})
+    supervisor.launch(command)
+    events_dir = AttemptPaths.of(supervisor.spool_root, command.job_id, 0).events_dir
+    wait_for(lambda: supervisor.poll() or len(list(events_dir.glob("progress-rank-*"))) == 2, 60, "both marks")
+    (events_dir / "progress-rank-1").write_text("0 0 5 2".rjust(64))  # as rank 1's writer on a full disk
+    wait_for(lambda: supervisor.poll() or supervisor.rank_events_unwritten_and_dropped() == (5, 2), 10, "the report")
+    supervisor.stop(command_adapter_stop(command))
+    run_to_end(supervisor)

@@ -106,7 +106,7 @@ def test_inside_a_job_the_events_and_checkpoints_follow_the_job(in_job):
     step = events[2]["data"]
     assert step["tokens"] == 8 and step["duration"] > 0 and isinstance(step["loss"], float)
     # The progress mark: the last step and one liveness beat.
-    assert (in_job / "events" / "progress-rank-0").read_text().split() == ["3", "1"]
+    assert (in_job / "events" / "progress-rank-0").read_text().split() == ["3", "1", "0", "0"]
 
 
 class FailsToSave:
