@@ -1,4 +1,4 @@
-"""`ett submit`, `ett jobs`, `ett report`: the user's side, over the REST API."""
+"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`: the user's side, over the REST API."""
 
 import argparse
 import json
@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     jobs = client_parser("jobs", "list jobs")
     jobs.add_argument("--state", choices=["queued", "running", "succeeded", "failed", "cancelled"])
     jobs.set_defaults(run=run_jobs)
+    cancel = client_parser("cancel", "cancel a job: its ranks are stopped, and it is not restarted")
+    cancel.add_argument("job_id")
+    cancel.set_defaults(run=run_cancel)
     report = client_parser("report", "print a job's ETT report")
     report.add_argument("job_id")
     report.add_argument("--json", action="store_true", help="the raw report of GET /api/v1/jobs/{id}/ett")
@@ -89,9 +92,16 @@ def _call(args: argparse.Namespace, method: str, path: str, **kwargs: Any) -> An
             response = client.request(method, path, **kwargs)
     except httpx.HTTPError as exc:
         sys.exit(f"ett: cannot reach the service at {args.service}: {exc}")
+    try:
+        body = response.json()
+    except ValueError:  # not JSON: not an ETT service (a proxy's error page, another server)
+        kind = response.headers.get("content-type", "no content type")
+        sys.exit(f"ett: {args.service} answered {method} {path} with HTTP {response.status_code} and {kind}, "
+                 "not an ETT service's JSON: check --service (ETT_SERVICE_URL)")
     if response.is_error:
-        sys.exit(f"ett: the service answered {response.status_code}: {response.json().get('detail')}")
-    return response.json()
+        detail = body.get("detail") if isinstance(body, dict) else body
+        sys.exit(f"ett: the service answered {response.status_code}: {detail}")
+    return body
 
 
 def run_submit(args: argparse.Namespace) -> int:
@@ -112,6 +122,12 @@ def run_jobs(args: argparse.Namespace) -> int:
     for job in jobs:
         print(f"{job['id']:32}  {job['name'][:20]:20}  {job['state']:9}  {len(job['attempts']):>8}  "
               f"{job['submitted_at'][:19]}")
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    job = _call(args, "POST", f"/api/v1/jobs/{args.job_id}/cancel")
+    print(f"{job['id']} {job['state']}")
     return 0
 
 
