@@ -1,6 +1,7 @@
 """`ett token create`: mint a bearer token, written straight into the service's database."""
 
 import argparse
+import sys
 
 from ett.cli.service_cmd import load_settings
 
@@ -15,13 +16,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_create(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
     from service.db import make_engine, make_session_factory
-    from service.migrate import check_at_head
+    from service.migrate import DatabaseNotAtHead, check_at_head
     from service.models import Role
     from service.security import create_token
 
-    engine = make_engine(load_settings().resolved_database_url)
-    check_at_head(engine)
+    settings = load_settings()
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        check_at_head(engine)
+    except (DatabaseNotAtHead, OperationalError) as exc:
+        # Most often: run from another folder than the service's, whose default ./data differs.
+        reason = exc if isinstance(exc, DatabaseNotAtHead) else exc.orig
+        print(f"ett: database {settings.resolved_database_url} (ETT_DATABASE_URL, or ETT_DATA_DIR={settings.data_dir} "
+              f"from this folder): {reason}; point it at the service's database", file=sys.stderr)
+        return 2
     with make_session_factory(engine)() as session:
         secret = create_token(session, Role(args.role), args.subject or args.role)
         session.commit()

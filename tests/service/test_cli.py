@@ -21,3 +21,13 @@ def test_service_needs_migrating_then_tokens_work(tmp_path):
 def test_bad_setting_is_named(tmp_path):
     result = ett("service", env={"ETT_DATA_DIR": str(tmp_path), "ETT_PORT": "http", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2 and "ETT_PORT" in result.stderr
+
+
+def test_a_token_made_from_another_folder_gets_one_line_naming_the_database(tmp_path):
+    # The default ETT_DATA_DIR is ./data: from another folder than the service's there is no database.
+    result = subprocess.run([sys.executable, "-m", "ett.cli.main", "token", "create", "--role", "user"],
+                            env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"ett: database sqlite:///{tmp_path}/data/ett.db (ETT_DATABASE_URL, or ETT_DATA_DIR=data")
+    assert line.endswith("point it at the service's database")
