@@ -62,6 +62,11 @@ class CheckpointConfig:
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
     async_mode: str = "process"  # "process" | "thread": where DCP writes in the background
 
+    def due(self, step: int, last_step: int | None = None) -> bool:
+        """Whether a save is due after `step`: at the interval, or at `last_step` (when known)."""
+        interval = self.interval_steps
+        return bool(self.dir) and (step == last_step or (interval > 0 and step % interval == 0))
+
     def validate(self) -> None:
         if self.interval_steps < 0:
             raise UsageError(f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}")
@@ -135,10 +140,6 @@ class Checkpointer:
         agreed = torch.tensor([fits])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         return AsyncCheckpointerType.PROCESS if agreed.item() else AsyncCheckpointerType.THREAD
-
-    def due(self, step: int, last_step: int | None = None) -> bool:
-        interval = self.cfg.interval_steps
-        return bool(self.cfg.dir) and (step == last_step or (interval > 0 and step % interval == 0))
 
     def save(self, step: int, state: dict) -> bool:
         """Blocks for the copy of everything but the parameters and optimizer state, whose copy

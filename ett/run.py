@@ -164,15 +164,16 @@ class Run:
     def checkpoint(self, step: int, state: dict[str, Any], force: bool = False) -> bool:
         """Saves `state` when a save is due by the job's interval, or when forced. Returns once the
         state is copied (the write and the commit go on in the background); True when a save started."""
-        if not self._config.dir or not (force or self._due(step)):
+        if not self._config.dir or not (force or self.checkpoint_due(step)):
             return False
         checkpointer = self._get_checkpointer()
         started = checkpointer.save(step, state)
         checkpointer.wait_for_staging()  # the caller may change the state as soon as we return
         return started
 
-    def _due(self, step: int) -> bool:
-        return self.interval_steps > 0 and step % self.interval_steps == 0
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the job's interval asks for a save after `step` (False without a folder)."""
+        return self._config.due(step)
 
     def progress(self) -> None:
         """A liveness mark for long work outside steps (evaluation, data loading): the agent's

@@ -132,7 +132,7 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
         if rank == 0:  # right at the step's end: the agent injects faults on it
             events.emit("step", step=step, duration=time.perf_counter() - start, tokens=tokens_per_step, loss=mean_loss)
             metrics.record(step, tokens_per_step, mean_loss, lr, grad_norm.item())
-        if checkpointer.due(step, cfg.train.steps) or (stopped and cfg.checkpoint.dir):
+        if cfg.checkpoint.due(step, cfg.train.steps) or (stopped and cfg.checkpoint.dir):
             checkpointer.save(step, state)
         if stopped:
             logger.warning("SIGTERM: stopped after step %d", step)

@@ -66,8 +66,7 @@ class ETTCallback(TrainerCallback):
         if self._step is not None:
             self._step.__exit__(None, None, None)
             self._step = None
-        interval = self.run.interval_steps
-        if self.run.checkpoint_dir and interval > 0 and state.global_step % interval == 0:
+        if self.run.checkpoint_due(state.global_step):
             control.should_save = True
         if control.should_save:  # the Trainer saves right after this callback (and any evaluation)
             self._saving_step = state.global_step

@@ -61,26 +61,31 @@ def run_with_a_kill(c: Cluster, spec: dict) -> dict:
     return job
 
 
-def test_plain_ddp_job_recovers_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    plain_torchrun("plain_ddp.py", "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain"),
-                   "--out", str(tmp_path / "plain.pt"))
-    spec = example_job("plain_ddp.toml")
-    spec["entrypoint"] = [*spec["entrypoint"], "--out", str(tmp_path / "ett.pt")]
+def uninterrupted_then_as_a_job(tmp_path: Path, script: str, job_file: str, out_flag: str, suffix: str,
+                                *plain_args: str) -> tuple[Path, Path]:
+    """The script under plain torchrun, then its job file on 2 agents with a kill; each writes its
+    result (`out_flag` FILE); the two files."""
+    plain, as_job = tmp_path / f"plain.{suffix}", tmp_path / f"ett.{suffix}"
+    plain_torchrun(script, *plain_args, out_flag, str(plain))
+    spec = example_job(job_file)
+    spec["entrypoint"] = [*spec["entrypoint"], out_flag, str(as_job)]
     with cluster(tmp_path) as c:
         run_with_a_kill(c, spec)
-    uninterrupted, resumed = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "ett.pt")
+    return plain, as_job
+
+
+def test_plain_ddp_job_recovers_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    plain, as_job = uninterrupted_then_as_a_job(tmp_path, "plain_ddp.py", "plain_ddp.toml", "--out", "pt",
+                                                "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain"))
+    uninterrupted, resumed = torch.load(plain), torch.load(as_job)
     assert uninterrupted.keys() == resumed.keys()
     assert all(torch.equal(uninterrupted[name], resumed[name]) for name in uninterrupted)
 
 
 def test_hf_trainer_job_recovers_and_its_losses_after_resume_match_the_uninterrupted_run(tmp_path):
-    plain_torchrun("hf_trainer.py", "--steps", "30", "--output-dir", str(tmp_path / "plain"),
-                   "--losses", str(tmp_path / "plain.json"))
-    spec = example_job("hf_trainer.toml")
-    spec["entrypoint"] = [*spec["entrypoint"], "--losses", str(tmp_path / "ett.json")]
-    with cluster(tmp_path) as c:
-        run_with_a_kill(c, spec)
-    uninterrupted, resumed = (json.loads(Path(tmp_path / f"{n}.json").read_text()) for n in ("plain", "ett"))
+    plain, as_job = uninterrupted_then_as_a_job(tmp_path, "hf_trainer.py", "hf_trainer.toml", "--losses", "json",
+                                                "--steps", "30", "--output-dir", str(tmp_path / "plain"))
+    uninterrupted, resumed = json.loads(plain.read_text()), json.loads(as_job.read_text())
     # The Trainer restores weights, optimizer, scheduler and each rank's RNG, and skips the batches
     # its seeded sampler already gave; on CPU every kernel is deterministic and a 2-rank all-reduce
     # adds the same two numbers: the losses are equal to the last bit, not merely close.
