@@ -44,7 +44,13 @@ def main(args: argparse.Namespace) -> int:
             name = "ETT_AGENT_" + "_".join(str(p) for p in error["loc"]).upper()
             print(f"ett agent: bad setting {name}: {error['msg']}", file=sys.stderr)
         return 2
-    agent = Agent(settings)
+    from agent.job_user import JobUserError
+
+    try:
+        agent = Agent(settings)
+    except JobUserError as exc:
+        print(f"ett agent: {exc}", file=sys.stderr)
+        return 2
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: agent.stopping.set())
     agent.run()

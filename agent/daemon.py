@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from agent.client import ServiceClient
 from agent.commands import LaunchCommand, command_adapter
 from agent.forward import ForwardConfig, Forwarder
+from agent.job_user import RunAs, resolve_job_user
 from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.supervisor import Supervisor
@@ -35,13 +36,15 @@ class Agent:
         self.settings = settings
         self.stats = AgentStats()
         self.client = ServiceClient(settings)
-        self.warm = WarmServer((settings.data_dir / "warm.sock").resolve(), ["trainer.train", "torch.distributed.run"],
-                               settings.data_dir / "warm.log")
+        # JobUserError (a ValueError naming the setting) when the settings name no usable user.
+        self.run_as = RunAs(settings.job_python, resolve_job_user(settings.job_user, settings.allow_root_jobs))
+        self.warm = WarmServer((settings.data_dir / "warm" / "warm.sock").resolve(),
+                               ["trainer.train", "torch.distributed.run"], settings.data_dir / "warm.log", self.run_as)
         warm_socket = self.warm.socket_path if settings.warm_start and self.warm.usable else None
         if settings.warm_start and warm_socket is None:
             log.warning("no warm start: the socket path %s is too long; ranks start fresh", self.warm.socket_path)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
-                                     settings.local_checkpoint_root, warm_socket, settings.checkpoint_root)
+                                     settings.local_checkpoint_root, warm_socket, settings.checkpoint_root, self.run_as)
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
@@ -54,6 +57,12 @@ class Agent:
 
     def run(self) -> None:
         self.settings.spool_root.mkdir(parents=True, exist_ok=True)
+        self.settings.local_checkpoint_root.mkdir(parents=True, exist_ok=True)
+        problem = self.run_as.problem([self.settings.spool_root.resolve(), self.settings.local_checkpoint_root])
+        if problem is not None:
+            raise SystemExit(f"ett agent: {problem}")
+        log.info("jobs run as %s with %s", self.run_as.user.name if self.run_as.user else "the agent's user",
+                 self.run_as.python)
         if self.settings.metrics_port:
             serve_metrics(self.stats, self.settings.metrics_port)
         self.supervisor.recover()

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from agent.commands import CheckpointSpec, LaunchCommand, TrainerSpec
+from agent.job_user import RunAs
 from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
-from agent.warm import WARM_SOCKET_ENV
+from agent.warm import WARM_SOCKET_ENV, python_module
 
 
 def override_value(value: Any) -> str:
@@ -17,8 +18,8 @@ def override_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def trainer_argv(trainer: TrainerSpec, ckpt: CheckpointSpec) -> list[str]:
-    argv = [sys.executable, "-m", "trainer.train", "--preset", trainer.preset]
+def trainer_argv(trainer: TrainerSpec, ckpt: CheckpointSpec, python: str = sys.executable) -> list[str]:
+    argv = [*python_module(python, "trainer.train"), "--preset", trainer.preset]
     for name, value in trainer.overrides.items():
         argv += [f"--{name}", override_value(value)]
     if ckpt.dir is not None:
@@ -31,20 +32,22 @@ def trainer_argv(trainer: TrainerSpec, ckpt: CheckpointSpec) -> list[str]:
     return argv
 
 
-def rank_argv(command: LaunchCommand) -> list[str]:
+def rank_argv(command: LaunchCommand, python: str = sys.executable) -> list[str]:
     """The job's own argv when it has one, else the trainer's."""
     if command.entrypoint is not None:
         return list(command.entrypoint)
     assert command.trainer is not None  # LaunchCommand validates one of the two
-    return trainer_argv(command.trainer, command.checkpoint)
+    return trainer_argv(command.trainer, command.checkpoint, python)
 
 
-def torchrun_argv(command: LaunchCommand, paths: AttemptPaths) -> list[str]:
+def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys.executable) -> list[str]:
     """torchrun, under the group's guard, runs each rank through agent.rank_runner, which records
-    its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's."""
+    its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
+    Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
+    started must not shadow them."""
     return [
-        sys.executable, "-m", "agent.guard", str(os.getpid()), "--",
-        sys.executable, "-m", "torch.distributed.run",
+        *python_module(python, "agent.guard"), str(os.getpid()), "--",
+        *python_module(python, "torch.distributed.run"),
         "--nnodes", str(command.nnodes),
         "--node-rank", str(command.node_rank),
         "--nproc-per-node", str(command.nproc_per_node),
@@ -52,10 +55,10 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths) -> list[str]:
         "--master-port", str(command.master_port),
         "--max-restarts", "0",
         "--no-python",
-        sys.executable, "-m", "agent.rank_runner",
+        *python_module(python, "agent.rank_runner"),
         "--ranks-file", str(paths.ranks_file),
         "--control-dir", str(paths.control_dir),
-        "--", *rank_argv(command),
+        "--", *rank_argv(command, python),
     ]  # fmt: skip
 
 
@@ -76,10 +79,11 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
     return {name: value for name, value in env.items() if value is not None}
 
 
-def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None
-               ) -> dict[str, str]:
+def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None,
+               run_as: RunAs = RunAs()) -> dict[str, str]:
     # The agent's own settings (its token among them) are no business of the job.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")}
+    env.update(run_as.env())
     env.update(command.env)
     env.update(job_env(command, paths))
     env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})

@@ -6,6 +6,7 @@ shell) without one reading the other's ETT_DATA_DIR or ETT_PORT.
 
 import re
 import socket
+import sys
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -29,6 +30,14 @@ class AgentSettings(BaseSettings):
     # Where jobs' checkpoint folders may be (the service's checkpoint root, as this node mounts it):
     # a launch whose folder resolves elsewhere is refused. None: only the job's own area is checked.
     checkpoint_root: Path | None = None
+    # Who runs the jobs' processes (agent/job_user.py, docs/agent.md "The job's user"): an agent
+    # started as root runs them as this user (default nobody), as root only with allow_root_jobs;
+    # any other agent runs them as itself.
+    job_user: str | None = None
+    allow_root_jobs: bool = False
+    # The interpreter of the jobs' processes (torchrun, rank runners, the trainer): one the job's
+    # user can run, with ett installed. Default: the agent's own.
+    job_python: str = Field(default_factory=lambda: sys.executable, min_length=1)
     # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm).
     warm_start: bool = True
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from agent.commands import LaunchCommand, StopCommand
 from agent.confine import launch_refusal
+from agent.job_user import RunAs
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 
@@ -52,13 +53,14 @@ def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) 
 class Supervisor:
     def __init__(
         self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
-        warm_socket: Path | None = None, checkpoint_root: Path | None = None,
+        warm_socket: Path | None = None, checkpoint_root: Path | None = None, run_as: RunAs = RunAs(),
     ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
         self.local_checkpoint_root = local_checkpoint_root
         self.warm_socket = warm_socket  # where the agent's warm server listens (agent.warm), if it runs one
         self.checkpoint_root = checkpoint_root  # where jobs' checkpoint folders may be (agent/confine.py)
+        self.run_as = run_as  # the job's interpreter and user (agent/job_user.py)
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
@@ -105,10 +107,14 @@ class Supervisor:
             self.refuse(command.job_id, command.attempt, refusal, exit_code=CONFIG_ERROR_EXIT_CODE)
             return
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
-        group = WorkerGroup(self._with_local_checkpoints(command), paths, self.node_name, self.stop_grace_seconds,
-                            warm_socket=self.warm_socket)
+        command = self._with_local_checkpoints(command)
+        group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=self.warm_socket,
+                            run_as=self.run_as)
         self.groups[command.key] = group
         try:
+            for folder in (command.checkpoint.dir, command.checkpoint.local_dir):
+                if folder is not None:  # the job's own folders, its user's to write and prune
+                    self.run_as.make_own(folder)
             group.start()
         except OSError as exc:  # torchrun could not even be started
             group.end, group.state = GroupEnd(WorkerState.FAILED, "exit", f"launch failed: {exc}"), WorkerState.FAILED

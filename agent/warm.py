@@ -1,12 +1,13 @@
 """Warm start: a node's server that has imported the trainer and torchrun once, and forks them.
 
-    python -m agent.warm SOCKET MODULE...
+    python -P -m agent.warm SOCKET MODULE...
 
 A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node) before its first
 line runs, and a restart ran two in a row: torchrun, then the ranks. The agent keeps this server
 ready with MODULE... imported; the guard (for torchrun) and each rank runner (for its rank), when
-the program is `python -m MODULE ...`, ask it over SOCKET for the process instead of starting an
-interpreter, and fall back to one when the server cannot serve.
+the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead of starting
+an interpreter, and fall back to one when the server cannot serve. The server runs as the job's
+user, with the job's interpreter (agent.job_user), as the processes it stands in for would.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
 - the rank: a process group of its own, the runner's stdin/stdout/stderr (passed over the
@@ -37,6 +38,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from agent.job_user import RunAs
 from agent.procs import set_parent_death_signal
 
 WARM_SOCKET_ENV = "ETT_WARM_SOCKET"  # set by the agent for ranks it may start warm
@@ -50,8 +52,14 @@ log = logging.getLogger(__name__)
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
+def python_module(python: str, module: str) -> list[str]:
+    """`python -P -m MODULE`: -P keeps the working folder off the import path, so a folder there
+    named like one of our packages (agent, trainer) is not imported instead of it."""
+    return [python, "-P", "-m", module]
+
+
 def serves(argv: list[str], modules: list[str]) -> bool:
-    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in modules
+    return len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules
 
 
 def start_process(argv: list[str], warm_socket: str | None, **popen: Any) -> "subprocess.Popen[bytes] | WarmProcess":
@@ -61,7 +69,7 @@ def start_process(argv: list[str], warm_socket: str | None, **popen: Any) -> "su
         try:
             return WarmProcess(warm_socket, argv)
         except (OSError, ValueError, KeyError) as exc:
-            print(f"agent.warm: no warm start for {argv[2:3]} ({exc!r}); starting a fresh interpreter",
+            print(f"agent.warm: no warm start for {argv[3:4]} ({exc!r}); starting a fresh interpreter",
                   file=sys.stderr, flush=True)
     return subprocess.Popen(argv, preexec_fn=set_parent_death_signal, **popen)
 
@@ -70,8 +78,8 @@ class WarmServer:
     """The agent's handle on its warm server: started, started again when it died, stopped. Called
     from the monitor loop only: the thread that forks a child owns its parent-death signal."""
 
-    def __init__(self, socket_path: Path, modules: list[str], log_path: Path) -> None:
-        self.socket_path, self.modules, self.log_path = socket_path, modules, log_path
+    def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs()) -> None:
+        self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
         self._proc: subprocess.Popen[bytes] | None = None
         self._next_start = 0.0
 
@@ -89,11 +97,12 @@ class WarmServer:
                         self.log_path)
         # Neither the agent's settings (its token) nor a thread pool at import time (see above).
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")} | SINGLE_THREAD_ENV
+        self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
         with open(self.log_path, "ab") as out:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "agent.warm", str(self.socket_path), *self.modules],
-                env=env | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules],
+                env=env | self.run_as.env() | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
             )  # fmt: skip
         self._next_start = time.monotonic() + RESTART_PAUSE_SECONDS
 
@@ -224,8 +233,8 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
         if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
             threads = os.environ.get("OMP_NUM_THREADS")
             sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
-        sys.argv = [request["argv"][0], *request["argv"][3:]]
-        runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
+        sys.argv = [request["argv"][0], *request["argv"][4:]]
+        runpy.run_module(request["argv"][3], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -239,5 +248,5 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
-        sys.exit("usage: python -m agent.warm SOCKET MODULE...")
+        sys.exit("usage: python -P -m agent.warm SOCKET MODULE...")
     serve(Path(sys.argv[1]), sys.argv[2:])

@@ -27,6 +27,7 @@ from typing import Any
 
 from agent.commands import LaunchCommand
 from agent.faults import FaultInjector
+from agent.job_user import RunAs
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.procs import GROUP_MARKER_ENV, signal_group, signal_marked
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
@@ -72,13 +73,17 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
     if code == 0:
         return None
     note = " (injected fault)" if record.get("fault") else ""
+    if record.get("error"):  # the rank's program could not be started at all
+        note = f": {record['error']}"
     return GroupEnd(WorkerState.FAILED, "exit", f"rank {rank} exit code {code}{note}", code)
 
 
 class WorkerGroup:
     def __init__(self, command: LaunchCommand, paths: AttemptPaths, node_name: str, stop_grace_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, warm_socket: Path | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, warm_socket: Path | None = None,
+                 run_as: RunAs = RunAs()) -> None:
         self.command = command
+        self.run_as = run_as  # the job's interpreter and user (agent.job_user)
         self.warm_socket = warm_socket  # the agent's warm server (agent.warm), if it runs one
         self.paths = paths
         self.stop_grace_seconds = stop_grace_seconds
@@ -87,6 +92,8 @@ class WorkerGroup:
         self.end: GroupEnd | None = None
         self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
         paths.create()
+        for folder in (paths.root, paths.events_dir, paths.control_dir):
+            run_as.make_own(folder)  # the ranks write their events and records there
         self.events = NodeEventLog(paths.events_dir / f"node-{node_name}.jsonl", node_name, command.attempt)
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
@@ -127,15 +134,15 @@ class WorkerGroup:
     def start(self) -> None:
         with open(self.paths.log_file, "ab") as log_file:
             self._proc = subprocess.Popen(
-                torchrun_argv(self.command, self.paths),
-                env=worker_env(self.command, self.paths, self.marker, self.warm_socket),
+                torchrun_argv(self.command, self.paths, self.run_as.python),
+                env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as),
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, **self.run_as.popen(),
             )  # fmt: skip
         self._launched_at = self._last_progress = self.clock()
         self.events.emit("workers_launched", {
             "node_rank": self.command.node_rank, "nproc_per_node": self.command.nproc_per_node,
-            "pid": self._proc.pid, "argv": rank_argv(self.command),
+            "pid": self._proc.pid, "argv": rank_argv(self.command, self.run_as.python),
         })  # fmt: skip
         log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 

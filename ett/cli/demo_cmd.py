@@ -88,6 +88,23 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _job_user_settings(root: Path) -> dict[str, str]:
+    """As root, the demo's agents run the job as their default user (nobody) where it can run this
+    interpreter; where it cannot (an interpreter under root's home folder), as root, said
+    explicitly (ETT_AGENT_ALLOW_ROOT_JOBS) and printed: these agents serve this demo only."""
+    from agent.job_user import RunAs, resolve_job_user
+
+    if os.geteuid() != 0:
+        return {}
+    root.chmod(0o755)  # mkdtemp's folder is closed to other users
+    problem = RunAs(sys.executable, resolve_job_user(None, allow_root=False)).problem([root])
+    if problem is None:
+        return {}
+    print(f"ett demo: the demo's agents run its job as root, since {problem.split(';')[0]} "
+          "(a real agent refuses to start then: docs/agent.md, \"The job's user\")")
+    return {"ETT_AGENT_JOB_USER": "root", "ETT_AGENT_ALLOW_ROOT_JOBS": "true"}
+
+
 def _wait_ready(url: str, service: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -137,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
         procs.append(_ett("service", env=env, log=service_log))
         _wait_ready(url, procs[0], service_log)
         print(f"ett demo: service at {url} (API docs at {url}/docs)")
+        job_user = _job_user_settings(root)
         for i in range(2):
-            agent_env = {**os.environ, "ETT_AGENT_SERVICE_URL": url, "ETT_AGENT_NAME": f"node-{i}",
+            agent_env = {**os.environ, **job_user, "ETT_AGENT_SERVICE_URL": url, "ETT_AGENT_NAME": f"node-{i}",
                          "ETT_AGENT_TOKEN": _token("agent", f"node-{i}", env), "ETT_AGENT_SLOTS": "2",
                          "ETT_AGENT_DATA_DIR": str(root / f"node-{i}")}
             procs.append(_ett("agent", env=agent_env, log=root / f"node-{i}.log"))

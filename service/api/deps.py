@@ -55,7 +55,7 @@ async def current_agent(request: Request, credentials: BearerDep) -> Caller:
         def lookup() -> Caller | None:
             with request.app.state.sessions() as session:
                 token = find_token(session, credentials.credentials)
-                return None if token is None else Caller(token.id, token.role, token.subject)
+                return None if token is None else Caller(token.id, token.role, token.subject, token.expires_at)
 
         caller = await run_in_threadpool(lookup)
         if caller is None:

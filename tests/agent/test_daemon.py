@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from service.models import JobEvent, Node
 from tests.agent.helpers import FAKE_RANK, pids_with_env, wait_for
+from tests.support.job_user import SUITE_USER_JOBS
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite
 @pytest.fixture
 def agent(service, tmp_path):
     """`ett agent` as its own process, registered with the service under the name node-a."""
-    env = os.environ | {
+    env = os.environ | SUITE_USER_JOBS | {
         "ETT_AGENT_SERVICE_URL": service.url, "ETT_AGENT_TOKEN": service.token("agent", "node-a"),
         "ETT_AGENT_NAME": "node-a", "ETT_AGENT_SLOTS": "2", "ETT_AGENT_DATA_DIR": str(tmp_path / "agent"),
         "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",

@@ -26,11 +26,11 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
     argv = torchrun_argv(command, paths)
 
     runner = argv.index("agent.rank_runner")
-    torchrun = argv[argv.index("torch.distributed.run") + 1: runner - 2]
+    torchrun = argv[argv.index("torch.distributed.run") + 1: runner - 3]
     assert torchrun == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                         "--master-port", "29517", "--max-restarts", "0", "--no-python"]
     rank = argv[argv.index("--", runner) + 1:]
-    assert rank == [sys.executable, "-m", "trainer.train", "--preset", "cpu-demo", "--moe.num_experts", "8",
+    assert rank == [sys.executable, "-P", "-m", "trainer.train", "--preset", "cpu-demo", "--moe.num_experts", "8",
                     "--optim.lr", "0.001", "--parallel.compile", "true", "--data.name", "tiny",
                     "--checkpoint.dir", "/ckpt/j", "--checkpoint.local_dir", "/nvme/j",
                     "--checkpoint.interval_steps", "50", "--checkpoint.keep", "3",

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from agent.warm import WarmProcess, WarmServer
+from agent.warm import WarmProcess, WarmServer, python_module
 from tests.agent.helpers import wait_for
 
 RANK_MODULE = textwrap.dedent("""
@@ -42,14 +42,14 @@ def test_a_warm_rank_runs_the_request_and_its_exit_code_comes_back(warm, tmp_pat
     workdir.mkdir()
     monkeypatch.setenv("RANK_VAR", "r7")
     monkeypatch.chdir(workdir)
-    rank = WarmProcess(str(warm.socket_path), [sys.executable, "-m", "warm_rank_module", str(out), "7", "0"])
+    rank = WarmProcess(str(warm.socket_path), [*python_module(sys.executable, "warm_rank_module"), str(out), "7", "0"])
     assert rank.wait() == 7
     seen = json.loads(out.read_text())
     assert seen == {"argv": [str(out), "7", "0"], "env": "r7", "cwd": str(workdir), "pid": rank.pid}
 
 
 def test_a_killed_warm_rank_reports_the_signal(warm, tmp_path):
-    argv = [sys.executable, "-m", "warm_rank_module", str(tmp_path / "o"), "0", "60"]
+    argv = [*python_module(sys.executable, "warm_rank_module"), str(tmp_path / "o"), "0", "60"]
     rank = WarmProcess(str(warm.socket_path), argv)
     rank.kill()
     assert rank.wait() == -signal.SIGKILL
@@ -57,13 +57,13 @@ def test_a_killed_warm_rank_reports_the_signal(warm, tmp_path):
 
 def test_a_module_the_server_did_not_load_is_refused(warm, tmp_path):
     with pytest.raises(ConnectionError):  # the runner then starts a fresh interpreter
-        WarmProcess(str(warm.socket_path), [sys.executable, "-m", "json.tool"])
+        WarmProcess(str(warm.socket_path), python_module(sys.executable, "json.tool"))
 
 
 RUNNER = """
 import sys, time
 from agent.warm import WarmProcess
-rank = WarmProcess(sys.argv[1], [sys.executable, "-m", "warm_rank_module", sys.argv[2], "0", "60"])
+rank = WarmProcess(sys.argv[1], [sys.executable, "-P", "-m", "warm_rank_module", sys.argv[2], "0", "60"])
 print(rank.pid, flush=True)
 time.sleep(60)
 """

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,9 +36,10 @@ def plain_torchrun(script: str, *args: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def run_with_a_kill(c: Cluster, spec: dict) -> dict:
-    """Submits the job with rank 1 SIGKILLed at step 13 of attempt 0; checks the recovery."""
-    c.start_agent("node-a"), c.start_agent("node-b")
+def run_with_a_kill(c: Cluster, spec: dict, **agent: Any) -> dict:
+    """Starts two agents (`agent`: Cluster.start_agent's arguments), submits the job with rank 1
+    SIGKILLed at step 13 of attempt 0; checks the recovery."""
+    c.start_agent("node-a", **agent), c.start_agent("node-b", **agent)
     job_id = c.submit(**spec, faults=[KILL])
     job = c.wait_job(job_id, timeout=300)
     assert job["state"] == "succeeded", c.logs()

@@ -22,6 +22,7 @@ from service.migrate import upgrade
 from service.models import JobEvent, Node, Role
 from service.security import create_token
 from tests.support.cluster import wait_for
+from tests.support.job_user import SUITE_USER_JOBS
 from tests.support.postgres import free_port
 
 FAKE_RANK = Path(__file__).parents[1] / "agent" / "scripts" / "fake_rank.py"
@@ -95,7 +96,7 @@ class Cluster:
         return self.tokens[subject]
 
     def start_agent(self, name: str, slots: int = 2, **env: str) -> subprocess.Popen:
-        agent_env = os.environ | AGENT_ENV | env | {
+        agent_env = os.environ | AGENT_ENV | SUITE_USER_JOBS | env | {
             "ETT_AGENT_SERVICE_URL": self.url, "ETT_AGENT_TOKEN": self.token("agent", name), "ETT_AGENT_NAME": name,
             "ETT_AGENT_SLOTS": str(slots), "ETT_AGENT_DATA_DIR": str(self.root / name)}  # fmt: skip
         self.agents[name] = self._spawn([sys.executable, "-m", "agent.cli"], agent_env, f"{name}.log")

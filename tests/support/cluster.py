@@ -19,6 +19,7 @@ from sqlalchemy import select
 from ett.cli.client_cmd import load_spec
 from service.migrate import upgrade
 from service.settings import Settings
+from tests.support.job_user import SUITE_USER_JOBS
 from tests.support.live import LiveService, live_service
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -34,15 +35,19 @@ class Cluster:
     admin: httpx.Client
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start_agent(self, name: str, slots: int = 2, **settings: str) -> subprocess.Popen:
+    def start_agent(self, name: str, slots: int = 2, job_python: Path | None = None, **settings: str
+                    ) -> subprocess.Popen:
+        """An agent process; with `job_python`, one that runs jobs as its default job user with that
+        interpreter (tests/support/job_user.py), else as the suite's own user."""
+        python = job_python or Path(sys.executable)
         env = {
-            **os.environ,
+            **os.environ, **({"ETT_AGENT_JOB_PYTHON": str(job_python)} if job_python else SUITE_USER_JOBS),
             "ETT_AGENT_SERVICE_URL": self.service.url, "ETT_AGENT_TOKEN": self.service.token("agent", name),
             "ETT_AGENT_NAME": name, "ETT_AGENT_SLOTS": str(slots), "ETT_AGENT_DATA_DIR": str(self.root / name),
             "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
             "ETT_AGENT_STOP_GRACE_SECONDS": "3",
-            # The example job files run `python examples/...`: this interpreter, from the repository's root.
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            # The example job files run `python examples/...`: the job's interpreter, from the repository's root.
+            "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
             **{f"ETT_AGENT_{k.upper()}": v for k, v in settings.items()},
         }  # fmt: skip
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process's life)

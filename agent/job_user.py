@@ -1,0 +1,119 @@
+"""Who a job's processes run as, and with which interpreter (docs/agent.md, "The job's user").
+
+An agent started as root never runs a job as root: torchrun, the rank runners, the ranks and the
+warm server run as an unprivileged user (ETT_AGENT_JOB_USER, default `nobody`); root only with
+ETT_AGENT_ALLOW_ROOT_JOBS=true. An agent started as any other user runs jobs as itself. The
+folders the agent makes for a job (its spool, its checkpoint folders) belong to that user.
+
+The interpreter must be one that user can run, with ett installed (ETT_AGENT_JOB_PYTHON; default
+the agent's own): an interpreter under root's home folder is not. The agent checks this once at
+start, as that user, and refuses to start with a one-line reason rather than fail every launch.
+"""
+
+import os
+import pwd
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_JOB_USER = "nobody"  # exists on every Debian and Red Hat machine
+PREFLIGHT_TIMEOUT_SECONDS = 120.0
+# Run as the job's user: the runner imports, and each folder can be reached (its own folders in
+# there the agent makes and gives to the user).
+PREFLIGHT_SCRIPT = (
+    "import os, sys, agent.rank_runner\n"
+    "bad = [f for f in sys.argv[1:] if not os.access(f, os.X_OK)]\n"
+    "sys.exit(f'cannot reach {bad[0]} (a folder above it is closed to it)' if bad else 0)\n"
+)
+
+
+class JobUserError(ValueError):
+    """A setting that names no usable job user; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class JobUser:
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+    @classmethod
+    def of(cls, entry: pwd.struct_passwd) -> "JobUser":
+        return cls(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir)
+
+
+def resolve_job_user(name: str | None, allow_root: bool) -> JobUser:
+    """The user jobs run as, from the settings and who the agent is; JobUserError when not allowed."""
+    euid = os.geteuid()
+    if euid != 0:
+        me = pwd.getpwuid(euid)
+        if name not in (None, me.pw_name):
+            raise JobUserError(f"ETT_AGENT_JOB_USER={name}: an agent that is not root runs jobs as itself "
+                               f"({me.pw_name}); start it as root to run them as another user")
+        return JobUser.of(me)
+    name = name or DEFAULT_JOB_USER
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise JobUserError(f"ETT_AGENT_JOB_USER={name}: no such user on this machine") from None
+    if entry.pw_uid == 0 and not allow_root:
+        raise JobUserError(f"ETT_AGENT_JOB_USER={name} is root: every user's job would run as root on this node; "
+                           "set ETT_AGENT_ALLOW_ROOT_JOBS=true to allow it")
+    return JobUser.of(entry)
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """How the job's processes are started: which interpreter, as which user (None: as the agent)."""
+
+    python: str = field(default_factory=lambda: sys.executable)
+    user: JobUser | None = None
+
+    @property
+    def switches(self) -> bool:
+        return self.user is not None and self.user.uid != os.geteuid()
+
+    def popen(self) -> dict[str, Any]:
+        """subprocess.Popen arguments that drop to the job's user (no supplementary groups kept)."""
+        if not self.switches:
+            return {}
+        assert self.user is not None
+        return {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
+
+    def env(self) -> dict[str, str]:
+        """What a login as the job's user would set; nothing when it is the agent's own user."""
+        if not self.switches:
+            return {}
+        assert self.user is not None
+        return {"USER": self.user.name, "LOGNAME": self.user.name, "HOME": self.user.home}
+
+    def make_own(self, folder: Path | str) -> None:
+        """Creates `folder` (its parents stay the agent's) and gives it to the job's user."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        if self.switches:
+            assert self.user is not None
+            os.chown(folder, self.user.uid, self.user.gid)
+
+    def problem(self, folders: list[Path]) -> str | None:
+        """Why the job's user cannot run jobs here (None: it can). Runs the interpreter once as that
+        user: it must start, import the rank runner, and reach each of `folders`."""
+        if not self.switches:
+            return None
+        assert self.user is not None
+        advice = ("set ETT_AGENT_JOB_PYTHON to an interpreter that user can run, with ett installed "
+                  "(docs/agent.md, \"The job's user\")")
+        try:
+            done = subprocess.run([self.python, "-P", "-c", PREFLIGHT_SCRIPT, *map(str, folders)], **self.popen(),
+                                  env=os.environ | self.env(), cwd="/", capture_output=True,
+                                  timeout=PREFLIGHT_TIMEOUT_SECONDS)  # fmt: skip
+        except OSError as exc:
+            return f"job user {self.user.name} cannot run {self.python}: {exc.strerror}; {advice}"
+        except subprocess.TimeoutExpired:
+            return f"job user {self.user.name}: {self.python} did not start within {PREFLIGHT_TIMEOUT_SECONDS:g}s"
+        if done.returncode != 0:
+            lines = done.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {done.returncode}"]
+            return f"job user {self.user.name} cannot run jobs with {self.python}: {lines[-1]}; {advice}"
+        return None
