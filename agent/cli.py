@@ -8,14 +8,15 @@ import sys
 from pydantic import ValidationError
 
 FLAGS = {  # flag -> AgentSettings field
-    "--service": "service_url", "--token": "token", "--name": "name", "--slots": "slots",
+    "--service": "service_url", "--token-file": "token_file", "--name": "name", "--slots": "slots",
     "--address": "address", "--data-dir": "data_dir", "--metrics-port": "metrics_port",
 }  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--service", help="service URL (ETT_AGENT_SERVICE_URL)")
-    parser.add_argument("--token", help="agent token (ETT_AGENT_TOKEN)")
+    parser.add_argument("--token-file", help="a file holding the agent token (ETT_AGENT_TOKEN_FILE; or set "
+                        "ETT_AGENT_TOKEN): never the token itself, which `ps` would show")
     parser.add_argument("--name", help="node name, unique in the fleet (ETT_AGENT_NAME; default: host name)")
     parser.add_argument("--slots", type=int, help="processes this node can run (ETT_AGENT_SLOTS)")
     parser.add_argument("--address", help="address other nodes reach this one on (ETT_AGENT_ADDRESS)")
@@ -25,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Adds `ett agent` to the `ett` command (ett/cli/main.py)."""
-    parser = sub.add_parser("agent", help="run the node agent (one per machine)")
+    # No abbreviations: `--token` must not pass for `--token-file`.
+    parser = sub.add_parser("agent", help="run the node agent (one per machine)", allow_abbrev=False)
     add_arguments(parser)
     parser.set_defaults(run=main)
 
@@ -41,8 +43,11 @@ def main(args: argparse.Namespace) -> int:
         settings = AgentSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         for error in exc.errors():
-            name = "ETT_AGENT_" + "_".join(str(p) for p in error["loc"]).upper()
-            print(f"ett agent: bad setting {name}: {error['msg']}", file=sys.stderr)
+            if error["loc"]:
+                name = "ETT_AGENT_" + "_".join(str(p) for p in error["loc"]).upper()
+                print(f"ett agent: bad setting {name}: {error['msg']}", file=sys.stderr)
+            else:  # a check across settings: its message names them
+                print(f"ett agent: {error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
     from agent.job_user import JobUserError
 
@@ -58,6 +63,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m agent.cli")
+    parser = argparse.ArgumentParser(prog="python -m agent.cli", allow_abbrev=False)
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

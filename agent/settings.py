@@ -9,7 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -19,7 +19,10 @@ class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ETT_AGENT_", extra="forbid")
 
     service_url: str = "http://127.0.0.1:8000"
-    token: str = Field(min_length=1, repr=False)
+    # The agent token: from ETT_AGENT_TOKEN, or read from the file ETT_AGENT_TOKEN_FILE names (never a
+    # command-line flag: `ps` would show it to every user of the node).
+    token: str = Field("", repr=False)
+    token_file: Path | None = None
     name: str = Field(default_factory=socket.gethostname)
     # Address the other nodes of a job reach this one on (used as torchrun's master address).
     address: str = "127.0.0.1"
@@ -62,6 +65,19 @@ class AgentSettings(BaseSettings):
     # Tests only: pretend this node's clock is this far off. Every time the service gets from
     # the node (the heartbeat's clock, each event's ts) is shifted by it, as a skewed clock would.
     clock_offset_seconds: float = 0.0
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> "AgentSettings":
+        if self.token_file is not None:
+            if self.token:
+                raise ValueError("set one of ETT_AGENT_TOKEN and ETT_AGENT_TOKEN_FILE, not both")
+            try:
+                self.token = self.token_file.read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"ETT_AGENT_TOKEN_FILE {self.token_file}: {exc.strerror}") from None
+        if not self.token:
+            raise ValueError("no agent token: set ETT_AGENT_TOKEN_FILE (a file holding it) or ETT_AGENT_TOKEN")
+        return self
 
     @field_validator("name")
     @classmethod

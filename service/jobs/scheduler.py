@@ -98,6 +98,9 @@ def fail_attempt(
     if exit_code == CONFIG_ERROR_EXIT_CODE:
         finish_job(session, job, JobState.failed, f"configuration error (exit code {exit_code}), not retried: {detail}",
                    now)
+    elif exit_code in job.spec.get("no_retry_exit_codes", ()):
+        finish_job(session, job, JobState.failed, f"exit code {exit_code} is in the job's no_retry_exit_codes, not "
+                   f"retried: {detail}", now)
     elif job.restarts >= job.spec["max_restarts"]:
         finish_job(session, job, JobState.failed, f"failed after {job.restarts} restarts: {detail}", now)
 

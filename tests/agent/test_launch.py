@@ -1,6 +1,7 @@
 """The torchrun command line, environment and settings an agent builds (no processes here)."""
 
 import argparse
+import subprocess
 import sys
 
 import httpx
@@ -10,6 +11,7 @@ from agent import cli
 from agent.launch import torchrun_argv, worker_env
 from agent.metrics import AgentStats, serve_metrics
 from agent.procs import GROUP_MARKER_ENV
+from agent.settings import AgentSettings
 from agent.spool import AttemptPaths
 from tests.agent.helpers import free_port, launch_command
 
@@ -61,6 +63,31 @@ def test_a_bad_setting_stops_the_agent_naming_it(capsys, monkeypatch, tmp_path):
 
     assert cli.main(parser.parse_args(["--slots", "0", "--data-dir", str(tmp_path)])) == 2
     assert "bad setting ETT_AGENT_SLOTS" in capsys.readouterr().err
+
+
+def test_the_agent_token_comes_from_a_file_or_the_environment_never_a_flag(capsys, monkeypatch, tmp_path):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    # `ps` would show a token on the command line to every user of the node: there is no such flag.
+    flag = subprocess.run([sys.executable, "-m", "ett.cli.main", "agent", "--token", "ett_secret"],
+                          capture_output=True, text=True, timeout=60)
+    assert flag.returncode == 2 and "unrecognized arguments: --token" in flag.stderr
+    monkeypatch.delenv("ETT_AGENT_TOKEN", raising=False)
+    token_file = tmp_path / "token"
+    token_file.write_text("ett_from_file\n")
+    assert AgentSettings(token_file=token_file).token == "ett_from_file"
+
+    def refusal(*argv: str) -> str:
+        assert cli.main(parser.parse_args([*argv, "--data-dir", str(tmp_path)])) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        return line
+
+    assert refusal() == "ett agent: no agent token: set ETT_AGENT_TOKEN_FILE (a file holding it) or ETT_AGENT_TOKEN"
+    assert refusal("--token-file", str(tmp_path / "missing")) == (
+        f"ett agent: ETT_AGENT_TOKEN_FILE {tmp_path / 'missing'}: No such file or directory")
+    monkeypatch.setenv("ETT_AGENT_TOKEN", "ett_env")
+    assert refusal("--token-file", str(token_file)) == (
+        "ett agent: set one of ETT_AGENT_TOKEN and ETT_AGENT_TOKEN_FILE, not both")
 
 
 def test_metrics_endpoint_serves_the_heartbeat_figures():

@@ -157,6 +157,22 @@ def test_configuration_error_is_not_retried(session, settings):
     assert job.state == JobState.failed and "configuration error" in job.reason and len(job.attempts) == 1
 
 
+@pytest.mark.parametrize("code, retried", [(42, False), (1, True)])
+def test_a_jobs_own_no_retry_exit_codes_fail_it_at_once(session, settings, code, retried):
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session, no_retry_exit_codes=[42, 43])
+    tick(session, settings, T0)
+    report(session, a, job, 0, "failed", T0 + 2, cause="exit", detail=f"rank 0 exit code {code}", exit_code=code)
+    report(session, b, job, 0, "stopped", T0 + 3)
+    tick(session, settings, T0 + 30)
+    session.refresh(job)
+    if retried:
+        assert job.state == JobState.running and len(job.attempts) == 2
+    else:
+        assert job.state == JobState.failed and len(job.attempts) == 1
+        assert job.reason == "exit code 42 is in the job's no_retry_exit_codes, not retried: rank 0 exit code 42"
+
+
 def test_max_restarts_is_honoured(session, settings):
     a, b = add_nodes(session, "a", "b")
     job = add_job(session, max_restarts=1)

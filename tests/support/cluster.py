@@ -42,7 +42,7 @@ class Cluster:
         python = job_python or Path(sys.executable)
         env = {
             **os.environ, **({"ETT_AGENT_JOB_PYTHON": str(job_python)} if job_python else SUITE_USER_JOBS),
-            "ETT_AGENT_SERVICE_URL": self.service.url, "ETT_AGENT_TOKEN": self.service.token("agent", name),
+            "ETT_AGENT_SERVICE_URL": self.service.url, "ETT_AGENT_TOKEN_FILE": str(self._token_file(name)),
             "ETT_AGENT_NAME": name, "ETT_AGENT_SLOTS": str(slots), "ETT_AGENT_DATA_DIR": str(self.root / name),
             "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
             "ETT_AGENT_STOP_GRACE_SECONDS": "3",
@@ -56,6 +56,13 @@ class Cluster:
         self.agents[name] = proc
         wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
         return proc
+
+    def _token_file(self, name: str) -> Path:
+        """The agent's token in a file only its owner reads, as an operator would keep it."""
+        path = self.root / f"{name}.token"
+        path.write_text(self.service.token("agent", name))
+        path.chmod(0o600)
+        return path
 
     def _registered(self, name: str) -> bool:
         from service.models import Node
