@@ -1,17 +1,21 @@
-"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`: the user's side, over the REST API."""
+"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`, `ett fleet`: the user's side, over the REST API."""
 
 import argparse
 import json
 import os
 import sys
+import time
 import tomllib
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
-from ett.cli.render import report_table
+from ett.cli.render import fleet_table, report_table
+
+TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     report = client_parser("report", "print a job's ETT report")
     report.add_argument("job_id")
     report.add_argument("--json", action="store_true", help="the raw report of GET /api/v1/jobs/{id}/ett")
+    report.add_argument("--follow", action="store_true",
+                        help="print it again every --interval seconds until the job ends")
+    report.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow")
     report.set_defaults(run=run_report)
+    fleet = client_parser("fleet", "print the fleet's ETT over a window (your jobs; every job for an admin)")
+    fleet.add_argument("--since", help="window start: ISO 8601 (UTC if no zone) or unix seconds (default: all time)")
+    fleet.add_argument("--until", help="window end (default: now)")
+    fleet.add_argument("--json", action="store_true", help="the raw report of GET /api/v1/ett")
+    fleet.set_defaults(run=run_fleet)
 
 
 class SpecFileError(Exception):
@@ -111,6 +123,8 @@ def run_submit(args: argparse.Namespace) -> int:
         print(f"ett: {exc}", file=sys.stderr)
         return 2
     job = _call(args, "POST", "/api/v1/jobs", json=spec)
+    for warning in job.get("warnings", []):
+        print(f"ett: warning: {warning}", file=sys.stderr)
     print(job["id"])
     return 0
 
@@ -118,10 +132,13 @@ def run_submit(args: argparse.Namespace) -> int:
 def run_jobs(args: argparse.Namespace) -> int:
     params = {"state": args.state} if args.state else {}
     jobs = _call(args, "GET", "/api/v1/jobs", params=params)["items"]
-    print(f"{'ID':32}  {'NAME':20}  {'STATE':9}  {'ATTEMPTS':>8}  SUBMITTED")
+    print(f"{'ID':32}  {'NAME':20}  {'STATE':9}  {'ATTEMPTS':>8}  {'ETT':>6}  {'SUBMITTED (UTC)':19}  REASON")
     for job in jobs:
-        print(f"{job['id']:32}  {job['name'][:20]:20}  {job['state']:9}  {len(job['attempts']):>8}  "
-              f"{job['submitted_at'][:19]}")
+        ett = "-"
+        if job["state"] != "queued":
+            ett = f"{_call(args, 'GET', '/api/v1/jobs/' + job['id'] + '/ett')['ett_percent']:.1f}%"
+        print(f"{job['id']:32}  {job['name'][:20]:20}  {job['state']:9}  {len(job['attempts']):>8}  {ett:>6}  "
+              f"{job['submitted_at'][:19]:19}  {job['reason'] or ''}")
     return 0
 
 
@@ -132,6 +149,35 @@ def run_cancel(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    report = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/ett")
-    print(json.dumps(report, indent=2) if args.json else report_table(report))
+    while True:
+        report = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/ett")
+        print(json.dumps(report, indent=2) if args.json else report_table(report), flush=True)
+        if not args.follow or report["state"] in TERMINAL:
+            return 0
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 130
+        print(flush=True)
+
+
+def _moment(text: str | None, flag: str) -> str | None:
+    """ISO 8601 or unix seconds, as the service takes them; a one-line error naming the flag."""
+    if text is None:
+        return None
+    try:
+        float(text)
+        return text
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).isoformat()
+    except ValueError:
+        sys.exit(f"ett: {flag} {text!r}: not a time (ISO 8601 like 2026-11-25T08:00, or unix seconds)")
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    window = {"since": _moment(args.since, "--since"), "until": _moment(args.until, "--until")}
+    fleet = _call(args, "GET", "/api/v1/ett", params={k: v for k, v in window.items() if v is not None})
+    print(json.dumps(fleet, indent=2) if args.json else fleet_table(fleet))
     return 0

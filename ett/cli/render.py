@@ -1,5 +1,6 @@
-"""The ETT report as a terminal table: the same numbers as GET /api/v1/jobs/{id}/ett."""
+"""ETT reports as terminal tables: the same numbers as GET /api/v1/jobs/{id}/ett and GET /api/v1/ett."""
 
+from datetime import UTC, datetime
 from typing import Any
 
 CATEGORY_ORDER = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
@@ -39,4 +40,27 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         f"  commit {_seconds(checkpoints['mean_commit_seconds'])}",
         f"recommended checkpoint interval {_seconds(report['recommended_checkpoint_interval_seconds'])}",
     ]
+    return "\n".join(lines)
+
+
+def _utc(unix: float | None) -> str:
+    return "the start" if unix is None else datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def fleet_table(fleet: dict[str, Any]) -> str:
+    wall = fleet["wall_seconds"]
+    lines = [
+        f"fleet from {_utc(fleet['since'])} to {_utc(fleet['until'])}: {fleet['jobs']} jobs",
+        f"ETT {fleet['ett_percent']:.1f}%  job time {_seconds(wall)}  failures {fleet['failures']}"
+        f"  mean time to recover {_seconds(fleet['mean_time_to_recover_seconds'])}",
+        "",
+        "where the rest of the time went:",
+    ]
+    lost = sorted(((k, v) for k, v in fleet["seconds"].items() if k != "productive" and v > 0), key=lambda kv: -kv[1])
+    lines += [f"  {category:16} {seconds:>10.1f} s {100 * seconds / wall:>6.1f}%" for category, seconds in lost]
+    lines += ["", "failures by cause: " + (", ".join(f"{c} {n}" for c, n in fleet["failure_causes"].items()) or "none")]
+    lines += ["", f"  {'JOB':32}  {'NAME':20}  {'ETT':>6}  {'JOB TIME':>10}  FAILURES"]
+    for job_id, job in sorted(fleet["by_job"].items(), key=lambda item: item[1]["ett_percent"]):
+        lines.append(f"  {job_id:32}  {job['name'][:20]:20}  {job['ett_percent']:>5.1f}%  "
+                     f"{_seconds(job['wall_seconds']):>10}  {job['failures']}")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     create.set_defaults(run=run_create)
     listing = actions.add_parser("list", help="list tokens (never their secrets)")
     listing.set_defaults(run=run_list)
-    revoke = actions.add_parser("revoke", help="revoke tokens by id (from `ett token list`); refused from their next request")
+    revoke = actions.add_parser("revoke", help="revoke tokens by id (`ett token list`): refused from then on")
     revoke.add_argument("ids", type=int, nargs="+", metavar="ID")
     revoke.set_defaults(run=run_revoke)
 

@@ -1,7 +1,9 @@
 """An agent's claim on its node: the check every hot agent endpoint runs first."""
 
+from datetime import datetime
+
 from fastapi import HTTPException, status
-from sqlalchemy import Row, select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from service.agents.commands import WAITING_FOR_NODE
@@ -24,6 +26,23 @@ def register_node(session: Session, name: str, address: str, slots: int, token_i
             node.state = NodeState.idle
     node.last_heartbeat_at = utcnow()
     return node
+
+
+def fleet_capacity(session: Session, slots: int, fresh: datetime) -> tuple[int, int]:
+    """Nodes that heartbeated since `fresh` (not lost), and how many of them have `slots` or more."""
+    live = select(Node.slots).where(Node.state != NodeState.lost, Node.last_heartbeat_at >= fresh).subquery()
+    total, fitting = session.execute(
+        select(func.count(), func.count().filter(live.c.slots >= slots)).select_from(live)).one()
+    return total, fitting
+
+
+def waiting_reason(nodes: int, slots: int, free: int, registered: int, fitting: int) -> str:
+    """Why a job of `nodes` x `slots` waits: the free and the registered nodes that could take it."""
+    each = f"{slots} free slot{'s' if slots > 1 else ''} each"
+    if fitting < nodes:
+        return (f"waiting for {nodes} node{'s' if nodes > 1 else ''} with {each}: the fleet has {fitting} "
+                f"({registered} agent{'s' if registered != 1 else ''} registered); start more agents (ett agent)")
+    return f"waiting for {nodes} node{'s' if nodes > 1 else ''} with {each}: {free} free now, {fitting} in the fleet"
 
 
 def claimed_node(session: Session, row: Row | None, name: str, caller: Caller) -> Row | Node | HTTPException:

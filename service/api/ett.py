@@ -5,14 +5,10 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
-from sqlalchemy import select
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
-from service.ett.accounts import job_report
-from service.ett.engine import JobAccount
-from service.ett.fleet import FleetJob, fleet_report
-from service.models import Job, JobAccountRow, Role
+from service.ett.accounts import fleet_figures, job_report
 from service.schemas.events import EttReport, FleetReport
 
 router = APIRouter(tags=["ett"])
@@ -44,13 +40,4 @@ def get_fleet_ett(
     if lo is not None and hi is not None and hi <= lo:
         detail = [{"field": "until", "msg": "until must be after since", "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
-    query = select(Job.name, JobAccountRow.account).join(JobAccountRow, JobAccountRow.job_id == Job.id)
-    query = query.where(JobAccountRow.window_start.is_not(None))
-    if hi is not None:
-        query = query.where(JobAccountRow.window_start < hi)
-    if lo is not None:
-        query = query.where((JobAccountRow.finished_at.is_(None)) | (JobAccountRow.finished_at > lo))
-    if caller.role != Role.admin:
-        query = query.where(Job.owner == caller.subject)
-    jobs = [FleetJob(name, JobAccount.from_dict(account)) for name, account in session.execute(query)]
-    return FleetReport.model_validate(fleet_report(jobs, now=now, since=lo, until=hi))
+    return FleetReport.model_validate(fleet_figures(session, caller, now, lo, hi))

@@ -7,10 +7,15 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
 from service.jobs import scheduler
-from service.jobs.catalog import EntrypointRefused, create_job, visible_jobs
+from service.jobs.catalog import (
+    EntrypointRefused,
+    create_job,
+    fleet_warnings,
+    visible_jobs,
+)
 from service.jobs.checkpoints import CheckpointDirRefused
 from service.models import Job, JobState
-from service.schemas.jobs import AttemptOut, JobList, JobOut, JobSpec
+from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -31,7 +36,7 @@ def job_out(job: Job) -> JobOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobOut:
+def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobCreated:
     try:
         job = create_job(session, request.app.state.settings, spec.model_dump(mode="json"), caller)
     except EntrypointRefused as refused:
@@ -39,9 +44,10 @@ def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Req
     except CheckpointDirRefused as refused:
         detail = [{"field": "checkpoint.dir", "msg": str(refused), "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
+    warnings = fleet_warnings(session, request.app.state.settings, job)
     session.commit()
     request.app.state.wake_scheduler()
-    return job_out(job)
+    return JobCreated(**job_out(job).model_dump(), warnings=warnings)
 
 
 @router.get("")

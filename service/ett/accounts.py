@@ -7,8 +7,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.ett.engine import JobAccount
+from service.ett.fleet import FleetJob, fleet_report
 from service.ett.report import build_report
-from service.models import Job, JobAccountRow
+from service.models import Job, JobAccountRow, Role, Token
 
 
 def job_account(session: Session, job_id: str) -> JobAccount:
@@ -35,4 +36,20 @@ def job_report(session: Session, job: Job, now: float, fleet_mtbf: float | None 
     return build_report(
         account, job_id=job.id, state=job.state.value, now=now,
         submitted_at=job.submitted_at.timestamp(), fleet_mtbf_seconds=fleet_mtbf,
+        ended_at=job.finished_at.timestamp() if job.finished_at else None,
     )  # fmt: skip
+
+
+def fleet_figures(session: Session, caller: Token, now: float, since: float | None, until: float | None
+                  ) -> dict[str, Any]:
+    """The fleet report over [since, until] of the jobs the caller may see (a user's own, all for an admin)."""
+    query = select(Job.id, Job.name, JobAccountRow.account).join(JobAccountRow, JobAccountRow.job_id == Job.id)
+    query = query.where(JobAccountRow.window_start.is_not(None))
+    if until is not None:
+        query = query.where(JobAccountRow.window_start < until)
+    if since is not None:
+        query = query.where((JobAccountRow.finished_at.is_(None)) | (JobAccountRow.finished_at > since))
+    if caller.role != Role.admin:
+        query = query.where(Job.owner == caller.subject)
+    jobs = [FleetJob(name, JobAccount.from_dict(account), job_id) for job_id, name, account in session.execute(query)]
+    return fleet_report(jobs, now=now, since=since, until=until)

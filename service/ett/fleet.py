@@ -20,6 +20,7 @@ from service.ett.report import attempt_pieces, attempt_spans, failures_of, windo
 class FleetJob:
     name: str
     account: JobAccount
+    job_id: str = ""
 
 
 class _Totals:
@@ -30,6 +31,7 @@ class _Totals:
         self.recover: list[float] = []
         self.starts: list[float] = []
         self.blocking_seconds = 0.0
+        self.causes: dict[str, int] = defaultdict(int)
 
     def figures(self) -> dict[str, Any]:
         wall = sum(self.seconds.values())
@@ -39,6 +41,7 @@ class _Totals:
             "ett_percent": 100.0 * self.seconds["productive"] / wall if wall > 0 else 0.0,
             "seconds": self.seconds,
             "failures": self.failures,
+            "failure_causes": dict(sorted(self.causes.items(), key=lambda item: (-item[1], item[0]))),
             "restarts": self.restarts,
             "mtbf_seconds": wall / self.failures if self.failures else None,
             "mean_time_to_recover_seconds": sum(self.recover) / len(self.recover) if self.recover else None,
@@ -73,6 +76,7 @@ def _add_job(totals: _Totals, account: JobAccount, now: float, since: float, unt
     for failure in failures_of(spans):
         if since <= failure["at"] < until:
             totals.failures += 1
+            totals.causes[failure["cause"] or "unknown"] += 1
             if failure["time_to_recover_seconds"] is not None:
                 totals.recover.append(failure["time_to_recover_seconds"])
 
@@ -83,9 +87,11 @@ def fleet_report(
     """The fleet's figures over [since, until] (default: all time to now), and per job name."""
     lo = -math.inf if since is None else since
     hi = now if until is None else until
-    fleet, by_name = _Totals(), defaultdict(_Totals)
+    fleet, by_name, by_job = _Totals(), defaultdict(_Totals), {}
     for job in jobs:
         _add_job(fleet, job.account, now, lo, hi)
         _add_job(by_name[job.name], job.account, now, lo, hi)
+        _add_job(by_job.setdefault(job.job_id, _Totals()), job.account, now, lo, hi)
     names = {name: t.figures() for name, t in sorted(by_name.items()) if t.jobs}
-    return {"since": since, "until": hi, **fleet.figures(), "by_name": names}
+    each = {job.job_id: {"name": job.name, **by_job[job.job_id].figures()} for job in jobs if by_job[job.job_id].jobs}
+    return {"since": since, "until": hi, **fleet.figures(), "by_name": names, "by_job": each}

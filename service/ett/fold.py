@@ -10,7 +10,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
-from service.ett.engine import CHECKPOINT_KINDS, TIMING_SOURCE, CheckpointRecord, Event, JobAccount
+from service.ett.engine import (
+    CHECKPOINT_KINDS,
+    TIMING_SOURCE,
+    CheckpointRecord,
+    Event,
+    JobAccount,
+)
 
 
 class Folded(Protocol):

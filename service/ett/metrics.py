@@ -9,7 +9,12 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -82,6 +87,7 @@ class EttCollector(Collector):
             r = build_report(
                 account, job_id=job.id, state=job.state.value, now=now,
                 submitted_at=job.submitted_at.timestamp(), fleet_mtbf_seconds=fleet_mtbf,
+                ended_at=job.finished_at.timestamp() if job.finished_at else None,
             )  # fmt: skip
             attempts = account.attempts.values()
             steps = sum(a.steps for a in attempts)

@@ -159,7 +159,9 @@ def build_report(
     now: float,
     submitted_at: float | None = None,
     fleet_mtbf_seconds: float | None = None,
+    ended_at: float | None = None,
 ) -> dict[str, Any]:
+    """`ended_at`: when the job ended, if it did (a job cancelled in the queue stops queueing then)."""
     window = window_of(account, now)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     spans: list[AttemptSpan] = []
@@ -170,7 +172,7 @@ def build_report(
         for span in spans:
             for k, v in attempt_seconds(span, account.finished_at is not None).items():
                 seconds[k] += v
-    queue_end = window[0] if window is not None else now
+    queue_end = window[0] if window is not None else ended_at if ended_at is not None else now
     failures = failures_of(spans)
     attempts = [s.summary for s in spans]
     first_steps = [a.first_step_start for a in attempts if a.first_step_start is not None]

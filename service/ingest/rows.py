@@ -112,7 +112,9 @@ def _copy_all_new(dbapi_connection: Any, rows: list[EventRow]) -> bool:
     stored, if one of them is stored already (an agent repeats a batch only when its answer was
     lost). Against staging them and moving them by INSERT ... ON CONFLICT: 30% less of the
     server's time per row, and no emptying of the staging table at commit (BENCHMARKS.md, "Load")."""
-    from psycopg.errors import UniqueViolation  # the PostgreSQL driver: an optional dependency
+    from psycopg.errors import (
+        UniqueViolation,  # the PostgreSQL driver: an optional dependency
+    )
 
     cursor = dbapi_connection.cursor()
     try:

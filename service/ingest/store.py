@@ -25,7 +25,13 @@ from sqlalchemy.orm import Session
 
 from service.ett.engine import CheckpointRecord, Event, JobAccount
 from service.ett.fold import fold, is_checkpoint
-from service.ingest.rows import EventRow, Pending, dialect_insert, encode_data, store_new
+from service.ingest.rows import (
+    EventRow,
+    Pending,
+    dialect_insert,
+    encode_data,
+    store_new,
+)
 from service.models import RANK0_STEPS, Checkpoint, Job, JobAccountRow, JobEvent
 from service.schemas.events import EventIn
 from service.settings import Settings

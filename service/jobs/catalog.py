@@ -1,15 +1,20 @@
 """The jobs: a new one submitted, and those a caller may see (their owner's, or every job for an admin)."""
 
+import logging
 import shlex
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service.agents.nodes import fleet_capacity
 from service.jobs.checkpoints import confined_checkpoint_dir
 from service.models import Job, JobState, Role, Token
 from service.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class EntrypointRefused(PermissionError):
@@ -43,6 +48,21 @@ def create_job(session: Session, settings: Settings, spec: dict, caller: Token) 
     job = Job(id=uuid.uuid4().hex, name=spec["name"], owner=owner, spec=spec)
     session.add(job)
     return job
+
+
+def fleet_warnings(session: Session, settings: Settings, job: Job) -> list[str]:
+    """What the submitter should know now: a job larger than the registered fleet is accepted, and
+    waits until enough agents register."""
+    nodes, slots = job.spec["nodes"], job.spec["procs_per_node"]
+    fresh = datetime.now(UTC) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    registered, fitting = fleet_capacity(session, slots, fresh)
+    if fitting >= nodes:
+        return []
+    warning = (f"the job needs {nodes} node{'s' if nodes > 1 else ''} with {slots} slot{'s' if slots > 1 else ''} "
+               f"each and the fleet has {fitting} ({registered} agent{'s' if registered != 1 else ''} registered): "
+               "it waits in the queue until enough agents register (ett agent)")
+    log.warning("job %s: %s", job.id, warning)
+    return [warning]
 
 
 def visible_job(session: Session, job_id: str, caller: Token) -> Job | None:

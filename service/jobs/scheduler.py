@@ -14,9 +14,25 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from service.agents import commands
-from service.jobs.checkpoints import checkpoint_interval_steps, job_checkpoint_dir, newest_checkpoint, owner_area
+from service.agents.nodes import fleet_capacity, waiting_reason
+from service.jobs.checkpoints import (
+    checkpoint_interval_steps,
+    job_checkpoint_dir,
+    newest_checkpoint,
+    owner_area,
+)
 from service.jobs.service_events import emit
-from service.models import Attempt, AttemptNode, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState
+from service.models import (
+    Attempt,
+    AttemptNode,
+    AttemptState,
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobState,
+    Node,
+    NodeState,
+)
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 
@@ -209,6 +225,7 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
     ).all()  # fmt: skip
     fresh = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
     idle: list[Node] | None = None  # read (and locked) once per tick, by the first job that needs nodes
+    capacity: dict[int, tuple[int, int]] = {}  # slots per node -> the fleet's nodes, and those with that many
     for job in candidates:
         if not _needs_attempt(session, job, settings, now):
             continue
@@ -219,8 +236,16 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
             ))  # fmt: skip
         spec = job.spec
         fitting = [node for node in idle if node.slots >= spec["procs_per_node"]]
-        if len(fitting) < spec["nodes"]:
-            continue  # gang: all nodes or none; smaller jobs behind may still fit
+        if len(fitting) < spec["nodes"]:  # gang: all nodes or none; smaller jobs behind may still fit
+            if job.state == JobState.queued:
+                slots = spec["procs_per_node"]
+                if slots not in capacity:
+                    capacity[slots] = fleet_capacity(session, slots, fresh)
+                registered, able = capacity[slots]
+                reason = waiting_reason(spec["nodes"], spec["procs_per_node"], len(fitting), registered, able)
+                if job.reason != reason:  # written when it changes, not every tick
+                    job.reason = reason
+            continue
         nodes = _prefer_previous_nodes(job, fitting)[: spec["nodes"]]
         _start_attempt(session, settings, job, nodes, now)
         idle = [node for node in idle if node not in nodes]
@@ -255,7 +280,7 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
     for rank, node in enumerate(nodes):
         attempt.nodes.append(AttemptNode(node=node, node_rank=rank))
         node.state = NodeState.busy
-    job.state, job.restarts = JobState.running, number
+    job.state, job.restarts, job.reason = JobState.running, number, None
     session.add(attempt)
     session.flush()
     emit(session, job.id, number, "attempt_allocated", now, {"nodes": [n.name for n in nodes]})

@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from service.db import SessionDep
-from service.ett.accounts import fleet_mtbf_seconds, job_account, job_report
+from service.ett.accounts import fleet_figures, fleet_mtbf_seconds, job_account, job_report
 from service.ett.engine import CATEGORIES
 from service.jobs.catalog import visible_job, visible_jobs
 from service.models import JobState
@@ -85,6 +85,25 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
         steps = step_time(session, job.id, account, frame)
         timeline = build_timeline(account, frame, steps, checkpoint_saves(session, job.id))
     return render(request, "job.html", {"caller": caller, "job": job, "report": report, "timeline": timeline})
+
+
+WINDOWS = {"1": "last hour", "24": "last 24 hours", "168": "last 7 days", "all": "all time"}
+
+
+@router.get("/fleet")
+def fleet_page(request: Request, session: SessionDep, caller: PageCallerDep, window: str = "24") -> Response:
+    """The fleet's ETT over a window: the totals, where the rest of the time went, failures by
+    cause, each job; the same figures as GET /api/v1/ett."""
+    if window not in WINDOWS:
+        return render(request, "error.html", {"caller": caller, "message": f"window must be one of {', '.join(WINDOWS)}"},
+                      422)
+    now = time.time()
+    since = None if window == "all" else now - 3600 * int(window)
+    fleet = fleet_figures(session, caller, now, since, None)
+    lost = sorted(((k, v) for k, v in fleet["seconds"].items() if k != "productive" and v > 0), key=lambda kv: -kv[1])
+    jobs = sorted(fleet["by_job"].items(), key=lambda item: item[1]["ett_percent"])
+    context = {"caller": caller, "fleet": fleet, "lost": lost, "jobs": jobs, "window": window, "windows": WINDOWS}
+    return render(request, "fleet.html", context)
 
 
 @router.post("/logout")

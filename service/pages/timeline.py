@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 
 from service.ett.engine import CATEGORIES, JobAccount
-from service.ett.report import Piece, attempt_pieces, attempt_spans, failures_of, window_of
+from service.ett.report import (
+    Piece,
+    attempt_pieces,
+    attempt_spans,
+    failures_of,
+    window_of,
+)
 
 IDLE = CATEGORIES.index("idle")
 

@@ -3,7 +3,13 @@
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from service.ett.engine import AGENT_KINDS, CATEGORIES, EVENT_KINDS, SERVICE_KINDS
 from service.schemas import Strict
@@ -116,6 +122,7 @@ class FleetFigures(BaseModel):
     ett_percent: float
     seconds: Seconds
     failures: int
+    failure_causes: dict[str, int]  # failures in the window by cause, the most frequent first
     restarts: int
     mtbf_seconds: float | None
     mean_time_to_recover_seconds: float | None
@@ -123,7 +130,12 @@ class FleetFigures(BaseModel):
     checkpoints: FleetCheckpointFigures
 
 
+class FleetJobFigures(FleetFigures):
+    name: str
+
+
 class FleetReport(FleetFigures):
     since: float | None
     until: float
     by_name: dict[str, FleetFigures]
+    by_job: dict[str, FleetJobFigures]  # by job id

@@ -3,7 +3,14 @@
 from datetime import datetime
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, Field, StringConstraints, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from service.models import AttemptState, JobState
 from service.schemas import Strict
@@ -91,6 +98,12 @@ class JobOut(BaseModel):
     restarts: int
     reason: str | None
     attempts: list[AttemptOut]
+
+
+class JobCreated(JobOut):
+    """The answer to a submit: the job, and what its submitter should know now."""
+
+    warnings: list[str] = []
 
 
 class JobList(BaseModel):

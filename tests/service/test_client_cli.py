@@ -5,10 +5,12 @@ import http.server
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from tests.support.cluster import EXAMPLE_JOBS
+from tests.deploy.replayed import replayed_job
+from tests.support.cluster import EXAMPLE_JOBS, wait_for
 
 
 def ett(*args: str, service: str, token: str | None) -> subprocess.CompletedProcess:
@@ -23,14 +25,47 @@ def test_submit_list_cancel_and_report(service):
     submitted = ett("submit", str(EXAMPLE_JOBS / "plain_ddp.toml"), service=service.url, token=token)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    listed = ett("jobs", service=service.url, token=token)
-    assert job_id in listed.stdout and "plain-ddp" in listed.stdout and "queued" in listed.stdout
+    # No agent registered: accepted, with a warning that says why it will wait.
+    assert submitted.stderr.strip() == ("ett: warning: the job needs 2 nodes with 1 slot each and the fleet has 0 "
+                                        "(0 agents registered): it waits in the queue until enough agents register "
+                                        "(ett agent)")
+    listed = wait_for(lambda: (out := ett("jobs", service=service.url, token=token).stdout) and "waiting for" in out
+                      and out, 10, "the waiting reason in `ett jobs`")
+    [row] = [line for line in listed.splitlines() if line.startswith(job_id)]
+    assert row.split()[1:5] == ["plain-ddp", "queued", "0", "-"]
+    assert row.endswith("waiting for 2 nodes with 1 free slot each: the fleet has 0 (0 agents registered); "
+                        "start more agents (ett agent)")
+
+    # `ett report --follow` prints the report again until the job ends: here, until it is cancelled.
+    follow = subprocess.Popen([sys.executable, "-m", "ett.cli.main", "report", job_id, "--follow", "--interval", "0.2"],
+                              env={"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service.url, "ETT_TOKEN": token},
+                              stdout=subprocess.PIPE, text=True)
+    time.sleep(2)
+    assert follow.poll() is None
     cancelled = ett("cancel", job_id, service=service.url, token=token)
+    out, _ = follow.communicate(timeout=30)
+    assert follow.returncode == 0 and out.count(f"job {job_id}") >= 2
+    assert out[out.rindex(f"job {job_id}"):].startswith(f"job {job_id}  state cancelled")
     assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"{job_id} cancelled"
     report = ett("report", job_id, "--json", service=service.url, token=token)
     assert report.returncode == 0 and '"state": "cancelled"' in report.stdout
     missing = ett("cancel", "0" * 32, service=service.url, token=token)
     assert missing.returncode == 1 and missing.stderr.strip() == f"ett: the service answered 404: no job {'0' * 32}"
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_fleet_prints_the_apis_figures(service):
+    job = replayed_job(service, time.time() - 200)
+    api = service.client(job.user_token).get("/api/v1/ett").json()
+    fleet = ett("fleet", service=service.url, token=job.user_token)
+    assert fleet.returncode == 0, fleet.stderr
+    assert f"ETT {api['ett_percent']:.1f}%" in fleet.stdout and "failures by cause: exit 1, hang 1" in fleet.stdout
+    assert any(line.split()[:2] == [job.id, "moe-pages"] for line in fleet.stdout.splitlines())
+    window = ett("fleet", "--since", str(time.time() + 10), service=service.url, token=job.user_token)
+    assert window.returncode == 0 and "0 jobs" in window.stdout
+    bad = ett("fleet", "--since", "yesterday", service=service.url, token=job.user_token)
+    assert bad.returncode == 1 and bad.stderr.strip() == (
+        "ett: --since 'yesterday': not a time (ISO 8601 like 2026-11-25T08:00, or unix seconds)")
 
 
 def test_a_server_that_is_not_ett_gets_one_line_not_a_traceback():

@@ -113,6 +113,22 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
     assert page.status_code == 200 and "Not allocated yet" in page.text and not PageDom(page.text).lanes
 
 
+def test_fleet_page_shows_the_apis_figures_where_time_went_and_each_job(service):
+    job = replayed_job(service, time.time() - 200)
+    alice = service.client(job.user_token)
+    api = alice.get("/api/v1/ett").json()
+    html = alice.get("/fleet?window=all").text
+    page = PageDom(html)
+    assert number(page.figures["ett_percent"].removeprefix("ETT ")) == pytest.approx(api["ett_percent"], abs=0.051)
+    assert api["failure_causes"] == {"exit": 1, "hang": 1} and api["by_job"][job.id]["name"] == "moe-pages"
+    # Where the time went: every non-productive category the API has, the largest first.
+    rows = re.findall(r"<tr><td>(\w+)</td><td class=\"num\">([\d.]+)</td>", html.split('id="lost"')[1].split("</table>")[0])
+    expected = sorted(((c, s) for c, s in api["seconds"].items() if c != "productive" and s > 0), key=lambda cs: -cs[1])
+    assert [c for c, _ in rows] == [c for c, _ in expected]
+    assert f'data-job-id="{job.id}"' in html and '<td>exit</td><td class="num">1</td>' in html
+    assert alice.get("/fleet?window=3").status_code == 422
+
+
 @SQLITE_ONLY
 def test_query_token_becomes_an_httponly_cookie_and_leaves_the_address(service):
     job = replayed_job(service, time.time() - 200)
