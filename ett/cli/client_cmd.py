@@ -5,15 +5,14 @@ import json
 import os
 import sys
 import time
-import tomllib
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
 from ett.cli.render import fleet_table, report_table
+from ett.cli.spec_file import SpecFileError, load_spec
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -49,49 +48,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     fleet.set_defaults(run=run_fleet)
 
 
-class SpecFileError(Exception):
-    pass
-
-
-def _line_of(text: str, key: str) -> int | None:
-    for number, line in enumerate(text.splitlines(), 1):
-        if f'"{key}"' in line or line.strip().startswith((f"{key} ", f"{key}=", f"[{key}")):
-            return number
-    return None
-
-
-def load_spec(path: Path) -> dict[str, Any]:
-    """Reads and checks a job spec; errors name the file and, where it can be found, the line."""
-    from service.schemas.jobs import JobSpec
-
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecFileError(f"{path}: {exc.strerror}") from None
-    try:
-        if path.suffix == ".toml":
-            spec = tomllib.loads(text)
-        elif path.suffix == ".json":
-            spec = json.loads(text)
-        else:
-            raise SpecFileError(f"{path}: a job spec is a .toml or a .json file")
-    except json.JSONDecodeError as exc:
-        raise SpecFileError(f"{path}:{exc.lineno}: {exc.msg}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecFileError(f"{path}: {exc}") from None
-    try:
-        JobSpec.model_validate(spec)
-    except ValidationError as exc:
-        lines = []
-        for error in exc.errors():
-            field = ".".join(str(p) for p in error["loc"]) or "(top level)"
-            key = next((str(p) for p in reversed(error["loc"]) if isinstance(p, str)), None)
-            line = _line_of(text, key) if key else None
-            lines.append(f"{path}:{line or '?'}: {field}: {error['msg']}")
-        raise SpecFileError("\n".join(lines)) from None
-    return spec
-
-
 def _client(args: argparse.Namespace) -> httpx.Client:
     if not args.token:
         sys.exit("ett: no token: pass --token or set ETT_TOKEN (an admin creates one with `ett token create`)")
@@ -120,7 +76,8 @@ def run_submit(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.file)
     except SpecFileError as exc:
-        print(f"ett: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"ett: {line}", file=sys.stderr)
         return 2
     job = _call(args, "POST", "/api/v1/jobs", json=spec)
     for warning in job.get("warnings", []):

@@ -1,0 +1,131 @@
+"""A job spec file (.toml or .json) read and checked as `ett submit` does: each mistake is one
+line, `FILE:LINE: field: what is wrong`, with the line found in the file (docs/jobspec.md)."""
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+KEY_PART = re.compile(r'\s*("[^"]*"|\'[^\']*\'|[A-Za-z0-9_-]+)\s*(\.|$)')
+TOML_POSITION = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
+# pydantic names the branch of a union it tried as a part of the location: not a field.
+UNION_BRANCH = re.compile(r"^(constrained-\w+|literal\[.*\]|function-\w+\[.*\]|str|int|float|bool|list\[.*\]|none)$")
+# A validator's message that names a field deeper than its own: "faults.0.rank: rank 9 ...".
+NESTED_FIELD = re.compile(r"^Value error, ((?:\w+\.)*\w+): (.*)$")
+
+
+class SpecFileError(Exception):
+    """One line per mistake, each naming the file, the line where it can be found, and the field."""
+
+
+def _key_path(text: str) -> tuple[str, ...]:
+    parts, rest = [], text
+    while rest.strip():
+        match = KEY_PART.match(rest)
+        if match is None:
+            return ()
+        parts.append(match[1].strip("\"'"))
+        rest = rest[match.end():]
+    return tuple(parts)
+
+
+def toml_line(text: str, loc: tuple) -> int | None:
+    """The line of `loc` (a pydantic location: keys and array indices) in a TOML document: the line
+    whose table and key are the longest start of `loc`."""
+    table: tuple = ()
+    seen: dict[tuple, int] = {}
+    best, best_length = None, 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if line.startswith("[["):
+            name = _key_path(line[2:line.find("]]")])
+            seen[name] = seen.get(name, -1) + 1
+            path = table = (*name, seen[name])
+        elif line.startswith("["):
+            path = table = _key_path(line[1:line.find("]")])
+        elif "=" in line and not line.startswith("#"):
+            path = (*table, *_key_path(line.split("=", 1)[0]))
+        else:
+            continue
+        if path and loc[: len(path)] == path and len(path) > best_length:
+            best, best_length = number, len(path)
+    return best
+
+
+def json_line(text: str, loc: tuple) -> int | None:
+    key = next((str(p) for p in reversed(loc) if isinstance(p, str)), None)
+    for number, line in enumerate(text.splitlines(), 1):
+        if key is not None and f'"{key}"' in line:
+            return number
+    return None
+
+
+def _mistakes(exc: ValidationError) -> dict[tuple, list[str]]:
+    """The errors by field: union branches folded into their field, one message list per field."""
+    by_field: dict[tuple, list[str]] = {}
+    for error in exc.errors():
+        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and UNION_BRANCH.match(p)))
+        message = error["msg"]
+        nested = NESTED_FIELD.match(message)
+        if nested:
+            loc = tuple(int(p) if p.isdigit() else p for p in nested[1].split("."))
+            message = nested[2]
+        messages = by_field.setdefault(loc, [])
+        if message not in messages:
+            messages.append(message)
+    return by_field
+
+
+def _one_line(messages: list[str]) -> str:
+    """Messages of one field's union branches as one: "Input should be A, or B"."""
+    first, *others = messages
+    return ", or ".join([first, *(m.removeprefix("Input should be ") for m in others)])
+
+
+def _nested_overrides(spec: dict[str, Any]) -> list[tuple[tuple, str]]:
+    """Unquoted dotted override keys: TOML reads `train.steps = 60` as a table `train`."""
+    overrides = spec.get("trainer", {}).get("overrides", {}) if isinstance(spec.get("trainer"), dict) else {}
+    found = []
+    for name, value in overrides.items() if isinstance(overrides, dict) else ():
+        if isinstance(value, dict):
+            inner, inner_value = next(iter(value.items()), ("field", "value"))
+            found.append((("trainer", "overrides", name, inner), f"an override key with a dot must be quoted in "
+                          f"TOML: write \"{name}.{inner}\" = {json.dumps(inner_value)}"))
+    return found
+
+
+def load_spec(path: Path) -> dict[str, Any]:
+    """Reads and checks a job spec; SpecFileError with one line per mistake."""
+    from service.schemas.jobs import JobSpec
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecFileError(f"{path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            spec, find_line = tomllib.loads(text), toml_line
+        elif path.suffix == ".json":
+            spec, find_line = json.loads(text), json_line
+        else:
+            raise SpecFileError(f"{path}: a job spec is a .toml or a .json file")
+    except json.JSONDecodeError as exc:
+        raise SpecFileError(f"{path}:{exc.lineno}: {exc.msg}") from None
+    except tomllib.TOMLDecodeError as exc:
+        position = TOML_POSITION.search(str(exc))
+        line = position[1] if position and position[1] else len(text.splitlines()) if position else "?"
+        raise SpecFileError(f"{path}:{line}: {TOML_POSITION.sub('', str(exc))}") from None
+    mistakes = _nested_overrides(spec)
+    if not mistakes:
+        try:
+            JobSpec.model_validate(spec)
+        except ValidationError as exc:
+            mistakes = [(loc, _one_line(messages)) for loc, messages in _mistakes(exc).items()]
+    if mistakes:
+        lines = [f"{path}:{find_line(text, loc) or '?'}: {'.'.join(map(str, loc)) or '(top level)'}: {message}"
+                 for loc, message in mistakes]
+        raise SpecFileError("\n".join(lines))
+    return spec
