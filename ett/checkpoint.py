@@ -19,6 +19,7 @@ stays the checkpoint of record, and resume reads the local copies that match its
 import logging
 import os
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from ett.folders import (
 from ett.state import ModelOptimizerState
 
 logger = logging.getLogger(__name__)
+CHECKPOINT_PROCESS_EXIT_SECONDS = 10.0  # at close: DCP's checkpoint process exits, at most this long waited for
 
 
 @dataclass
@@ -269,6 +271,9 @@ class Checkpointer:
         self.stager.close()
         daemon = _async_process_executor._CHECKPOINT_PROCESS
         if daemon is not None:
-            # DCP has no public call to stop its checkpoint process. Ask it to exit, without the
-            # handle's __del__, which would wait 5 s for it; left alone it dies on EOF with a traceback.
+            # DCP has no public call to stop its checkpoint process. Ask it to exit and wait for it
+            # (bounded): a rank that left it behind left a process for the agent to kill.
+            started = time.monotonic()
             daemon._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
+            daemon._save_process.join(timeout=CHECKPOINT_PROCESS_EXIT_SECONDS)
+            logger.info("checkpoint process exited in %.2f s", time.monotonic() - started)

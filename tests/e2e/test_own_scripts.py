@@ -45,6 +45,8 @@ def run_with_a_kill(c: Cluster, spec: dict, **agent: Any) -> dict:
     assert job["state"] == "succeeded", c.logs()
     first, second = job["attempts"]
     assert first["cause"] == "signal" and second["state"] == "succeeded"
+    # A successful attempt's ranks leave nothing behind (DCP's checkpoint process included).
+    assert f"attempt {job_id}/1: killed" not in c.logs()
 
     # The second attempt restored the newest checkpoint committed before the failure.
     newest = newest_committed_before_the_failure(c, job_id)
