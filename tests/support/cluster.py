@@ -35,10 +35,10 @@ class Cluster:
     admin: httpx.Client
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start_agent(self, name: str, slots: int = 2, job_python: Path | None = None, **settings: str
-                    ) -> subprocess.Popen:
-        """An agent process; with `job_python`, one that runs jobs as its default job user with that
-        interpreter (tests/support/job_user.py), else as the suite's own user."""
+    def start_agent(self, name: str, slots: int = 2, job_python: Path | None = None, cwd: Path = REPO,
+                    **settings: str) -> subprocess.Popen:
+        """An agent process (`ett agent`, started in `cwd`); with `job_python`, one that runs jobs as
+        its default job user with that interpreter (tests/support/job_user.py), else as the suite's own user."""
         python = job_python or Path(sys.executable)
         env = {
             **os.environ, **({"ETT_AGENT_JOB_PYTHON": str(job_python)} if job_python else SUITE_USER_JOBS),
@@ -51,8 +51,8 @@ class Cluster:
             **{f"ETT_AGENT_{k.upper()}": v for k, v in settings.items()},
         }  # fmt: skip
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process's life)
-        proc = subprocess.Popen([sys.executable, "-m", "ett.cli.main", "agent"], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "ett"), "agent"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
         self.agents[name] = proc
         wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
         return proc
