@@ -43,13 +43,15 @@ def fake_rank_job(name: str = "fake", nodes: int = 1, steps: int = 40, step_seco
 class Cluster:
     root: Path
     service_env: dict[str, str]
+    database_url: str = ""  # default: SQLite in root
+    workers: int = 1  # `ett service --workers N` (PostgreSQL for more than one)
     port: int = field(default_factory=free_port)
     service: subprocess.Popen | None = None
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.database_url = f"sqlite:///{self.root / 'ett.db'}"
+        self.database_url = self.database_url or f"sqlite:///{self.root / 'ett.db'}"
         upgrade(self.database_url)
         self.engine = make_engine(self.database_url)
         self.sessions = make_session_factory(self.engine)
@@ -74,7 +76,8 @@ class Cluster:
         env = os.environ | SERVICE_ENV | self.service_env | {
             "ETT_DATABASE_URL": self.database_url, "ETT_DATA_DIR": str(self.root / "service"),
             "ETT_PORT": str(self.port), "ETT_CHECKPOINT_ROOT": str(self.checkpoint_root)}  # fmt: skip
-        self.service = self._spawn([sys.executable, "-m", "ett.cli.main", "service"], env, "service.log")
+        argv = [sys.executable, "-m", "ett.cli.main", "service", "--workers", str(self.workers)]
+        self.service = self._spawn(argv, env, "service.log")
         wait_for(self._ready, 60, "the service to answer /readyz", interval=0.2)
 
     def _ready(self) -> bool:
@@ -155,9 +158,9 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(root: Path, **service_env: str) -> Iterator[Cluster]:
+def cluster(root: Path, database_url: str = "", workers: int = 1, **service_env: str) -> Iterator[Cluster]:
     """A migrated database and a running service; agents are started by the test."""
-    c = Cluster(root, {k: str(v) for k, v in service_env.items()})
+    c = Cluster(root, {k: str(v) for k, v in service_env.items()}, database_url, workers)
     try:
         c.start_service()
         yield c
