@@ -94,7 +94,7 @@ def test_an_agent_started_beside_folders_named_like_our_packages_runs_the_instal
     shadows = tmp_path / "workdir"
     for package in ("agent", "trainer", "ett"):  # `python -m` would import these from the working folder
         (shadows / package).mkdir(parents=True)
-        (shadows / package / "__init__.py").write_text(f"raise ImportError('the {package} folder of the working folder')\n")
+        (shadows / package / "__init__.py").write_text(f"raise ImportError('{package} of the working folder')\n")
     with cluster(tmp_path) as c:
         c.start_agent("node-a", cwd=shadows)
         spec = trainer_job(nodes=1, procs_per_node=2, trainer={"preset": "tiny", "overrides": {"train.steps": 4}})
