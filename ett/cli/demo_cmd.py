@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the demo's folder (logs, database, checkpoints)")
     parser.add_argument("--port", type=int, default=0, help="service port (default: a free one)")
     parser.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
+    parser.add_argument("--exit", action="store_true",
+                        help="exit after the report even on a terminal (without a terminal it always does)")
     parser.set_defaults(run=run)
 
 
@@ -117,8 +119,36 @@ def _wait_ready(url: str, service: subprocess.Popen, log: Path) -> None:
     raise SystemExit(f"ett demo: the service did not answer; see {log}")
 
 
-def _follow(client: httpx.Client, job_id: str, timeout: float) -> dict[str, Any]:
-    """Prints each attempt's state changes until the job ends."""
+class Progress:
+    """The job's live progress (attempt, step, ETT so far): one line rewritten in place on a
+    terminal; elsewhere (logs, CI) a line every 10 steps."""
+
+    def __init__(self, terminal: bool) -> None:
+        self.terminal = terminal
+        self.width = 0  # of the line on screen
+        self.tens = -1  # the last step's tens printed, off a terminal
+
+    def show(self, attempt: int, report: dict[str, Any]) -> None:
+        step = report["last_step"]
+        if step is None:
+            return
+        line = f"  attempt {attempt}: step {step}/{DEMO_STEPS}, ETT so far {report['ett_percent']:.1f}%"
+        if self.terminal:
+            print("\r" + line.ljust(self.width), end="", flush=True)
+            self.width = len(line)
+        elif step // 10 != self.tens:
+            print(line, flush=True)
+            self.tens = step // 10
+
+    def clear(self) -> None:
+        """Before another line is printed: the progress line goes."""
+        if self.terminal and self.width:
+            print("\r" + " " * self.width + "\r", end="", flush=True)
+            self.width = 0
+
+
+def _follow(client: httpx.Client, job_id: str, timeout: float, progress: Progress) -> dict[str, Any]:
+    """Prints each attempt's state changes, and the progress, until the job ends."""
     seen: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -127,16 +157,36 @@ def _follow(client: httpx.Client, job_id: str, timeout: float) -> dict[str, Any]
             number, state = attempt["number"], attempt["state"]
             if number not in seen:  # allocation is printed even when a poll first sees it running
                 resume = f", resuming from {attempt['resume_from']}" if attempt["resume_from"] else ""
+                progress.clear()
                 print(f"  attempt {number}: allocated on {', '.join(attempt['nodes'])}{resume}", flush=True)
                 seen[number] = "allocated"
             if seen[number] != state:
                 seen[number] = state
                 why = f" ({attempt['cause']}: {attempt['detail']})" if attempt["cause"] else ""
+                progress.clear()
                 print(f"  attempt {number}: {state}{why}", flush=True)
         if job["state"] in ("succeeded", "failed", "cancelled"):
+            progress.clear()
             return job
+        if job["attempts"] and job["attempts"][-1]["state"] == "running":
+            progress.show(job["attempts"][-1]["number"], client.get(f"/api/v1/jobs/{job_id}/ett").json())
         time.sleep(0.5)
     raise SystemExit(f"ett demo: the job did not end within {timeout:.0f} s")
+
+
+def _stay_up(url: str, job_id: str, user_token: str) -> None:
+    """On a terminal: the service stays up, with a login that works, until Ctrl-C."""
+    print(f"ett demo: the service stays up: open {url}/jobs/{job_id}?token={user_token}\n"
+          f"          (the job's page; signed in as the demo's user), or use the API at {url}/docs with "
+          f"ETT_SERVICE_URL={url} ETT_TOKEN={user_token}. Ctrl-C stops everything.", flush=True)
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM too stops the agents and the service, not only us
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        print()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,13 +216,14 @@ def run(args: argparse.Namespace) -> int:
             job = client.post("/api/v1/jobs", json=demo_job()).raise_for_status().json()
             print(f"ett demo: submitted job {job['id']}: 2 nodes x 2 ranks, MoE with EP 2 and ZeRO-3, "
                   f"{DEMO_STEPS} steps; faults: SIGKILL of rank 1 at step 25, hang of rank 2 at step 45")
-            job = _follow(client, job["id"], args.timeout)
+            job = _follow(client, job["id"], args.timeout, Progress(terminal=sys.stdout.isatty()))
             report = client.get(f"/api/v1/jobs/{job['id']}/ett").raise_for_status().json()
         print()
         print(report_table(report))
         print()
-        print(f"ett demo: job {job['state']} in {time.monotonic() - started:.0f} s. While a service runs, "
-              f"the job page is {url}/jobs/{job['id']} and its metrics are at {url}/metrics.")
+        print(f"ett demo: job {job['state']} in {time.monotonic() - started:.0f} s.")
+        if sys.stdin.isatty() and sys.stdout.isatty() and not args.exit:
+            _stay_up(url, job["id"], user)
         print(f"ett demo: logs in {root}" if args.keep else "ett demo: done")
     if not args.keep:
         import shutil

@@ -190,6 +190,7 @@ def build_report(
         "time_to_start_seconds": min(first_steps) - window[0] if first_steps and window else None,
         "failures": failures,
         "restarts": max(0, len(attempts) - 1),
+        "last_step": next((a.last_step for a in reversed(attempts) if a.last_step is not None), None),
         "mtbf_seconds": mtbf,
         "checkpoints": {
             "committed": sum(a.committed for a in attempts),

@@ -106,6 +106,7 @@ class EttReport(BaseModel):
     time_to_start_seconds: float | None
     failures: list[FailureOut]
     restarts: int
+    last_step: int | None  # the newest step of the latest attempt that made one
     mtbf_seconds: float | None
     checkpoints: CheckpointFigures
     recommended_checkpoint_interval_seconds: float | None

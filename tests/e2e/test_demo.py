@@ -1,10 +1,18 @@
-"""The README's first command: `ett demo` as a newcomer runs it, a real process from end to end."""
+"""The README's first command: `ett demo` as a newcomer runs it, on a terminal (a real pseudo-
+terminal), a real process from end to end: live progress, the report, then the service stays up
+with a login that opens the job's page, until Ctrl-C."""
 
+import os
+import pty
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -12,16 +20,48 @@ pytestmark = pytest.mark.slow
 ETT = Path(sys.executable).with_name("ett")
 
 
-def test_ett_demo_recovers_both_faults_and_prints_the_report():
-    done = subprocess.run([str(ETT), "demo", "--timeout", "400"], capture_output=True, text=True, timeout=480)
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
-    # The cause as first reported; the report below gives the root cause.
-    assert "attempt 0: failed (" in out, out
-    assert re.search(r"attempt 1: failed \(hang: ", out), out
-    assert "attempt 2: succeeded" in out and "state succeeded" in out, out
-    assert re.search(r"attempt 1: allocated on node-0, node-1, resuming from \S+/step-\d{8}", out), out
-    for category in ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle"):
-        assert re.search(rf"^  {category} +\d+\.\d\d +\d+\.\d%$", out, re.MULTILINE), (category, out)
-    assert re.search(r"attempt 0: signal +time to recover \d+\.\d s +lost steps \d+", out), out
-    assert "recommended checkpoint interval" in out, out
+def read_until(fd: int, pattern: str, timeout: float, out: list[str]) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while (match := re.search(pattern, "".join(out))) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} in the demo's output:\n" + "".join(out))
+        ready, _, _ = select.select([fd], [], [], 1)
+        if ready:
+            try:
+                out.append(os.read(fd, 65536).decode(errors="replace"))
+            except OSError:  # the terminal closed: the demo is gone
+                raise AssertionError("the demo ended early:\n" + "".join(out)) from None
+    return match
+
+
+def test_ett_demo_on_a_terminal_shows_progress_the_report_and_stays_up_until_ctrl_c():
+    main, terminal = pty.openpty()
+    demo = subprocess.Popen([str(ETT), "demo", "--timeout", "400"], stdin=terminal, stdout=terminal,
+                            stderr=terminal, start_new_session=True)
+    os.close(terminal)
+    out: list[str] = []
+    try:
+        stay = read_until(main, r"open (http://127\.0\.0\.1:\d+)/jobs/(\w+)\?token=(\S+)", 480, out)
+        text = "".join(out).replace("\r\n", "\n")
+        # Live progress, rewritten in place: attempt, step, ETT so far.
+        assert re.search(r"\r  attempt 0: step \d+/60, ETT so far \d+\.\d%", text), text
+        # The cause as first reported; the report below gives the root cause.
+        assert "attempt 0: failed (" in text and re.search(r"attempt 1: failed \(hang: ", text), text
+        assert "attempt 2: succeeded" in text and "state succeeded" in text, text
+        assert re.search(r"attempt 1: allocated on node-0, node-1, resuming from \S+/step-\d{8}", text), text
+        for category in ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle"):
+            assert re.search(rf"^  {category} +\d+\.\d\d +\d+\.\d%$", text, re.MULTILINE), (category, text)
+        assert re.search(r"attempt 0: signal +time to recover \d+\.\d s +lost steps \d+", text), text
+
+        # The login printed opens the job's page (and the service is still there to serve it).
+        url, job_id, token = stay.groups()
+        page = httpx.get(f"{url}/jobs/{job_id}?token={token}", follow_redirects=True, timeout=10)
+        assert page.status_code == 200 and "succeeded" in page.text
+        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C
+        assert demo.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/readyz", timeout=5)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        os.close(main)
