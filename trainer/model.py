@@ -21,6 +21,9 @@ class ModelConfig:
     dense_hidden_dim: int = 512  # dense FFN only
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # On each sublayer's output, in training: a draw from each rank's generator every step, so an
+    # exact resume needs the generators restored (the bitwise resume test uses it).
+    dropout: float = 0.0
 
     def validate(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "dense_hidden_dim"):
@@ -34,6 +37,8 @@ class ModelConfig:
             raise ValueError(f"model.ffn_type must be 'moe' or 'dense', got {self.ffn_type!r}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("model.norm_eps and model.rope_theta must be > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,14 +78,15 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MoE(cfg.dim, moe) if cfg.ffn_type == "moe" else FeedForward(cfg.dim, cfg.dense_hidden_dim)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD, cos_TH, sin_TH) -> tuple[torch.Tensor, torch.Tensor]:
-        x_BTD = x_BTD + self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH)
+        x_BTD = x_BTD + self.dropout(self.attention(self.attention_norm(x_BTD), cos_TH, sin_TH))
         if isinstance(self.feed_forward, MoE):
             ffn_BTD, aux_loss = self.feed_forward(self.ffn_norm(x_BTD))
         else:
             ffn_BTD, aux_loss = self.feed_forward(self.ffn_norm(x_BTD)), x_BTD.new_zeros((), dtype=torch.float32)
-        return x_BTD + ffn_BTD, aux_loss
+        return x_BTD + self.dropout(ffn_BTD), aux_loss
 
 
 class Transformer(nn.Module):

@@ -11,6 +11,7 @@ All three: 2 ranks under torchrun, tiny model, expert parallelism 2, ZeRO-3.
 """
 
 import os
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -59,5 +60,19 @@ def resumed_run(killed_run: KilledRun, tmp_path_factory) -> TrainerRun:
         [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4", "--checkpoint.resume_from", "auto"],
         checkpoint_dir=killed_run.run.checkpoint_dir, attempt=1,
     )
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.fixture(scope="session")
+def forgetful_run(killed_run: KilledRun, tmp_path_factory) -> TrainerRun:
+    """As `resumed`, from a copy of the killed run's step-4 checkpoint, but without restoring the
+    ranks' generators (tests/trainer/forgetful_resume.py)."""
+    workdir = tmp_path_factory.mktemp("forgetful")
+    shutil.copytree(killed_run.run.checkpoint_dir / "step-00000004", workdir / "ckpt" / "step-00000004")
+    run = run_trainer(
+        workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4",
+                  "--checkpoint.resume_from", "auto"], attempt=1, module="tests.trainer.forgetful_resume",
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return run

@@ -57,10 +57,17 @@ def test_a_bad_override_names_it(argv, field):
     (["--parallel.ep", "3", "--moe.num_experts", "4"], 3, "moe.num_experts"),
     (["--checkpoint.keep", "0"], 1, "checkpoint.keep"),
     (["--log.interval_steps", "0"], 1, "log.interval_steps"),
+    (["--model.dropout", "1.0"], 1, "model.dropout"),
 ])
 def test_an_impossible_value_names_the_field(argv, world_size, field):
     with pytest.raises(ConfigError, match=field):
         parse_args(argv).validate(world_size)
+
+
+def test_experts_that_do_not_split_evenly_over_the_ranks_are_refused_saying_so():
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--moe.num_experts", "6", "--parallel.ep", "4"]).validate(4)
+    assert str(refused.value) == "moe.num_experts (6) must be divisible by parallel.ep (4)"
 
 
 def test_the_learning_rate_warms_up_then_decays_to_its_minimum():

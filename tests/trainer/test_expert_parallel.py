@@ -113,3 +113,44 @@ def check_stages(cases: list[tuple[int, int]], ckpt_dir: str) -> list[tuple[int,
 )
 def test_parallel_model_matches_single_rank(tmp_path, nproc, cases):
     assert run_on_ranks(check_stages, nproc, cases, str(tmp_path), timeout=150) == cases
+
+
+def check_a_rank_without_tokens(ckpt_dir: str) -> list[int]:
+    """Every router's bias keeps experts 2 and 3 (rank 1's, with ep 2) out of every top-2: rank 1
+    receives no token from anyone, yet the step matches one rank's and rank 1's experts get zero
+    gradients."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=16, capacity_factor=4.0, aux_free_bias=True)
+
+    def build() -> Transformer:
+        torch.manual_seed(0)
+        model = Transformer(MODEL, moe)
+        model.init_weights()
+        for layer in model.moe_layers():
+            layer.router.expert_bias[2:] = -1e4
+        return model
+
+    world = dist.get_world_size()
+    reference = build()
+    ref_loss = sum(loss_of(reference, batch(r)) for r in range(world)) / world
+    ref_loss.backward()
+    cfg = ParallelConfig(ep=2, zero=3, mixed_precision="none")
+    model = parallelize(build(), build_mesh(cfg, world, "cpu"), cfg)
+    loss = loss_of(model, batch(dist.get_rank()))
+    loss.backward()
+    tokens_per_expert = model.moe_stats()["tokens_per_expert"].tolist()
+    assert tokens_per_expert[2:] == [0, 0], tokens_per_expert
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)
+    assert_close("loss", mean_loss, ref_loss.detach())
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert_close(f"grad {name}", full(p.grad), ref_params[name].grad)
+        if ".experts." in name:
+            assert not full(p.grad)[2:].any(), f"{name}: rank 1's experts got a gradient"
+    return tokens_per_expert
+
+
+@pytest.mark.slow
+def test_a_rank_that_receives_no_token_still_steps_with_the_others(tmp_path):
+    tokens_per_expert = run_on_ranks(check_a_rank_without_tokens, 2, str(tmp_path), timeout=150)
+    assert tokens_per_expert[2:] == [0, 0] and sum(tokens_per_expert) > 0

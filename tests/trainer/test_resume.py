@@ -21,6 +21,14 @@ def test_killed_and_resumed_run_has_the_losses_of_an_uninterrupted_one_bitwise(s
     assert all(resumed[step] == straight[step] for step in resumed), (resumed, straight)
 
 
+def test_a_resume_that_forgets_the_generators_is_caught_by_the_losses(straight_run, forgetful_run):
+    straight, forgetful = straight_run.losses(), forgetful_run.losses()
+    assert sorted(forgetful) == [5, 6, 7, 8]
+    assert [e["step"] for e in forgetful_run.events(0) if e["kind"] == "restore_end"] == [4]
+    # Same weights, optimizer and data at step 4; only dropout's draws differ from step 5 on.
+    assert all(forgetful[step] != straight[step] for step in forgetful), (forgetful, straight)
+
+
 def test_a_checkpoint_torn_by_a_kill_is_skipped_and_the_one_before_it_loaded(killed_run, resumed_run):
     torn = killed_run.folders["step-00000008"]
     assert "__0_0.distcp" in torn and MARKER not in torn and ".metadata" not in torn

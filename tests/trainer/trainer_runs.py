@@ -14,7 +14,8 @@ from pathlib import Path
 from tests.support.postgres import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_EP_ZERO3 = ["--preset", "tiny", "--parallel.ep", "2", "--parallel.zero", "3"]
+# Dropout draws from each rank's generator every step: an exact resume needs the generators restored.
+TINY_EP_ZERO3 = ["--preset", "tiny", "--parallel.ep", "2", "--parallel.zero", "3", "--model.dropout", "0.1"]
 
 
 @dataclass
@@ -42,16 +43,17 @@ def read_events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Path | None, attempt: int
-           ) -> tuple[subprocess.Popen, Path, Path]:
-    """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None."""
+def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Path | None, attempt: int,
+           module: str = "trainer.train") -> tuple[subprocess.Popen, Path, Path]:
+    """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None;
+    `module`: the trainer, or a test's wrapper of it."""
     event_dir, checkpoint_dir = workdir / "events", checkpoint_dir or workdir / "ckpt"
     env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1"}
     if nproc is None:
-        command = [sys.executable, "-m", "trainer.train"]
+        command = [sys.executable, "-m", module]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--master-port", str(free_port()), "-m", "trainer.train"]
+                   "--master-port", str(free_port()), "-m", module]
     command += ["--checkpoint.dir", str(checkpoint_dir), *args]
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
@@ -67,10 +69,11 @@ def run_trainer(
     checkpoint_dir: Path | None = None,
     attempt: int = 0,
     timeout: float = 300,
+    module: str = "trainer.train",
 ) -> TrainerRun:
     """Run to completion; with signal_when, send signum to every rank (pids from their
     init_start events) as soon as signal_when(rank 0's events so far) is true."""
-    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt)
+    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt, module)
     deadline = time.monotonic() + timeout
     try:
         while signal_when is not None and process.poll() is None:
