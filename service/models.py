@@ -77,6 +77,9 @@ class AttemptState(enum.StrEnum):
     stopped = "stopped"
 
 
+ACTIVE_ATTEMPT_STATES = (AttemptState.allocated, AttemptState.running)  # an attempt or share that holds its nodes
+
+
 class NodeState(enum.StrEnum):
     idle = "idle"
     busy = "busy"

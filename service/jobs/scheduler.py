@@ -15,28 +15,14 @@ from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
-from service.jobs.checkpoints import (
-    checkpoint_interval_steps,
-    job_checkpoint_dir,
-    newest_checkpoint,
-    owner_area,
-)
+from service.jobs.checkpoints import checkpoint_interval_steps, job_checkpoint_dir, newest_checkpoint, owner_area
+from service.jobs.rendezvous import free_master_port
 from service.jobs.service_events import emit
-from service.models import (
-    Attempt,
-    AttemptNode,
-    AttemptState,
-    Checkpoint,
-    Job,
-    JobEvent,
-    JobState,
-    Node,
-    NodeState,
-)
+from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
+from service.models import Attempt, AttemptNode, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 
-ACTIVE = (AttemptState.allocated, AttemptState.running)
 # The trainer's exit code for a bad configuration: retrying cannot help (trainer/config.py).
 CONFIG_ERROR_EXIT_CODE = 3
 
@@ -257,24 +243,11 @@ def _prefer_previous_nodes(job: Job, idle: Sequence[Node]) -> list[Node]:
     return sorted(idle, key=lambda n: (previous.get(n.id, len(previous)), n.name))
 
 
-def _free_port(session: Session, settings: Settings, address: str, job: Job) -> int:
-    used = set(session.scalars(
-        select(Attempt.master_port).where(Attempt.master_addr == address, Attempt.state.in_(ACTIVE))
-    ))  # fmt: skip
-    # Step away from the previous attempt's port: its rendezvous store may not be closed yet.
-    start = (sum(job.id.encode()) + 7 * len(job.attempts)) % settings.master_port_count
-    for i in range(settings.master_port_count):
-        port = settings.master_port_first + (start + i) % settings.master_port_count
-        if port not in used:
-            return port
-    raise RuntimeError(f"no free rendezvous port on {address}")
-
-
 def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float) -> None:
     number = len(job.attempts)
     attempt = Attempt(
         job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,
-        master_port=_free_port(session, settings, nodes[0].address, job),
+        master_port=free_master_port(session, settings, nodes[0].address, job),
         resume_from=newest_checkpoint(session, job.id),
     )  # fmt: skip
     for rank, node in enumerate(nodes):

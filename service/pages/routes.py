@@ -14,7 +14,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from service.db import SessionDep
-from service.ett.accounts import fleet_figures, fleet_mtbf_seconds, job_account, job_report
+from service.ett.accounts import (
+    fleet_figures,
+    fleet_mtbf_seconds,
+    job_account,
+    job_report,
+)
 from service.ett.engine import CATEGORIES
 from service.jobs.catalog import visible_job, visible_jobs
 from service.models import JobState
@@ -95,8 +100,8 @@ def fleet_page(request: Request, session: SessionDep, caller: PageCallerDep, win
     """The fleet's ETT over a window: the totals, where the rest of the time went, failures by
     cause, each job; the same figures as GET /api/v1/ett."""
     if window not in WINDOWS:
-        return render(request, "error.html", {"caller": caller, "message": f"window must be one of {', '.join(WINDOWS)}"},
-                      422)
+        message = f"window must be one of {', '.join(WINDOWS)}"
+        return render(request, "error.html", {"caller": caller, "message": message}, 422)
     now = time.time()
     since = None if window == "all" else now - 3600 * int(window)
     fleet = fleet_figures(session, caller, now, since, None)
