@@ -74,6 +74,38 @@ def expert_products_only(moe: MoE, x_TD: torch.Tensor, grad_TD: torch.Tensor):
     return run
 
 
+# Where a step of ours spends its time (--profile): each op's own time, by kind.
+OP_KINDS = {
+    "expert and router matmuls": ("aten::mm", "aten::addmm_", "aten::addmm", "aten::bmm"),
+    "row gathers and scatter-adds": ("aten::index_select", "aten::index_add_", "aten::scatter_add_", "aten::gather",
+                                     "aten::index"),
+    "elementwise (silu, weights, zero fills)": ("aten::silu", "aten::silu_backward", "aten::mul", "aten::mul_",
+                                                "aten::add_", "aten::add", "aten::sum", "aten::fill_", "aten::zero_",
+                                                "aten::div", "aten::copy_"),
+    "routing (softmax, top-k, sort, counts)": ("aten::topk", "aten::sort", "aten::bincount", "aten::_softmax",
+                                               "aten::_softmax_backward_data", "aten::logsumexp", "aten::cumsum"),
+}
+
+
+def profile_ours(ours, reps: int) -> None:
+    """Each op's own CPU time in a step of ours, summed by kind; the rest is Python and autograd."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            ours()
+    own_us = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(own_us.values()) / reps / 1e3
+    print(f"  ours, by kind of op (profiled, {total:.1f} ms a step with the profiler's overhead):")
+    accounted = 0.0
+    for kind, ops in OP_KINDS.items():
+        ms = sum(own_us.get(op, 0.0) for op in ops) / reps / 1e3
+        accounted += ms
+        print(f"    {kind:42s} {ms:7.1f} ms  {ms / total:5.1%}")
+    rest = total - accounted
+    print(f"    {'the rest (Python, autograd, views)':42s} {rest:7.1f} ms  {rest / total:5.1%}")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -91,6 +123,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-input-grad", action="store_true", help="the input needs no gradient")
+    parser.add_argument("--profile", action="store_true", help="also print where a step of ours spends its time")
     parser.add_argument("--glibc-default-allocator", action="store_true",
                         help="leave glibc's malloc thresholds as they are (freed large buffers are unmapped)")
     args = parser.parse_args()
@@ -153,6 +186,12 @@ def main() -> None:
     if "products only" in median:
         print(f"  bound: the expert products alone take {median['products only'] / median['ours']:.0%} of ours; "
               f"nothing that runs them beats the loop by more than {median['masked loop'] / median['products only']:.2f}x")
+    if args.profile:
+        def ours_and_reset():
+            ours()
+            moe.zero_grad(set_to_none=True)
+            x_TD.grad = None
+        profile_ours(ours_and_reset, args.reps)
     if device.type == "cpu" and torch.get_num_threads() == 1:
         cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
         print(f"  in thread CPU time: ours {cpu['ours'] * 1e3:.1f} ms, {cpu['masked loop'] / cpu['ours']:.2f}x faster "
