@@ -121,22 +121,33 @@ def window_of(account: JobAccount, now: float) -> tuple[float, float] | None:
 
 
 def failures_of(spans: list[AttemptSpan]) -> list[dict[str, Any]]:
+    """Each failed attempt's failure (docs/ett.md, "Failures"): its time to recover runs from the
+    end of its last completed step (its last completed activity when it made none) to the first
+    step start of the first later attempt that makes a step; its lost steps are the steps rolled
+    back when the next attempt starts over (to its restore point, or step 0 when it restores
+    nothing). An attempt that died before restoring or stepping tells neither: the first later
+    attempt that did says where the model went back to."""
     failures = []
     progress = 0  # the step the model was at when each attempt ended
-    for span in spans:
-        a, nxt = span.summary, span.next
+    for i, span in enumerate(spans):
+        a = span.summary
         if a.steps:
             progress = a.last_step or 0
         elif a.restored_step is not None:
             progress = a.restored_step
         if a.failed_at is None:
             continue
+        later = [s.summary for s in spans[i + 1 :]]
+        stepping = next((b for b in later if b.first_step_start is not None), None)
         ttr = None
-        if nxt is not None and nxt.first_step_start is not None:
+        if stepping is not None:
             since = a.last_step_end if a.last_step_end is not None else (a.last_activity or span.start)
-            ttr = max(0.0, nxt.first_step_start - since)
-        went_back_to = nxt.restore_point if nxt is not None else None
-        lost = max(0, progress - went_back_to) if went_back_to is not None else 0
+            ttr = max(0.0, stepping.first_step_start - since)
+        starting_over = next((b for b in later if b.restore_point is not None), None)
+        lost = 0
+        if starting_over is not None:
+            lost = max(0, progress - starting_over.restore_point)
+            progress = starting_over.restore_point  # what a later failure loses is counted from there
         failures.append(
             {"attempt": a.attempt, "cause": a.failure_cause, "at": a.failed_at,
              "time_to_recover_seconds": ttr, "lost_steps": lost}

@@ -236,3 +236,41 @@ def test_job_waiting_for_its_next_attempt_is_in_recovery():
 def test_job_never_allocated_is_all_queue():
     r = MemoryJob("j").report(T0 + 10, submitted_at=T0 + 4)
     assert r["state"] == "queued" and r["queued_seconds"] == pytest.approx(6) and r["wall_seconds"] == 0
+
+
+def test_a_recovery_that_fails_in_start_up_gives_both_failures_a_time_to_recover_and_books_lost_steps_once():
+    tl = Timeline()
+    tl.start_attempt(0, allocated=0, init_end=2)
+    tl.steps(0, 1, 4, start=2, duration=1)  # ends 6
+    tl.checkpoint(0, 2, start=4, staged=4, committed=4.5)
+    tl.service("attempt_failed", 6.5, 0, cause="signal")
+    # Attempt 1 restores step 2, then dies before its first step.
+    tl.start_attempt(1, allocated=7, init_end=8, restore=(8, 9, 2))
+    tl.service("attempt_failed", 10, 1, cause="exit")
+    # Attempt 2 restores step 2 again and trains to the end.
+    tl.start_attempt(2, allocated=11, init_end=12, restore=(12, 13, 2))
+    tl.steps(2, 3, 4, start=13, duration=1)  # ends 15
+    tl.service("job_finished", 15, 2, state="succeeded")
+    r = report_of(tl, now=100)
+    first, second = r["failures"]
+    # Attempt 0's steps 3 and 4 were rolled back when attempt 1 started over from step 2: they are
+    # its loss, not attempt 1's; each recovery ends at attempt 2's first step (13).
+    assert (first["attempt"], first["lost_steps"]) == (0, 2) and (second["attempt"], second["lost_steps"]) == (1, 0)
+    assert first["time_to_recover_seconds"] == pytest.approx(13 - 6)  # from attempt 0's last step
+    assert second["time_to_recover_seconds"] == pytest.approx(13 - 9)  # from attempt 1's restore, its last activity
+
+
+def test_an_attempt_that_died_before_restoring_leaves_the_loss_to_where_the_next_one_went_back():
+    tl = Timeline()
+    tl.start_attempt(0, allocated=0, init_end=2)
+    tl.steps(0, 1, 4, start=2, duration=1)  # ends 6
+    tl.service("attempt_failed", 6.5, 0, cause="signal")
+    tl.start_attempt(1, allocated=7, init_end=8)  # died in start-up: no restore, no step
+    tl.service("attempt_failed", 9, 1, cause="exit")
+    tl.start_attempt(2, allocated=10, init_end=11, restore=(11, 12, 2))
+    tl.steps(2, 3, 4, start=12, duration=1)
+    tl.service("job_finished", 14, 2, state="succeeded")
+    first, second = report_of(tl, now=100)["failures"]
+    assert (first["lost_steps"], second["lost_steps"]) == (2, 0)
+    assert first["time_to_recover_seconds"] == pytest.approx(12 - 6)
+    assert second["time_to_recover_seconds"] == pytest.approx(12 - 8)
