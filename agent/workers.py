@@ -27,10 +27,12 @@ from typing import Any
 
 from agent.commands import LaunchCommand
 from agent.faults import FaultInjector
+from agent.hang import HangLimit
 from agent.job_user import RunAs
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.procs import GROUP_MARKER_ENV, signal_group, signal_marked
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
+from ett.events import read_progress_mark
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,8 @@ class WorkerGroup:
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = self._last_progress = clock()
         self._last_step: int | None = None
+        self._hang_limit = HangLimit(command.hang_timeout_seconds)  # adaptive once steps are seen (agent/hang.py)
+        self._saving: set[str] = set()  # sources (ranks) in a checkpoint's blocking part
         self._progress_marks: dict[str, tuple[int, ...]] = {}
         # Per rank: events its writer could not write yet (a full disk), and events it dropped.
         self.spool_trouble: dict[str, tuple[int, int]] = {}
@@ -207,27 +211,31 @@ class WorkerGroup:
             if records:
                 self._last_progress = now
             for record in records:
-                if record.get("kind") == "step" and record.get("source") == "rank:0":
+                kind, source = record.get("kind"), str(record.get("source"))
+                if kind == "step" and source == "rank:0":
                     step = record.get("step")
                     if isinstance(step, int):
                         self._last_step = max(step, self._last_step or 0)
+                elif kind == "ckpt_start":
+                    self._saving.add(source)
+                elif kind in ("ckpt_staged", "ckpt_failed"):
+                    self._saving.discard(source)
         # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped>"): nodes
         # without rank 0 see no step events. A new step or beat is progress; a step above 0 is a
         # step done; the last two say whether the rank's disk is full.
         for path in self.paths.events_dir.glob("progress-rank-*"):
-            try:
-                fields = [int(field) for field in path.read_bytes().split()]
-            except (OSError, ValueError):
+            mark = read_progress_mark(path)
+            if mark is None:
                 continue
-            if not fields:
-                continue
-            step, progress = fields[0], tuple(fields[:2])
-            self.spool_trouble[path.name] = (fields[2], fields[3]) if len(fields) >= 4 else (0, 0)
-            if progress != self._progress_marks.get(path.name):
-                self._progress_marks[path.name] = progress
+            self.spool_trouble[path.name] = (mark.unwritten, mark.dropped)
+            if (mark.step, mark.beats) != self._progress_marks.get(path.name):
+                self._progress_marks[path.name] = (mark.step, mark.beats)
                 self._last_progress = self._marked_at = now
-                if step > 0:
-                    self._last_step = max(step, self._last_step or 0)
+                if mark.step > 0:
+                    self._last_step = max(mark.step, self._last_step or 0)
+        if self._last_step is not None:
+            self._hang_limit.stepped(self._last_step, now)
+        self._hang_limit.saving = bool(self._saving)
         if self._last_step is not None and self._faults.pending and self._ending is None:
             self._faults.on_step(self._last_step, self.rank_pids, self.runner_pids)
 
@@ -242,13 +250,16 @@ class WorkerGroup:
                       "(a script reports them with ett's run.step and run.progress, docs/library.md; "
                       "hang_timeout_seconds = null turns hang detection off)")
         else:
-            waited, limit, phase = now - self._last_progress, self.command.hang_timeout_seconds, "train"
-            detail = f"no progress for {waited:.1f}s after step {self._last_step} (hang timeout {limit:g}s)"
+            waited, limit, phase = now - self._last_progress, self._hang_limit.seconds or 0.0, "train"
+            ceiling = self.command.hang_timeout_seconds
+            how = (f"adaptive: {limit:.2f}s from this attempt's step times, ceiling {ceiling:g}s"
+                   if self._hang_limit.adaptive else f"hang timeout {limit:g}s")
+            detail = f"no progress for {waited:.1f}s after step {self._last_step} ({how})"
         if waited < limit:
             return
         log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, detail)
         self.events.emit("hang_detected", {"phase": phase, "seconds_without_progress": round(waited, 3),
-                                           "timeout_seconds": limit}, step=self._last_step)
+                                           "timeout_seconds": round(limit, 3)}, step=self._last_step)
         self._ending = GroupEnd(WorkerState.FAILED, "hang", detail)
         self.state = WorkerState.STOPPING
         self.kill()

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 _CLOSE = object()
@@ -133,6 +134,25 @@ class EventWriter:
         finally:
             os.close(fd)
             spool.close()
+
+
+@dataclass(frozen=True)
+class ProgressMark:
+    step: int  # the rank's last finished step (0: none yet)
+    beats: int  # liveness beats outside steps
+    unwritten: int  # events waiting for disk space
+    dropped: int  # events dropped past the bound
+
+
+def read_progress_mark(path: Path) -> ProgressMark | None:
+    """A rank's progress mark as `_write_mark` wrote it; None while it cannot be read."""
+    try:
+        fields = [int(field) for field in path.read_bytes().split()]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 2:
+        return None
+    return ProgressMark(fields[0], fields[1], *(fields[2:4] if len(fields) >= 4 else (0, 0)))
 
 
 def _write_mark(fd: int, mark: tuple[int, int], spool: "_Spool") -> None:

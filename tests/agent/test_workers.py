@@ -92,6 +92,22 @@ def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
 
 
+def test_the_adaptive_limit_spares_a_slow_step_and_catches_a_hang_long_before_the_ceiling(supervisor):
+    # Steps of 0.5 s; step 7 takes 2.5 s without a beat (slow but alive: spared); step 9 never
+    # ends. The limit follows the longest step seen: 4 x 2.5 s = 10 s, not the 60 s ceiling.
+    command = launch_command("--steps", "1000", "--step-seconds", "0.5", "--slow-step", "7", "--slow-seconds", "2.5",
+                             "--hang-at-step", "9", hang_timeout_seconds=60.0)
+    supervisor.launch(command)
+    report = run_to_end(supervisor, timeout=60)
+
+    assert (report["state"], report["cause"]) == ("failed", "hang")
+    [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
+    assert hang["step"] == 9  # not 7: the slow step was spared
+    assert 9.0 <= hang["data"]["timeout_seconds"] <= 12.0, hang  # 4 x the slow step, as the agent saw it
+    assert hang["data"]["seconds_without_progress"] < 15.0
+    assert "adaptive" in report["detail"] and "ceiling 60s" in report["detail"]
+
+
 def test_no_first_step_within_init_timeout_is_a_hang(supervisor):
     command = launch_command("--hang-at-step", "0", init_timeout_seconds=4.0, hang_timeout_seconds=0.5)
     supervisor.launch(command)

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from ett.events import EventWriter
-from tests.trainer.trainer_runs import read_events
+from ett.events import EventWriter, read_progress_mark
+from tests.trainer.trainer_runs import TINY_EP_ZERO3, read_events, run_trainer
 
 TRAINER_KINDS = {"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
                  "ckpt_committed", "ckpt_failed", "train_end"}
@@ -108,3 +108,24 @@ def test_the_killed_run_left_no_commit_for_the_torn_save(killed_run, rank):
     assert_schema_v1(events, rank=rank, attempt=0)
     assert "train_end" not in kinds(events)
     assert not any(e["kind"] == "ckpt_committed" and e["step"] == 8 for e in events)
+
+
+@pytest.mark.slow
+def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(tmp_path):
+    """The marks the agent's hang detection and step faults read (agent/workers.py), written by
+    real trainer ranks: each rank's mark follows its steps while it trains, and ends at the last."""
+    seen: dict[int, list[int]] = {0: [], 1: []}
+
+    def sample(_events: list[dict]) -> bool:
+        for rank in seen:
+            mark = read_progress_mark(tmp_path / "events" / f"progress-rank-{rank}")
+            if mark is not None and (not seen[rank] or seen[rank][-1] != mark.step):
+                seen[rank].append(mark.step)
+        return False  # never signal: only watch
+
+    run = run_trainer(tmp_path, [*TINY_EP_ZERO3, "--train.steps", "6"], signal_when=sample)
+    assert run.returncode == 0, run.stderr
+    for rank, steps in seen.items():
+        final = read_progress_mark(run.event_dir / f"progress-rank-{rank}")
+        assert final is not None and final.step == 6 and (final.unwritten, final.dropped) == (0, 0)
+        assert steps == sorted(steps) and len(set(steps) - {0}) >= 3, (rank, steps)  # seen advancing

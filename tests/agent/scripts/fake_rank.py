@@ -20,6 +20,8 @@ parser.add_argument("--fail-at-step", type=int, default=None)
 parser.add_argument("--fail-code", type=int, default=1)
 parser.add_argument("--fail-signal", default=None, help="kill itself with this signal instead of exiting")
 parser.add_argument("--hang-at-step", type=int, default=None, help="0: hang before the first step")
+parser.add_argument("--slow-step", type=int, default=None, help="a step that takes --slow-seconds, without a beat")
+parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild")
 args = parser.parse_args()
@@ -55,7 +57,7 @@ if args.hang_at_step == 0:
     hang()
 fails_here = args.fail_rank is None or args.fail_rank == rank
 for step in range(1, args.steps + 1):
-    time.sleep(args.step_seconds)
+    time.sleep(args.slow_seconds if step == args.slow_step else args.step_seconds)
     if rank == 0:
         emit("step", step, duration=args.step_seconds, tokens=64, loss=1.0 / step)
     if step == args.hang_at_step and fails_here:

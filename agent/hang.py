@@ -1,0 +1,46 @@
+"""How long a training group may go without progress before it is a hang: adaptive, from the
+step times this attempt has shown (docs/agent.md, "Hang detection").
+
+A fixed `hang_timeout_seconds` must cover the slowest step of any job, so it waits far too long
+on a job whose steps take a second. Once an attempt has made `WARMUP_STEPS` steps, its limit is
+
+    min(hang_timeout_seconds, max(FLOOR_SECONDS, FACTOR x the longest gap between steps seen))
+
+`hang_timeout_seconds` stays the ceiling. While a rank of this node is saving a checkpoint (a
+`ckpt_start` not yet followed by `ckpt_staged`) the ceiling applies: a save may block longer than
+any step. A rank that is slow but alive says so with `run.progress()` beats (the library) or its
+progress mark; any progress restarts the wait, so only silence is measured.
+"""
+
+from collections import deque
+
+WARMUP_STEPS = 5  # steps seen before the limit follows them
+FACTOR = 4.0  # a step may take this many times the longest one seen
+FLOOR_SECONDS = 3.0  # never less: scheduling noise, a slow first eval
+GAPS_KEPT = 50  # the newest gaps between steps: a job's pace may change
+
+
+class HangLimit:
+    def __init__(self, ceiling: float | None) -> None:
+        self.ceiling = ceiling  # hang_timeout_seconds; None: no hang detection
+        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        self._last_step: tuple[int, float] | None = None  # (step, when it was first seen)
+        self.saving = False  # a rank of this node is in a checkpoint's blocking part
+
+    def stepped(self, step: int, now: float) -> None:
+        """The group's newest step, as seen at `now` (called with every newer step)."""
+        if self._last_step is not None and step > self._last_step[0]:
+            self._gaps.append((now - self._last_step[1]) / (step - self._last_step[0]))
+        if self._last_step is None or step > self._last_step[0]:
+            self._last_step = (step, now)
+
+    @property
+    def seconds(self) -> float | None:
+        """The limit now (None: no detection)."""
+        if self.ceiling is None or self.saving or len(self._gaps) < WARMUP_STEPS:
+            return self.ceiling
+        return min(self.ceiling, max(FLOOR_SECONDS, FACTOR * max(self._gaps)))
+
+    @property
+    def adaptive(self) -> bool:
+        return self.seconds != self.ceiling
