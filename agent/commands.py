@@ -82,5 +82,19 @@ class StopCommand(Incoming):
         return (self.job_id, self.attempt)
 
 
-Command = Annotated[LaunchCommand | StopCommand, Field(discriminator="type")]
-command_adapter: TypeAdapter[LaunchCommand | StopCommand] = TypeAdapter(Command)
+class IntervalCommand(Incoming):
+    """A running attempt's new checkpoint interval (`auto`), for its ranks from `from_step` on."""
+
+    type: Literal["checkpoint_interval"]
+    job_id: JobId
+    attempt: int = Field(ge=0)
+    interval_steps: int = Field(ge=1)
+    from_step: int = Field(ge=0)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)
+
+
+Command = Annotated[LaunchCommand | StopCommand | IntervalCommand, Field(discriminator="type")]
+command_adapter: TypeAdapter[LaunchCommand | StopCommand | IntervalCommand] = TypeAdapter(Command)

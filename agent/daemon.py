@@ -20,7 +20,7 @@ import httpx
 from pydantic import ValidationError
 
 from agent.client import ServiceClient
-from agent.commands import LaunchCommand, command_adapter
+from agent.commands import IntervalCommand, LaunchCommand, command_adapter
 from agent.forward import ForwardConfig, Forwarder
 from agent.job_user import RunAs, resolve_job_user
 from agent.metrics import AgentStats, serve_metrics
@@ -116,6 +116,9 @@ class Agent:
             return
         if isinstance(command, LaunchCommand):
             self.supervisor.launch(command)
+        elif isinstance(command, IntervalCommand):
+            self.supervisor.set_interval(command)
+            return  # no attempt state changed
         else:
             self.supervisor.stop(command)
         self._report_now.set()

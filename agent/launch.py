@@ -75,6 +75,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
         "ETT_RESUME_FROM": ckpt.resume_from,
         "ETT_CHECKPOINT_INTERVAL_STEPS": str(ckpt.interval_steps),
         "ETT_CHECKPOINT_KEEP": str(ckpt.keep),
+        "ETT_CHECKPOINT_INTERVAL_FILE": str(paths.interval_file),
     }
     return {name: value for name, value in env.items() if value is not None}
 

@@ -44,6 +44,11 @@ class AttemptPaths:
         return self.root / "control"
 
     @property
+    def interval_file(self) -> Path:
+        """A new checkpoint interval for the ranks: "<interval_steps> <from_step>" (ETT_CHECKPOINT_INTERVAL_FILE)."""
+        return self.control_dir / "checkpoint-interval"
+
+    @property
     def log_file(self) -> Path:
         return self.root / "torchrun.log"
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.commands import LaunchCommand, StopCommand
+from agent.commands import IntervalCommand, LaunchCommand, StopCommand
 from agent.confine import launch_refusal
 from agent.job_user import RunAs
 from agent.spool import AttemptPaths
@@ -133,6 +133,20 @@ class Supervisor:
         service can move on. With the configuration error's exit code it does not retry."""
         end = GroupEnd(WorkerState.FAILED, "exit", detail, exit_code)
         self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state.value, end))
+
+    def set_interval(self, command: IntervalCommand) -> None:
+        """Hands a running attempt's ranks their new checkpoint interval: written whole (a rename),
+        read by each rank at its next step (ett/checkpoint.py, CheckpointConfig.due)."""
+        group = self.groups.get(command.key)
+        if group is None:
+            log.info("checkpoint interval for attempt %s/%d, which does not run here; ignored", *command.key)
+            return
+        target = group.paths.interval_file
+        staging = target.with_suffix(".new")
+        staging.write_text(f"{command.interval_steps} {command.from_step}\n")
+        staging.replace(target)
+        log.info("attempt %s/%d: checkpoint interval %d from step %d", *command.key, command.interval_steps,
+                 command.from_step)
 
     def stop(self, command: StopCommand) -> None:
         if self.held.pop(command.key, None) is not None:  # never started: nothing to tear down

@@ -21,7 +21,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,9 +63,15 @@ class CheckpointConfig:
     keep: int = 3  # newest committed checkpoints kept
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
     async_mode: str = "process"  # "process" | "thread": where DCP writes in the background
+    # A new interval handed to a running job (`interval_steps: "auto"`, retuned by the service):
+    # "<interval_steps> <from_step>", looked at by every `due`. Empty: none.
+    interval_file: str = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_INTERVAL_FILE", ""))
 
     def due(self, step: int, last_step: int | None = None) -> bool:
         """Whether a save is due after `step`: at the interval, or at `last_step` (when known)."""
+        if self.interval_file:
+            live = self.__dict__.setdefault("_live_interval", IntervalFile(self.interval_file))
+            self.interval_steps = live.interval_at(step, self.interval_steps)
         interval = self.interval_steps
         return bool(self.dir) and (step == last_step or (interval > 0 and step % interval == 0))
 
@@ -81,6 +87,33 @@ class CheckpointConfig:
             raise UsageError(f"checkpoint.async_mode must be 'process' or 'thread', got {self.async_mode!r}")
         if self.local_dir and (not self.dir or Path(self.local_dir).resolve() == Path(self.dir).resolve()):
             raise UsageError("checkpoint.local_dir needs checkpoint.dir, and another folder: the local copy caches it")
+
+
+class IntervalFile:
+    """A running job's new checkpoint interval, as its agent writes it (whole, by a rename). Every
+    rank applies it from the same step, so their collective saves stay in step; it is read again
+    only when the file changes (one stat a step)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._version, self._pending = path, None, None
+
+    def interval_at(self, step: int, interval: int) -> int:
+        try:
+            version = os.stat(self.path).st_mtime_ns
+        except OSError:
+            version = None
+        if version is not None and version != self._version:
+            self._version = version
+            try:
+                new, from_step = (int(part) for part in Path(self.path).read_text().split()[:2])
+            except (OSError, ValueError):
+                pass  # not written whole: read it again when it changes
+            else:
+                self._pending = (new, from_step)
+        if self._pending is not None and step >= self._pending[1]:
+            logger.info("checkpoint interval %d from step %d (was %d)", self._pending[0], step, interval)
+            interval, self._pending = self._pending[0], None
+        return interval
 
 
 def find_resume_folder(cfg: CheckpointConfig) -> Path | None:

@@ -156,6 +156,8 @@ class Attempt(Base):
     master_addr: Mapped[str] = mapped_column(String(255))
     master_port: Mapped[int]
     resume_from: Mapped[str | None] = mapped_column(String(1024))
+    # The checkpoint interval last given to its ranks: at launch, then each `auto` retune.
+    interval_steps: Mapped[int | None]
     # Sequence number of the last event the service emitted for this attempt.
     service_seq: Mapped[int] = mapped_column(default=0)
 

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     stop_grace_seconds: float = Field(30.0, gt=0)
     # Limit for a rank's start-up (before its first step) given to agents for hang detection.
     init_timeout_seconds: float = Field(600.0, gt=0)
+    # `interval_steps: "auto"` uses the job's failure rate, else the fleet's; with no failure
+    # anywhere yet, this mean time between failures.
+    assumed_mtbf_seconds: float = Field(86400.0, gt=0)
     # torchrun rendezvous ports are chosen from this range, unused by live attempts on the master node.
     master_port_first: int = Field(29500, ge=1024, le=65000)
     master_port_count: int = Field(500, ge=1, le=10000)

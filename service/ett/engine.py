@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-SERVICE_KINDS = frozenset({"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished"})
+SERVICE_KINDS = frozenset({"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished", "checkpoint_interval"})
 AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
 TRAINER_KINDS = frozenset(
     {

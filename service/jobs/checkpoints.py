@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from ett.paths import inside
 from service.ett.accounts import job_account, job_report
+from service.ett.report import young_interval
 from service.models import Checkpoint, Job
 from service.settings import Settings
 
@@ -59,15 +60,20 @@ def newest_checkpoint(session: Session, job_id: str) -> str | None:
     )
 
 
-def checkpoint_interval_steps(session: Session, job: Job) -> int:
-    """The job's interval, or for "auto" the ETT report's recommended interval (Young) in steps."""
+def checkpoint_interval_steps(session: Session, job: Job, settings: Settings) -> int:
+    """The job's interval, or for "auto" Young's interval (sqrt(2 x save blocking x MTBF)) in
+    steps, from this job's measured costs and failure rate (else the fleet's, else the assumed
+    MTBF); DEFAULT_INTERVAL_STEPS until a save and a step have been measured."""
     interval = job.spec["checkpoint"]["interval_steps"]
     if interval != "auto":
         return int(interval)
     account = job_account(session, job.id)
     steps = sum(a.steps for a in account.attempts.values())
     step_seconds = sum(a.step_seconds for a in account.attempts.values())
-    recommended = job_report(session, job, time.time())["recommended_checkpoint_interval_seconds"]
+    report = job_report(session, job, time.time())
+    recommended = report["recommended_checkpoint_interval_seconds"]
+    if recommended is None:
+        recommended = young_interval(report["checkpoints"]["mean_blocking_seconds"], settings.assumed_mtbf_seconds)
     if not steps or not step_seconds or recommended is None:
         return DEFAULT_INTERVAL_STEPS
     return max(1, round(recommended / (step_seconds / steps)))

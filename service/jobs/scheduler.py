@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, contains_eager, selectinload
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, job_checkpoint_dir, newest_checkpoint, owner_area
+from service.jobs.intervals import retune_auto_intervals
 from service.jobs.rendezvous import free_master_port
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
@@ -147,6 +148,7 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
         _declare_lost_nodes(session, settings, now)
     _give_up_stragglers(session, settings, now)
     _allocate(session, settings, now)
+    retune_auto_intervals(session, settings, now)
 
 
 def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> None:
@@ -257,7 +259,7 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
     session.add(attempt)
     session.flush()
     emit(session, job.id, number, "attempt_allocated", now, {"nodes": [n.name for n in nodes]})
-    interval = checkpoint_interval_steps(session, job)
+    interval = attempt.interval_steps = checkpoint_interval_steps(session, job, settings)
     for share in attempt.nodes:
         commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval))
 

@@ -102,6 +102,26 @@ def test_an_agent_started_beside_folders_named_like_our_packages_runs_the_instal
         assert job["state"] == "succeeded", c.logs()
 
 
+def test_an_auto_interval_changes_in_the_running_attempt(tmp_path):
+    # No failure anywhere yet: the assumed MTBF (20 s) stands in for the failure rate. Young's
+    # interval from the first save's cost is far from the default 50 steps: the ranks are told.
+    with cluster(tmp_path, assumed_mtbf_seconds=20) as c:
+        c.start_agent("node-a")
+        spec = trainer_job(nodes=1, procs_per_node=2, trainer={"preset": "tiny", "overrides": {"train.steps": 200}},
+                           checkpoint={"interval_steps": "auto", "keep": 3})
+        job_id = c.submit(**spec)
+        job = c.wait_job(job_id)
+        assert job["state"] == "succeeded" and len(job["attempts"]) == 1, c.logs()
+        [retune] = [e for e in events(c, job_id, "checkpoint_interval") if e.attempt == 0][:1]
+        committed = sorted({e.step for e in events(c, job_id, "ckpt_committed")})
+    new, from_step = retune.data["interval_steps"], retune.data["from_step"]
+    assert retune.data["was"] == 50 and new != 50
+    # The default until the switch, the new interval from it on, with no restart in between.
+    assert [s for s in committed if s < from_step] == list(range(50, from_step, 50))
+    later = [s for s in committed if from_step <= s < 200]
+    assert later and all(s % new == 0 for s in later) and committed[-1] == 200, (committed, new, from_step)
+
+
 def test_max_restarts_is_honoured(tmp_path):
     with cluster(tmp_path) as c:
         c.start_agent("node-a")

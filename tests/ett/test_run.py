@@ -211,3 +211,21 @@ def test_a_resume_point_outside_the_jobs_folder_is_ignored(in_job, monkeypatch, 
     other_step = in_job / "other" / "step-00000002"
     assert f"ignoring ETT_RESUME_FROM {other_step}: outside the checkpoint folder" in caplog.text
     assert (in_job / "other" / "step-00000002" / MARKER).exists()
+
+
+def test_a_new_interval_applies_from_its_step_on_every_rank_alike(tmp_path):
+    """What the agent writes for a running `auto` job: every rank switches at `from_step`."""
+    from ett.checkpoint import CheckpointConfig
+
+    interval_file = tmp_path / "checkpoint-interval"
+    ranks = [CheckpointConfig(dir=str(tmp_path), interval_steps=10, interval_file=str(interval_file)) for _ in range(2)]
+    saves: list[list[int]] = [[], []]
+    for step in range(1, 41):
+        if step == 13:  # the service's command arrives mid-run: 4 from step 22
+            staging = tmp_path / "staging"
+            staging.write_text("4 22\n")
+            staging.replace(interval_file)
+        for rank, cfg in enumerate(ranks):
+            if cfg.due(step):
+                saves[rank].append(step)
+    assert saves[0] == saves[1] == [10, 20, 24, 28, 32, 36, 40]
