@@ -135,6 +135,7 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
         "ETT_JOB_ID": command.job_id, "ETT_ATTEMPT": "3", "ETT_EVENT_DIR": str(paths.events_dir),
         "ETT_CHECKPOINT_DIR": checkpoint["dir"], "ETT_CHECKPOINT_LOCAL_DIR": checkpoint["local_dir"],
         "ETT_RESUME_FROM": checkpoint["resume_from"], "ETT_CHECKPOINT_INTERVAL_STEPS": "7", "ETT_CHECKPOINT_KEEP": "2",
+        "ETT_CHECKPOINT_INTERVAL_FILE": str(paths.interval_file),
     }  # fmt: skip
     kinds = [e["kind"] for e in spool_events(supervisor, command, "rank:0")]
     assert kinds == ["init_start", "init_end", "step", "step", "step", "train_end"]
