@@ -39,6 +39,7 @@ class CheckpointSpec(Incoming):
     # Node-local fast folder; the service leaves it out and the agent names its own (agent.supervisor).
     local_dir: str | None = None
     resume_from: str | None = None
+    snapshots: bool = False  # the fast tier (ett/snapshots.py), with the agent's local folder
 
 
 class LaunchCommand(Incoming):

@@ -76,6 +76,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
         "ETT_CHECKPOINT_INTERVAL_STEPS": str(ckpt.interval_steps),
         "ETT_CHECKPOINT_KEEP": str(ckpt.keep),
         "ETT_CHECKPOINT_INTERVAL_FILE": str(paths.interval_file),
+        "ETT_CHECKPOINT_SNAPSHOTS": "1" if ckpt.snapshots and ckpt.local_dir else None,
     }
     return {name: value for name, value in env.items() if value is not None}
 

@@ -47,6 +47,7 @@ from ett.folders import (
     step_of,
     write_marker,
 )
+from ett.snapshots import LocalSnapshots
 from ett.state import ModelOptimizerState
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ class CheckpointConfig:
     keep: int = 3  # newest committed checkpoints kept
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
     async_mode: str = "process"  # "process" | "thread": where DCP writes in the background
+    # With local_dir: each rank also snapshots its own state there after every step (the fast
+    # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
+    # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
+    snapshots: bool = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_SNAPSHOTS") == "1")
     # A new interval handed to a running job (`interval_steps: "auto"`, retuned by the service):
     # "<interval_steps> <from_step>", looked at by every `due`. Empty: none.
     interval_file: str = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_INTERVAL_FILE", ""))
@@ -158,6 +163,8 @@ class Checkpointer:
         self.stager = ReusedBufferStager(share_memory=False, pin_memory=torch.cuda.is_available())
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-commit")
         self.in_flight: Future | None = None  # the last save, until committed (or failed)
+        self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size)
+                          if cfg.local_dir and cfg.snapshots else None)  # fmt: skip
 
     def _agree_on_mode(self, state: dict) -> AsyncCheckpointerType:
         """Process-based saving keeps serialisation and file writes off the training process's
@@ -209,6 +216,12 @@ class Checkpointer:
         self.events.emit("ckpt_staged", step=step)
         self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder)
         return True
+
+    def snapshot(self, step: int, state: dict) -> None:
+        """The fast tier after `step` (ett/snapshots.py): call it at every step's end; it keeps to
+        its own cadence and never blocks on a write."""
+        if self.snapshots is not None:
+            self.snapshots.maybe_save(step, state)
 
     def wait_for_staging(self) -> None:
         """Block until the last save's copy of the state is done: call it before anything
@@ -264,6 +277,9 @@ class Checkpointer:
             folder = find_resume_folder(self.cfg)
             chosen = [str(folder) if folder else None]
         dist.broadcast_object_list(chosen, src=0, group=self.group)
+        local = self._newest_snapshot()
+        if local is not None and (chosen[0] is None or local > step_of(Path(chosen[0]))):
+            return self._restore_snapshot(local, state)
         if chosen[0] is None:
             self._retire_newer_than(0)
             return 0
@@ -283,9 +299,25 @@ class Checkpointer:
         self._retire_newer_than(step)
         return step
 
+    def _newest_snapshot(self) -> int | None:
+        """The newest step every rank holds a local snapshot of, unless the run starts afresh."""
+        if self.snapshots is None or self.cfg.resume_from == "none":
+            return None
+        return self.snapshots.newest_common(self.group)
+
+    def _restore_snapshot(self, step: int, state: dict) -> int:
+        self.events.emit("restore_start")
+        self.snapshots.load(step, state)
+        logger.info("resumed from the local snapshots of step %d", step)
+        self.events.emit("restore_end", step=step, source="local-snapshot")
+        self._retire_newer_than(step)
+        return step
+
     def _retire_newer_than(self, step: int) -> None:
         """Checkpoints past the resumed step belong to an abandoned run (or did not verify):
         were they kept, a later `auto` resume would jump back onto that other timeline."""
+        if self.snapshots is not None:
+            self.snapshots.forget_newer_than(step)
         if self.tends_local_dir:  # their local copies would only be overwritten
             for folder in step_folders(self.cfg.local_dir):
                 if step_of(folder) > step:
@@ -300,6 +332,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self.snapshots is not None:
+            self.snapshots.wait()
         self.committer.shutdown()
         self.stager.close()
         daemon = _async_process_executor._CHECKPOINT_PROCESS

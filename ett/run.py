@@ -164,11 +164,13 @@ class Run:
     def checkpoint(self, step: int, state: dict[str, Any], force: bool = False) -> bool:
         """Saves `state` when a save is due by the job's interval, or when forced. Returns once the
         state is copied (the write and the commit go on in the background); True when a save started."""
-        if not self._config.dir or not (force or self.checkpoint_due(step)):
+        if not self._config.dir:
             return False
-        checkpointer = self._get_checkpointer()
-        started = checkpointer.save(step, state)
-        checkpointer.wait_for_staging()  # the caller may change the state as soon as we return
+        checkpointer, started = self._get_checkpointer(), False
+        if force or self.checkpoint_due(step):
+            started = checkpointer.save(step, state)
+            checkpointer.wait_for_staging()  # the caller may change the state as soon as we return
+        checkpointer.snapshot(step, state)  # with a node-local folder: the fast tier, every step it can
         return started
 
     def checkpoint_due(self, step: int) -> bool:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 
 class ModelOptimizerState(Stateful):
@@ -24,6 +25,30 @@ class ModelOptimizerState(Stateful):
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+    def local_state(self) -> dict:
+        """This rank's shards, copied to CPU, in parameter order: the fast tier's snapshot
+        (ett/snapshots.py). No state-dict machinery: a snapshot is taken every step."""
+        params = list(self.model.parameters())
+        return {
+            "params": [_local(p) for p in params],
+            "buffers": [_local(b) for b in self.model.buffers()],
+            "optim": [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params],
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        }
+
+    @torch.no_grad()
+    def load_local_state(self, saved: dict) -> None:
+        """Puts back what `local_state` took, on a model and optimizer built and sharded alike."""
+        params = list(self.model.parameters())
+        for p, t in zip(params, saved["params"], strict=True):
+            _as_local(p).copy_(_shard_of(t))
+        for b, t in zip(self.model.buffers(), saved["buffers"], strict=True):
+            _as_local(b).copy_(_shard_of(t))
+        for p, state in zip(params, saved["optim"], strict=True):
+            self.optimizer.state[p] = {k: _rebuilt(v, p) for k, v in state.items()}
+        for group, saved_group in zip(self.optimizer.param_groups, saved["groups"], strict=True):
+            group.update(saved_group)
 
     def changed_only_by_optimizer_step(self) -> list[torch.Tensor]:
         """Parameters and optimizer state: the tensors a save may copy until the next optimizer.step."""
@@ -58,3 +83,28 @@ class TrainProgress(Stateful):
 
     def load_state_dict(self, state: dict) -> None:
         self.step = state["step"]
+
+
+def _as_local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local(t: object) -> object:
+    """A tensor's CPU copy; a DTensor's shard with its layout, to rebuild it (`_rebuilt`)."""
+    if isinstance(t, DTensor):
+        return {"shard": t.to_local().detach().to("cpu", copy=True), "placements": tuple(t.placements),
+                "shape": tuple(t.shape), "stride": t.stride()}
+    return t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+
+
+def _shard_of(saved: object) -> torch.Tensor:
+    return saved["shard"] if isinstance(saved, dict) else saved
+
+
+def _rebuilt(saved: object, param: torch.Tensor) -> object:
+    """An optimizer state value back on the parameter's device (and mesh, for a DTensor)."""
+    if isinstance(saved, dict) and "shard" in saved:
+        shard = saved["shard"].to(param.device)
+        return DTensor.from_local(shard, param.device_mesh, saved["placements"], run_check=False,
+                                  shape=torch.Size(saved["shape"]), stride=saved["stride"])
+    return saved.to(param.device) if isinstance(saved, torch.Tensor) and saved.dim() else saved

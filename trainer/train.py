@@ -134,6 +134,7 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
             metrics.record(step, tokens_per_step, mean_loss, lr, grad_norm.item())
         if cfg.checkpoint.due(step, cfg.train.steps) or (stopped and cfg.checkpoint.dir):
             checkpointer.save(step, state)
+        checkpointer.snapshot(step, state)  # the fast tier: this rank's shard on node-local disk
         if stopped:
             logger.warning("SIGTERM: stopped after step %d", step)
             break

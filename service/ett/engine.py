@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-SERVICE_KINDS = frozenset({"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished", "checkpoint_interval"})
+SERVICE_KINDS = frozenset(
+    {"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished", "checkpoint_interval"}
+)
 AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
 TRAINER_KINDS = frozenset(
     {

@@ -275,6 +275,7 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
         "master_addr": attempt.master_addr, "master_port": attempt.master_port,
         "trainer": spec["trainer"], "entrypoint": spec["entrypoint"], "env": spec["env"],
         "checkpoint": {"interval_steps": interval, "keep": spec["checkpoint"]["keep"], "dir": checkpoint_dir,
+                       "snapshots": spec["checkpoint"].get("snapshots", False),
                        "area": str(owner_area(settings, job.owner)), "resume_from": attempt.resume_from},
         "hang_timeout_seconds": spec["hang_timeout_seconds"], "init_timeout_seconds": settings.init_timeout_seconds,
         "faults": [f for f in spec["faults"] if f["attempt"] == attempt.number and first <= f["rank"] < last],

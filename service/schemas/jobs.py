@@ -29,6 +29,9 @@ class CheckpointSpec(Strict):
     interval_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
     keep: Annotated[int, Field(ge=1, le=1000)] = 3
     dir: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")] | None = None
+    # Each rank also snapshots its own state on its node's local disk after every step (the fast
+    # tier): a restart on the same nodes loses at most a step (docs/trainer.md, "Local snapshots").
+    snapshots: bool = False
 
 
 class FaultSpec(Strict):

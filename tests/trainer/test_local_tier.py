@@ -44,7 +44,9 @@ def test_a_resume_reads_the_local_copies_that_verify(straight_run, tmp_path, nod
         shutil.copytree(local_checkpoint_dir(straight_run.event_dir.parent), local)
     if node == "corrupt":
         corrupt(local / "step-00000006" / "__1_0.distcp")
-    resume = ["--checkpoint.local_dir", str(local), "--checkpoint.resume_from", str(persistent / "step-00000006")]
+    # Snapshots off: this is about the persistent checkpoint's local copies (tests/trainer/test_snapshots.py).
+    resume = ["--checkpoint.local_dir", str(local), "--checkpoint.resume_from", str(persistent / "step-00000006"),
+              "--checkpoint.snapshots", "false"]
     run = run_trainer(tmp_path, [*TINY_EP_ZERO3, "--train.steps", "7", *resume], checkpoint_dir=persistent)
     assert run.returncode == 0, run.stderr
 

@@ -1,0 +1,156 @@
+"""The fast tier: a snapshot of each rank's own state on node-local disk, as often as every step.
+
+A persistent checkpoint (DCP, `checkpoint.dir`) is written every `interval_steps` and survives any
+node; a failure between two of them loses up to `interval_steps` steps. Between them, each rank
+keeps its own shard of the state (model and optimizer shards, data position, generators, step)
+in `<local_dir>/snapshots/w<world>/step-N/rank-R.pt`: a copy to CPU at the step's end, written by
+a background thread, renamed into place once whole. No collective is involved, so a snapshot
+costs one copy of the rank's shard (and the wait for the previous write, if it is not done yet);
+when that takes more than `MAX_SHARE` of a step, the rank snapshots every 2nd, 4th, ... step
+instead (powers of two, so ranks that chose differently still share steps).
+
+On restart the ranks agree on the newest step every rank holds a whole snapshot of; a rank on a
+new node (its disk lost with the old one) holds none, so nothing partial is ever loaded. The same
+world size and shard layout are needed, which the scheduler keeps by giving an attempt its
+previous nodes in their old rank order. The checkpointer (ett/checkpoint.py) loads the newer of
+that snapshot and the persistent checkpoint.
+"""
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+MAX_SHARE = 0.05  # of a step's time, for the copy a snapshot costs the training loop
+MAX_EVERY = 64
+KEEP = 2  # whole snapshots kept per rank: the newest may be torn by a kill on another rank
+
+
+def local_copy(value: Any) -> Any:
+    """The value with every tensor copied to CPU (a DTensor: this rank's shard); model and
+    optimizer through their `local_state` (ett/state.py), other Stateful objects their state_dict."""
+    if hasattr(value, "local_state"):
+        return value.local_state()
+    if isinstance(value, Stateful):
+        value = value.state_dict()
+    if isinstance(value, dict):
+        return {key: local_copy(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(local_copy(item) for item in value)
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+def filled(current: Any, saved: Any) -> Any:
+    """`saved` shaped as `current` is: each DTensor rebuilt from this rank's saved shard with the
+    current layout, tensors on the current device."""
+    if isinstance(current, dict) and isinstance(saved, dict):
+        return {key: filled(current.get(key), item) for key, item in saved.items()}
+    if isinstance(current, list | tuple) and isinstance(saved, list | tuple) and len(current) == len(saved):
+        return type(saved)(filled(c, s) for c, s in zip(current, saved, strict=True))
+    if isinstance(current, DTensor) and isinstance(saved, torch.Tensor):
+        return DTensor.from_local(saved.to(current.device), current.device_mesh, current.placements,
+                                  run_check=False, shape=current.shape, stride=current.stride())
+    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        return saved.to(current.device)
+    return saved
+
+
+class LocalSnapshots:
+    def __init__(self, local_dir: str, rank: int, world_size: int) -> None:
+        self.root = Path(local_dir) / "snapshots" / f"w{world_size}"
+        self.rank = rank
+        self.every = 1
+        self._writing: threading.Thread | None = None
+        self._last_call: float | None = None
+
+    def _file(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}" / f"rank-{self.rank}.pt"
+
+    def maybe_save(self, step: int, state: dict[str, Any]) -> bool:
+        """Snapshots this rank's state after `step` when its cadence says so; True when it did."""
+        now = time.perf_counter()
+        step_seconds = now - self._last_call if self._last_call is not None else None
+        self._last_call = now
+        if step % self.every:
+            return False
+        if self._writing is not None:  # one write at a time; its wait counts in the cost below
+            self._writing.join()
+        copy = local_copy(state)
+        copy_seconds = time.perf_counter() - now
+        if step_seconds and copy_seconds > MAX_SHARE * step_seconds * self.every and self.every < MAX_EVERY:
+            self.every *= 2
+            logger.info("local snapshots every %d steps: a copy takes %.1f ms, a step %.1f ms", self.every,
+                        copy_seconds * 1e3, step_seconds * 1e3)
+        self._writing = threading.Thread(target=self._write, args=(step, copy), name="ett-snapshot", daemon=True)
+        self._writing.start()
+        return True
+
+    def _write(self, step: int, copy: dict[str, Any]) -> None:
+        target = self._file(step)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = target.with_suffix(".tmp")
+            torch.save({"step": step, "state": copy}, staging)
+            os.replace(staging, target)  # whole, or not there
+            for old in self.steps()[KEEP:]:
+                self._file(old).unlink(missing_ok=True)
+                with_no_rank_left = not any(self._file(old).parent.glob("rank-*.pt"))
+                if with_no_rank_left:
+                    shutil.rmtree(self._file(old).parent, ignore_errors=True)
+        except OSError as error:  # a full or lost local disk: the persistent tier still holds
+            logger.warning("local snapshot of step %d not written: %s", step, error)
+
+    def wait(self) -> None:
+        if self._writing is not None:
+            self._writing.join()
+
+    def steps(self) -> list[int]:
+        """The steps this rank holds a whole snapshot of, newest first."""
+        found = []
+        for folder in self.root.glob("step-*"):
+            if (folder / f"rank-{self.rank}.pt").exists():
+                try:
+                    found.append(int(folder.name.removeprefix("step-")))
+                except ValueError:
+                    continue
+        return sorted(found, reverse=True)
+
+    def newest_common(self, group: dist.ProcessGroup | None) -> int | None:
+        """The newest step every rank holds a whole snapshot of (a collective)."""
+        mine = self.steps()
+        everyone: list[list[int] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        common = set(mine).intersection(*(set(steps or []) for steps in everyone))
+        return max(common) if common else None
+
+    def load(self, step: int, state: dict[str, Any]) -> None:
+        """Loads this rank's snapshot of `step` into `state`, in place."""
+        saved = torch.load(self._file(step), weights_only=False)["state"]
+        for key, value in saved.items():
+            current = state[key]
+            if hasattr(current, "load_local_state"):
+                current.load_local_state(value)
+            elif isinstance(current, Stateful):
+                current.load_state_dict(filled(current.state_dict(), value))
+            elif isinstance(current, torch.Tensor):
+                current.copy_(value)
+            else:
+                state[key] = value
+
+    def forget_newer_than(self, step: int) -> None:
+        """Snapshots past the resumed step belong to an abandoned timeline."""
+        for newer in [s for s in self.steps() if s > step]:
+            self._file(newer).unlink(missing_ok=True)
