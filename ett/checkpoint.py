@@ -68,6 +68,7 @@ class CheckpointConfig:
     # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
     # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
     snapshots: bool = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_SNAPSHOTS") == "1")
+    snapshot_every: int = 0  # 0: every step its cost allows (ett/snapshots.py); N: every N steps, fixed
     # A new interval handed to a running job (`interval_steps: "auto"`, retuned by the service):
     # "<interval_steps> <from_step>", looked at by every `due`. Empty: none.
     interval_file: str = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_INTERVAL_FILE", ""))
@@ -163,7 +164,7 @@ class Checkpointer:
         self.stager = ReusedBufferStager(share_memory=False, pin_memory=torch.cuda.is_available())
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-commit")
         self.in_flight: Future | None = None  # the last save, until committed (or failed)
-        self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size)
+        self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size, cfg.snapshot_every)
                           if cfg.local_dir and cfg.snapshots else None)  # fmt: skip
 
     def _agree_on_mode(self, state: dict) -> AsyncCheckpointerType:

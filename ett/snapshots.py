@@ -5,9 +5,10 @@ node; a failure between two of them loses up to `interval_steps` steps. Between 
 keeps its own shard of the state (model and optimizer shards, data position, generators, step)
 in `<local_dir>/snapshots/w<world>/step-N/rank-R.pt`: a copy to CPU at the step's end, written by
 a background thread, renamed into place once whole. No collective is involved, so a snapshot
-costs one copy of the rank's shard (and the wait for the previous write, if it is not done yet);
-when that takes more than `MAX_SHARE` of a step, the rank snapshots every 2nd, 4th, ... step
-instead (powers of two, so ranks that chose differently still share steps).
+costs one copy of the rank's shard and one write in the background, which on a busy node competes
+with the step for the CPU; when the two take more than `MAX_SHARE` of the steps between two
+snapshots, the rank snapshots every 2nd, 4th, ... step instead (powers of two, so ranks that
+chose differently still share steps).
 
 On restart the ranks agree on the newest step every rank holds a whole snapshot of; a rank on a
 new node (its disk lost with the old one) holds none, so nothing partial is ever loaded. The same
@@ -69,12 +70,14 @@ def filled(current: Any, saved: Any) -> Any:
 
 
 class LocalSnapshots:
-    def __init__(self, local_dir: str, rank: int, world_size: int) -> None:
+    def __init__(self, local_dir: str, rank: int, world_size: int, every: int = 0) -> None:
         self.root = Path(local_dir) / "snapshots" / f"w{world_size}"
         self.rank = rank
-        self.every = 1
+        self.adaptive = every == 0  # else fixed at `every`
+        self.every = every or 1
         self._writing: threading.Thread | None = None
         self._last_call: float | None = None
+        self._write_seconds = 0.0  # the last write's: on a busy node it competes with the step for the CPU
 
     def _file(self, step: int) -> Path:
         return self.root / f"step-{step:08d}" / f"rank-{self.rank}.pt"
@@ -89,17 +92,17 @@ class LocalSnapshots:
         if self._writing is not None:  # one write at a time; its wait counts in the cost below
             self._writing.join()
         copy = local_copy(state)
-        copy_seconds = time.perf_counter() - now
-        if step_seconds and copy_seconds > MAX_SHARE * step_seconds * self.every and self.every < MAX_EVERY:
+        cost = time.perf_counter() - now + self._write_seconds
+        if self.adaptive and step_seconds and cost > MAX_SHARE * step_seconds * self.every and self.every < MAX_EVERY:
             self.every *= 2
-            logger.info("local snapshots every %d steps: a copy takes %.1f ms, a step %.1f ms", self.every,
-                        copy_seconds * 1e3, step_seconds * 1e3)
+            logger.info("local snapshots every %d steps: a copy and write take %.1f ms, a step %.1f ms", self.every,
+                        cost * 1e3, step_seconds * 1e3)
         self._writing = threading.Thread(target=self._write, args=(step, copy), name="ett-snapshot", daemon=True)
         self._writing.start()
         return True
 
     def _write(self, step: int, copy: dict[str, Any]) -> None:
-        target = self._file(step)
+        target, started = self._file(step), time.perf_counter()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = target.with_suffix(".tmp")
@@ -112,6 +115,7 @@ class LocalSnapshots:
                     shutil.rmtree(self._file(old).parent, ignore_errors=True)
         except OSError as error:  # a full or lost local disk: the persistent tier still holds
             logger.warning("local snapshot of step %d not written: %s", step, error)
+        self._write_seconds = time.perf_counter() - started
 
     def wait(self) -> None:
         if self._writing is not None:

@@ -43,7 +43,8 @@ def demo_job() -> dict[str, Any]:
         "trainer": {"preset": "cpu-demo", "overrides": {"train.steps": DEMO_STEPS, "parallel.ep": 2,
                                                         "parallel.zero": 3}},
         "max_restarts": 3,
-        "checkpoint": {"interval_steps": 10, "keep": 3, "dir": None},
+        # Persistent checkpoints every 10 steps, and each rank's local snapshot after every step.
+        "checkpoint": {"interval_steps": 10, "keep": 3, "dir": None, "snapshots": True},
         "hang_timeout_seconds": 20,
         # A rank of node 0 is SIGKILLed in the first attempt; a rank of node 1 hangs in the second.
         "faults": [

@@ -10,6 +10,7 @@ import pytest
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, has_event, local_checkpoint_dir, run_trainer
 
 pytestmark = pytest.mark.slow
+FAST_TIER = ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_every", "1"]  # every step, for the test's kill
 
 
 def snapshot_file(local, step: int, rank: int):
@@ -26,7 +27,7 @@ def killed_after_step_6(tmp_path_factory):
         return has_event(events, "step", 6) and all(snapshot_file(local, 6, r).exists() for r in (0, 1))
 
     run = run_trainer(workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4",
-                                "--checkpoint.local_dir", str(local), "--checkpoint.snapshots", "true"],
+                                *FAST_TIER, "--checkpoint.local_dir", str(local)],
                       signal_when=snapshotted_6)
     assert run.returncode != 0
     return run, local
@@ -37,7 +38,7 @@ def resume(tmp_path, killed, local) -> object:
     persistent = tmp_path / "ckpt"
     shutil.copytree(killed.checkpoint_dir, persistent)
     run = run_trainer(tmp_path, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4",
-                                 "--checkpoint.local_dir", str(local), "--checkpoint.snapshots", "true",
+                                 *FAST_TIER, "--checkpoint.local_dir", str(local),
                                  "--checkpoint.resume_from", "auto"],
                       checkpoint_dir=persistent, attempt=1)
     assert run.returncode == 0, run.stderr

@@ -1,0 +1,53 @@
+"""What the fast tier costs a training step: the same cpu-demo run (2 ranks, EP 2, ZeRO-3) with
+and without per-step local snapshots (ett/snapshots.py), alternated, median step time of each.
+
+    .venv/bin/python bench/snapshot_cost.py [--steps 40] [--rounds 2]
+
+Prints each run's median step time (rank 0's `step` events, which end before the snapshot), the
+median time between step ends (which includes it), and the ratio of the latter with snapshots to
+without: the target is at most 1.05 (issue #21).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(steps: int, snapshots: bool) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as root:
+        env = os.environ | {"ETT_EVENT_DIR": f"{root}/events", "OMP_NUM_THREADS": "1"}
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "trainer.train", "--preset", "cpu-demo", "--train.steps", str(steps),
+                "--checkpoint.dir", f"{root}/ckpt", "--checkpoint.local_dir", f"{root}/local",
+                "--checkpoint.interval_steps", "1000", "--checkpoint.snapshots", "true" if snapshots else "false"]
+        subprocess.run(argv, env=env, check=True, capture_output=True)
+        events = [json.loads(line) for line in Path(root, "events", "rank-0.jsonl").read_text().splitlines()]
+    steps_ = [e for e in events if e["kind"] == "step"][5:]  # past the warm-up
+    gaps = [b["ts"] - a["ts"] for a, b in zip(steps_, steps_[1:])]
+    return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for snapshots in (False, True):
+            results[snapshots].append(run(args.steps, snapshots))
+    for snapshots, runs in results.items():
+        print(f"snapshots {'on ' if snapshots else 'off'}: step " + ", ".join(f"{s * 1e3:.1f}" for s, _ in runs)
+              + " ms; step end to step end " + ", ".join(f"{g * 1e3:.1f}" for _, g in runs) + " ms")
+    on = statistics.median(g for _, g in results[True])
+    off = statistics.median(g for _, g in results[False])
+    print(f"per-step snapshots cost {100 * (on / off - 1):+.1f}% of a step (ratio {on / off:.3f}; target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
