@@ -84,11 +84,13 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
         for proc in reversed(started):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20  # for all of them together: then SIGKILL
         for proc in reversed(started):
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _job_user_settings(root: Path) -> dict[str, str]:
