@@ -185,7 +185,10 @@ def _stay_up(url: str, job_id: str, user_token: str) -> None:
     def interrupt(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM too stops the agents and the service, not only us
+    # Ctrl-C even where SIGINT came ignored (a background job of a script), and SIGTERM: both stop
+    # the agents and the service, not only us.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     try:
         signal.pause()
     except KeyboardInterrupt:
