@@ -42,10 +42,19 @@ class CheckpointSpec(Incoming):
     snapshots: bool = False  # the fast tier (ett/snapshots.py), with the agent's local folder
 
 
-class LaunchCommand(Incoming):
-    type: Literal["launch"]
+class AttemptCommand(Incoming):
+    """A command about one attempt of a job."""
+
     job_id: JobId
     attempt: int = Field(ge=0)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)
+
+
+class LaunchCommand(AttemptCommand):
+    type: Literal["launch"]
     node_rank: int = Field(ge=0)
     nnodes: int = Field(ge=1)
     nproc_per_node: int = Field(ge=1)
@@ -67,34 +76,18 @@ class LaunchCommand(Incoming):
             raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
         return self
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.attempt)
 
-
-class StopCommand(Incoming):
+class StopCommand(AttemptCommand):
     type: Literal["stop"]
-    job_id: JobId
-    attempt: int = Field(ge=0)
     reason: str = ""
 
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.attempt)
 
-
-class IntervalCommand(Incoming):
+class IntervalCommand(AttemptCommand):
     """A running attempt's new checkpoint interval (`auto`), for its ranks from `from_step` on."""
 
     type: Literal["checkpoint_interval"]
-    job_id: JobId
-    attempt: int = Field(ge=0)
     interval_steps: int = Field(ge=1)
     from_step: int = Field(ge=0)
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.attempt)
 
 
 Command = Annotated[LaunchCommand | StopCommand | IntervalCommand, Field(discriminator="type")]
