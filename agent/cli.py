@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"ett agent: {exc}", file=sys.stderr)
         return 2
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: agent.stopping.set())
+        signal.signal(signum, lambda *_: agent.terminate())
     agent.run()
     return 0
 

@@ -25,6 +25,7 @@ from agent.forward import ForwardConfig, Forwarder
 from agent.job_user import RunAs, resolve_job_user
 from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
+from agent.slurm import slurm_job_id, termination
 from agent.supervisor import Supervisor
 from agent.warm import WarmServer
 
@@ -51,6 +52,7 @@ class Agent:
                                                  settings.spool_max_bytes))  # fmt: skip
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stopping = threading.Event()  # set by a signal: wind down
+        self.leaving = False  # SIGTERM or SIGINT: every heartbeat from now on says the node takes no work
         self._report_now = threading.Event()
         self._heartbeats_done = threading.Event()
         self._forwarding_done = threading.Event()
@@ -81,7 +83,11 @@ class Agent:
         try:
             self._monitor()
         finally:
-            self.supervisor.shutdown()
+            self._report_now.set()  # a leaving node is out of the scheduler's choice at once
+            # In a Slurm allocation the ranks got SIGTERM too, and save a final checkpoint in the
+            # grace: the attempt ends with Slurm's cause (agent/slurm.py), not as a plain stop.
+            slurm_job = slurm_job_id() if self.leaving else None
+            self.supervisor.shutdown(termination(slurm_job) if slurm_job else None)
             self.warm.stop()
             self._heartbeats_done.set()
             self._report_now.set()
@@ -90,6 +96,11 @@ class Agent:
             threads[2].join(timeout=self.settings.request_timeout_seconds + 1)
             self.client.close()
             log.info("agent %s stopped", self.settings.name)
+
+    def terminate(self) -> None:
+        """What SIGTERM and SIGINT do (from a signal handler: flags only)."""
+        self.leaving = True
+        self.stopping.set()
 
     def _monitor(self) -> None:
         while not self.stopping.is_set():
@@ -163,7 +174,8 @@ class Agent:
 
     def _send_heartbeat(self, wait: float) -> bool:
         attempts = self.supervisor.reports.snapshot()
-        body = {"clock": time.time(), "attempts": attempts, "stats": self.stats.heartbeat_figures()}
+        body = {"clock": time.time(), "attempts": attempts, "stats": self.stats.heartbeat_figures(),
+                "leaving": self.leaving}
         try:
             answer = self.client.heartbeat(body, wait)
         except httpx.HTTPStatusError as exc:

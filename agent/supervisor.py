@@ -180,12 +180,13 @@ class Supervisor:
                 changed = True
         return changed
 
-    def shutdown(self) -> None:
-        """Stops every group (SIGTERM, then SIGKILL after the grace) and waits for them to go."""
+    def shutdown(self, failure: GroupEnd | None = None) -> None:
+        """Stops every group (SIGTERM, then SIGKILL after the grace) and waits for them to go.
+        `failure`: what ends their attempts (Slurm's SIGTERM), instead of a plain stop."""
         for key in list(self.held):
             self.stop(StopCommand(type="stop", job_id=key[0], attempt=key[1], reason="agent shutting down"))
         for group in self.groups.values():
-            group.stop("agent shutting down")
+            group.stop("agent shutting down", failure)
         deadline = time.monotonic() + self.stop_grace_seconds + 5.0
         while self.groups and time.monotonic() < deadline:
             self.poll()

@@ -61,7 +61,7 @@ class WorkerState(enum.StrEnum):
 @dataclass(frozen=True)
 class GroupEnd:
     state: WorkerState
-    cause: str | None = None  # exit | signal | hang
+    cause: str | None = None  # exit | signal | hang | time_limit | preempted | terminated
     detail: str = ""
     exit_code: int | None = None
 
@@ -150,12 +150,14 @@ class WorkerGroup:
         })  # fmt: skip
         log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, failure: GroupEnd | None = None) -> None:
+        """SIGTERM to the group, SIGKILL after the grace. `failure`: the stop ends the attempt as
+        this failure (Slurm's time limit or preemption) rather than as stopped."""
         if not self.state.is_terminal and self._proc is not None:
             self._read_rank_records(self.clock())  # a rank that already failed here is the cause, not the stop
         if self.state.is_terminal or self._ending is not None or self._proc is None:
             return  # already ending: the first cause stands
-        self._ending = GroupEnd(WorkerState.STOPPED, None, f"stopped: {reason}" if reason else "stopped")
+        self._ending = failure or GroupEnd(WorkerState.STOPPED, None, f"stopped: {reason}" if reason else "stopped")
         self.state = WorkerState.STOPPING
         signal_group(self._proc.pid, SIGTERM)  # torchrun passes it on to the ranks
         self._kill_at = self.clock() + self.stop_grace_seconds

@@ -18,11 +18,14 @@ go nowhere, and checkpoints are saved only where the script names a folder.
 
 import logging
 import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ett.checkpoint import CheckpointConfig, Checkpointer
@@ -33,6 +36,16 @@ from ett.folders import step_of
 from ett.paths import inside
 
 logger = logging.getLogger("ett")
+EXIT_STOPPED = 4  # as the trainer's (trainer/errors.py): stopped by SIGTERM after a final checkpoint
+
+
+class Stopped(SystemExit):
+    """Raised by `run.checkpoint` once the job was told to stop (SIGTERM: Slurm's time limit or
+    preemption, the agent's stop) and the final checkpoint is committed: the script exits with
+    EXIT_STOPPED, which tells the service it stopped cleanly."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_STOPPED)
 
 
 def _check_writable(folder: str) -> None:
@@ -93,6 +106,23 @@ class Run:
         self._last_step: int | None = None
         self._init_marked = False
         self._closed = False
+        self._sigterm = False  # this rank got SIGTERM
+        self._stop_agreed = False  # some rank did, and every rank knows (should_stop)
+        self._handles_sigterm = self._install_sigterm_handler()
+
+    def _install_sigterm_handler(self) -> bool:
+        """Inside a job that checkpoints, SIGTERM only sets a flag: the step in progress finishes
+        and a final checkpoint is saved (should_stop). A script's own handler is left alone."""
+        if not (self.in_job and self.checkpoint_dir) or threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False
+
+        def on_sigterm(_signum: int, _frame: object) -> None:
+            self._sigterm = True
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        return True
 
     def _dcp_resume_from(self) -> str:
         """The service's choice when it is one of ours (a step folder; another library's
@@ -163,15 +193,36 @@ class Run:
 
     def checkpoint(self, step: int, state: dict[str, Any], force: bool = False) -> bool:
         """Saves `state` when a save is due by the job's interval, or when forced. Returns once the
-        state is copied (the write and the commit go on in the background); True when a save started."""
+        state is copied (the write and the commit go on in the background); True when a save started.
+        Once the job is told to stop (should_stop), saves this step, waits for the commit and
+        raises Stopped: the script exits with EXIT_STOPPED. Every rank calls it at every step."""
         if not self._config.dir:
             return False
         checkpointer, started = self._get_checkpointer(), False
-        if force or self.checkpoint_due(step):
+        stop = self.should_stop()
+        if force or stop or self.checkpoint_due(step):
             started = checkpointer.save(step, state)
             checkpointer.wait_for_staging()  # the caller may change the state as soon as we return
         checkpointer.snapshot(step, state)  # with a node-local folder: the fast tier, every step it can
+        if stop:
+            logger.warning("SIGTERM: stopped after step %d and its checkpoint", step)
+            raise Stopped()
         return started
+
+    def should_stop(self) -> bool:
+        """True once any rank of the job got SIGTERM (Slurm's time limit or preemption, the
+        agent's stop), on every rank alike: one small all-reduce, so all ranks call it at the
+        same step (run.checkpoint does, every step). Always False outside a job."""
+        if not self._handles_sigterm or self._stop_agreed:
+            return self._stop_agreed
+        flag = self._sigterm
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = "cpu" if "gloo" in str(dist.get_backend()) else torch.accelerator.current_accelerator()
+            flag_1 = torch.tensor([int(flag)], device=device)
+            dist.all_reduce(flag_1, op=dist.ReduceOp.MAX)
+            flag = bool(flag_1.item())
+        self._stop_agreed = flag
+        return flag
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the job's interval asks for a save after `step` (False without a folder)."""
@@ -203,8 +254,10 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        if exc_type is None or issubclass(exc_type, Stopped):
             self.close()
+            if exc_type is None and self._stop_agreed:  # a framework's loop stopped on should_stop
+                raise Stopped()
         else:  # a failing run: its events are written out, and a save in flight is not waited for
             self._closed = True
             self._events.close()

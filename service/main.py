@@ -17,7 +17,7 @@ from service.agents.heartbeats import HeartbeatWriter
 from service.api import include_api
 from service.api.health import router as health_router
 from service.asgi.access_log import QuietAgentCalls
-from service.asgi.background import YoungCollector, run_scheduler
+from service.asgi.background import YoungCollector, run_scheduler, run_slurm_bridge
 from service.asgi.errors import ValidationProblem, validation_error
 from service.asgi.hot_paths import AgentHotPaths
 from service.asgi.limits import BodySizeLimit, RateLimit
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
         stop = asyncio.Event()
         task = asyncio.create_task(run_scheduler(app, wake, stop))
+        slurm = asyncio.create_task(run_slurm_bridge(app, stop)) if settings.slurm else None
         app.state.heartbeats = HeartbeatWriter(app.state.sessions, settings)
         writer = asyncio.create_task(app.state.heartbeats.run())
         app.state.event_batches = EventBatchWriter(app.state.sessions, settings)
@@ -59,6 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop.set()
         wake.set()
         await task  # lets a tick in flight finish: no transaction outlives the app
+        if slurm is not None:
+            await slurm
         for background in (writer, events_writer, watcher, collector):
             background.cancel()
             with contextlib.suppress(asyncio.CancelledError):

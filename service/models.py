@@ -83,6 +83,7 @@ ACTIVE_ATTEMPT_STATES = (AttemptState.allocated, AttemptState.running)  # an att
 class NodeState(enum.StrEnum):
     idle = "idle"
     busy = "busy"
+    leaving = "leaving"  # its agent is stopping (SIGTERM): never given new work, gone when it stops
     lost = "lost"
 
 
@@ -101,6 +102,8 @@ class Token(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(default=False)
     expires_at: Mapped[datetime | None] = mapped_column(default=None)  # None: never
+    # An agent token of one job's Slurm allocation: its nodes serve that job only (Node.job_id).
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), default=None)
 
 
 class Node(Base):
@@ -120,6 +123,8 @@ class Node(Base):
     clock_offset_seconds: Mapped[float] = mapped_column(default=0.0)
     clock_skew_flagged: Mapped[bool] = mapped_column(default=False)
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # The one job this node serves (an agent of that job's Slurm allocation); None: any job.
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True)
 
 
 class Job(Base):
@@ -138,6 +143,9 @@ class Job(Base):
 
     attempts: Mapped[list["Attempt"]] = relationship(
         back_populates="job", order_by="Attempt.number", cascade="all, delete-orphan"
+    )
+    slurm_allocations: Mapped[list["SlurmAllocation"]] = relationship(
+        back_populates="job", order_by="SlurmAllocation.number", cascade="all, delete-orphan"
     )
 
 
@@ -181,6 +189,34 @@ class AttemptNode(Base):
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
+
+
+class SlurmState(enum.StrEnum):
+    submitted, running, ended = "submitted", "running", "ended"  # ended: by Slurm, or released (scancel)
+
+
+class SlurmAllocation(Base):
+    """One batch job submitted to Slurm for an ETT job (service/slurm/); one live at a time."""
+
+    __tablename__ = "slurm_allocations"
+    __table_args__ = (UniqueConstraint("job_id", "number"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int]  # 0, 1, ...: the job's allocations in order
+    slurm_job_id: Mapped[str] = mapped_column(String(32))
+    state: Mapped[SlurmState] = mapped_column(_enum(SlurmState), default=SlurmState.submitted, index=True)
+    # What Slurm last said: its state (PENDING, RUNNING, TIMEOUT, ...), its reason, its nodes.
+    slurm_state: Mapped[str] = mapped_column(String(32), default="PENDING")
+    slurm_reason: Mapped[str | None] = mapped_column(String(256))
+    slurm_nodes: Mapped[list[str]] = mapped_column(JSON, default=list)
+    bad_nodes: Mapped[list[str]] = mapped_column(JSON, default=list)  # its agents lost: later ones exclude them
+    token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id"))
+    submitted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    ended_at: Mapped[datetime | None]
+
+    job: Mapped[Job] = relationship(back_populates="slurm_allocations")
 
 
 class AgentCommand(Base):

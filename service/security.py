@@ -29,10 +29,13 @@ def unauthorized() -> HTTPException:
     )
 
 
-def create_token(session: Session, role: Role, subject: str, expires_at: datetime | None = None) -> str:
-    """Stores a new token and returns its secret, which is never stored nor shown again."""
+def create_token(
+    session: Session, role: Role, subject: str, expires_at: datetime | None = None, job_id: str | None = None
+) -> str:
+    """Stores a new token and returns its secret, which is never stored nor shown again. `job_id`:
+    an agent token whose nodes serve that job only (a Slurm allocation's)."""
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    session.add(Token(subject=subject, role=role, token_hash=hash_token(secret), expires_at=expires_at))
+    session.add(Token(subject=subject, role=role, token_hash=hash_token(secret), expires_at=expires_at, job_id=job_id))
     return secret
 
 

@@ -60,6 +60,28 @@ class Settings(BaseSettings):
     # Each owner's jobs checkpoint under <checkpoint_root>/<owner>/: by default in
     # <owner>/<job id>, or in a folder the job names, which must lie inside that owner's area.
     checkpoint_root: Path | None = None
+    # Slurm (docs/slurm.md): jobs with a `slurm` section are submitted with `sbatch`; each gets its
+    # own allocation whose steps start `ett agent`s bound to it. Off: such jobs are refused.
+    slurm: bool = False
+    # Where each allocation's batch script, agent token and Slurm output go: a folder the Slurm
+    # nodes see at the same path (shared storage). Default: <data_dir>/slurm.
+    slurm_dir: Path | None = None
+    # The service's URL as the Slurm nodes reach it (what their agents call). Default: this
+    # service's host and port, which serves only a cluster on this machine.
+    slurm_service_url: str | None = None
+    # The command that starts an agent on a Slurm node, split like a shell's. Default: this
+    # service's interpreter running `ett agent`.
+    slurm_agent_command: str | None = None
+    # Settings given to those agents (ETT_AGENT_JOB_USER, ETT_AGENT_STOP_GRACE_SECONDS, ...):
+    # a JSON object of names and values.
+    slurm_agent_env: dict[str, str] = {}
+    # How often the service asks Slurm about its allocations (squeue), and the longest one
+    # Slurm command may take.
+    slurm_poll_seconds: float = Field(2.0, gt=0)
+    slurm_command_timeout_seconds: float = Field(30.0, gt=0)
+    # A started allocation whose agents have not all registered after this long has lost the
+    # missing nodes: it is replaced by one without them.
+    slurm_agent_start_seconds: float = Field(300.0, gt=0)
 
     @field_validator("database_url")
     @classmethod
@@ -71,6 +93,18 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir.resolve() / 'ett.db'}"
+
+    @field_validator("slurm_agent_env")
+    @classmethod
+    def _agent_settings_only(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not name.startswith("ETT_AGENT_") or not name.replace("_", "").isalnum():
+                raise ValueError(f"ETT_SLURM_AGENT_ENV: {name!r} is not an agent setting (ETT_AGENT_...)")
+        return env
+
+    @property
+    def resolved_slurm_dir(self) -> Path:
+        return (self.slurm_dir or self.data_dir / "slurm").resolve()
 
     @property
     def resolved_checkpoint_root(self) -> Path:

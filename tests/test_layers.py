@@ -19,7 +19,7 @@ LAYERS = (
                                       "service.security", "service.group_commit", "service.schemas",
                                       "service.ett.engine", "service.ett.report", "service.ett.fleet",
                                       "service.ett.fold", "service.ett.memory", "service.ett.simulate")),
-    ("domain", ("service.agents", "service.ingest", "service.jobs", "service.ett")),
+    ("domain", ("service.agents", "service.ingest", "service.jobs", "service.ett", "service.slurm")),
     ("HTTP", ("service.api", "service.pages", "service.asgi")),
     ("assembly", ("service.main", "service")),
 )  # fmt: skip

@@ -68,6 +68,8 @@ class ETTCallback(TrainerCallback):
             self._step = None
         if self.run.checkpoint_due(state.global_step):
             control.should_save = True
+        if self.run.should_stop():  # SIGTERM (Slurm's time limit, a preemption): save, then stop
+            control.should_save = control.should_training_stop = True
         if control.should_save:  # the Trainer saves right after this callback (and any evaluation)
             self._saving_step = state.global_step
             self.run.emit("ckpt_start", step=state.global_step)

@@ -62,8 +62,16 @@ def node_update(
         "clock_offset_seconds": offset,
         "clock_skew_flagged": abs(offset) > settings.max_clock_skew_seconds,
         "stats": dict(beat.stats),
-        "state": NodeState.idle if node.state == NodeState.lost else node.state,  # a lost node is back
+        "state": node_state_after(node.state, beat.leaving),
     }
+
+
+def node_state_after(state: NodeState, leaving: bool) -> NodeState:
+    """A heartbeat brings a lost node back, unless its agent says it is leaving; a leaving node
+    stays so until it registers again."""
+    if leaving:
+        return NodeState.leaving
+    return NodeState.idle if state == NodeState.lost else state
 
 
 # The nodes of a batch with their token's revocation and whether commands wait for them, in the

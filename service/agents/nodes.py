@@ -11,26 +11,29 @@ from service.models import Node, NodeState, Token, utcnow
 from service.security import Caller, unauthorized
 
 
-def register_node(session: Session, name: str, address: str, slots: int, token_id: int) -> Node:
+def register_node(session: Session, name: str, address: str, slots: int, token: Token) -> Node:
     """The node, made or updated; a node registered with another token stays that token's (403).
-    A lost node that registers again is back. The caller commits."""
+    A lost or leaving node that registers again is back. A token made for one job's Slurm
+    allocation binds its nodes to that job. The caller commits."""
     node = session.scalar(select(Node).where(Node.name == name))
     if node is None:
-        node = Node(name=name, address=address, slots=slots, token_id=token_id)
+        node = Node(name=name, address=address, slots=slots, token_id=token.id, job_id=token.job_id)
         session.add(node)
-    elif node.token_id != token_id:
+    elif node.token_id != token.id:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"agent {name} was registered with another token")
     else:
         node.address, node.slots = address, slots
-        if node.state == NodeState.lost:
+        if node.state in (NodeState.lost, NodeState.leaving):
             node.state = NodeState.idle
     node.last_heartbeat_at = utcnow()
     return node
 
 
 def fleet_capacity(session: Session, slots: int, fresh: datetime) -> tuple[int, int]:
-    """Nodes that heartbeated since `fresh` (not lost), and how many of them have `slots` or more."""
-    live = select(Node.slots).where(Node.state != NodeState.lost, Node.last_heartbeat_at >= fresh).subquery()
+    """The shared nodes (not one Slurm job's) that heartbeated since `fresh` (not lost), and how
+    many of them have `slots` or more."""
+    live = select(Node.slots).where(Node.state != NodeState.lost, Node.last_heartbeat_at >= fresh,
+                                    Node.job_id.is_(None)).subquery()  # a Slurm job's nodes serve it alone
     total, fitting = session.execute(
         select(func.count(), func.count().filter(live.c.slots >= slots)).select_from(live)).one()
     return total, fitting

@@ -9,13 +9,14 @@ from service.db import SessionDep
 from service.jobs import scheduler
 from service.jobs.catalog import (
     EntrypointRefused,
+    SlurmOff,
     create_job,
     fleet_warnings,
     visible_jobs,
 )
 from service.jobs.checkpoints import CheckpointDirRefused
 from service.models import Job, JobState
-from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec
+from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec, SlurmOut
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -28,10 +29,13 @@ def job_out(job: Job) -> JobOut:
         )
         for a in job.attempts
     ]
+    newest = job.slurm_allocations[-1] if job.slurm_allocations else None
+    slurm = newest and SlurmOut(job_id=newest.slurm_job_id, allocation=newest.number, state=newest.slurm_state,
+                                reason=newest.slurm_reason, nodes=newest.slurm_nodes)
     return JobOut(
         id=job.id, name=job.name, owner=job.owner, state=job.state, spec=JobSpec.model_validate(job.spec),
         submitted_at=job.submitted_at, finished_at=job.finished_at, restarts=job.restarts, reason=job.reason,
-        attempts=attempts,
+        attempts=attempts, slurm=slurm,
     )
 
 
@@ -43,6 +47,9 @@ def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Req
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(refused)) from None
     except CheckpointDirRefused as refused:
         detail = [{"field": "checkpoint.dir", "msg": str(refused), "type": "value_error"}]
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
+    except SlurmOff as refused:
+        detail = [{"field": "slurm", "msg": str(refused), "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
     warnings = fleet_warnings(session, request.app.state.settings, job)
     session.commit()

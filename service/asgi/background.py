@@ -1,5 +1,5 @@
-"""The service process's background tasks on its event loop: the scheduler's clock and the
-garbage collector's."""
+"""The service process's background tasks on its event loop: the scheduler's clock, the Slurm
+bridge's (with ETT_SLURM) and the garbage collector's."""
 
 import asyncio
 import contextlib
@@ -12,6 +12,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.jobs import scheduler
 from service.settings import Settings
+from service.slurm.allocations import SlurmBridge
 
 log = logging.getLogger("ett.service")
 
@@ -35,6 +36,21 @@ async def run_scheduler(app: FastAPI, wake: asyncio.Event, stop: asyncio.Event) 
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), settings.scheduler_period_seconds)
         wake.clear()
+
+
+async def run_slurm_bridge(app: FastAPI, stop: asyncio.Event) -> None:
+    """A pass of the Slurm bridge every ETT_SLURM_POLL_SECONDS; the scheduler is woken after each,
+    since a started allocation's agents or an ended one's attempt may need it."""
+    settings: Settings = app.state.settings
+    bridge = SlurmBridge(app.state.sessions, settings)
+    while not stop.is_set():
+        try:
+            await run_in_threadpool(bridge.sync)
+        except Exception:
+            log.exception("Slurm pass failed; retrying next period")
+        app.state.wake_scheduler()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), settings.slurm_poll_seconds)
 
 
 class YoungCollector:

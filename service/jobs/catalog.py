@@ -21,6 +21,10 @@ class EntrypointRefused(PermissionError):
     """A job's entrypoint that the operator's policy does not allow; the message names the rule."""
 
 
+class SlurmOff(ValueError):
+    """A job with a `slurm` section sent to a service that does not submit to Slurm."""
+
+
 def check_entrypoint(settings: Settings, entrypoint: list[str] | None, caller: Token) -> None:
     if entrypoint is None or settings.entrypoint_policy == "any":
         return
@@ -38,9 +42,12 @@ def check_entrypoint(settings: Settings, entrypoint: list[str] | None, caller: T
 
 def create_job(session: Session, settings: Settings, spec: dict, caller: Token) -> Job:
     """A new queued job of the caller (the spec already validated); the caller commits and wakes
-    the scheduler. Raises EntrypointRefused, or CheckpointDirRefused for a checkpoint folder
-    outside the owner's area."""
+    the scheduler. Raises EntrypointRefused, CheckpointDirRefused for a checkpoint folder
+    outside the owner's area, or SlurmOff."""
     check_entrypoint(settings, spec["entrypoint"], caller)
+    if spec.get("slurm") is not None and not settings.slurm:
+        raise SlurmOff("this service does not run jobs on Slurm (its operator sets ETT_SLURM=true); remove the "
+                       "slurm section to run on the registered agents")
     owner = caller.subject
     if spec["checkpoint"]["dir"] is not None:
         confined = confined_checkpoint_dir(settings, owner, spec["checkpoint"]["dir"])
@@ -52,7 +59,9 @@ def create_job(session: Session, settings: Settings, spec: dict, caller: Token) 
 
 def fleet_warnings(session: Session, settings: Settings, job: Job) -> list[str]:
     """What the submitter should know now: a job larger than the registered fleet is accepted, and
-    waits until enough agents register."""
+    waits until enough agents register. A Slurm job brings its own agents."""
+    if job.spec.get("slurm") is not None:
+        return []
     nodes, slots = job.spec["nodes"], job.spec["procs_per_node"]
     fresh = datetime.now(UTC) - timedelta(seconds=settings.heartbeat_timeout_seconds)
     registered, fitting = fleet_capacity(session, slots, fresh)

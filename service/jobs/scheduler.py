@@ -15,12 +15,24 @@ from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
-from service.jobs.checkpoints import checkpoint_interval_steps, job_checkpoint_dir, newest_checkpoint, owner_area
+from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
 from service.jobs.intervals import retune_auto_intervals
+from service.jobs.launch import launch_command
 from service.jobs.rendezvous import free_master_port
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
-from service.models import Attempt, AttemptNode, AttemptState, Checkpoint, Job, JobEvent, JobState, Node, NodeState
+from service.models import (
+    Attempt,
+    AttemptNode,
+    AttemptState,
+    Checkpoint,
+    Job,
+    JobEvent,
+    JobState,
+    Node,
+    NodeState,
+    SlurmState,
+)
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 
@@ -223,9 +235,13 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
                 .order_by(Node.name).with_for_update(skip_locked=True)
             ))  # fmt: skip
         spec = job.spec
-        fitting = [node for node in idle if node.slots >= spec["procs_per_node"]]
+        # A Slurm job runs on its allocation's agents alone, and they on nothing else.
+        serves = job.id if spec.get("slurm") is not None else None
+        if serves and not (job.slurm_allocations and job.slurm_allocations[-1].state == SlurmState.running):
+            continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
+        fitting = [node for node in idle if node.job_id == serves and node.slots >= spec["procs_per_node"]]
         if len(fitting) < spec["nodes"]:  # gang: all nodes or none; smaller jobs behind may still fit
-            if job.state == JobState.queued:
+            if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
                 slots = spec["procs_per_node"]
                 if slots not in capacity:
                     capacity[slots] = fleet_capacity(session, slots, fresh)
@@ -258,25 +274,11 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
     job.state, job.restarts, job.reason = JobState.running, number, None
     session.add(attempt)
     session.flush()
-    emit(session, job.id, number, "attempt_allocated", now, {"nodes": [n.name for n in nodes]})
+    allocated: dict[str, Any] = {"nodes": [n.name for n in nodes]}
+    if job.slurm_allocations:  # where it runs in Slurm's terms too
+        slurm = job.slurm_allocations[-1]
+        allocated |= {"slurm_job_id": slurm.slurm_job_id, "slurm_nodes": slurm.slurm_nodes}
+    emit(session, job.id, number, "attempt_allocated", now, allocated)
     interval = attempt.interval_steps = checkpoint_interval_steps(session, job, settings)
     for share in attempt.nodes:
         commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval))
-
-
-def launch_command(settings: Settings, job: Job, attempt: Attempt, share: AttemptNode, interval: int) -> dict[str, Any]:
-    spec = job.spec
-    per_node = spec["procs_per_node"]
-    first, last = share.node_rank * per_node, (share.node_rank + 1) * per_node
-    checkpoint_dir = job_checkpoint_dir(settings, job)
-    return {
-        "type": "launch", "job_id": job.id, "attempt": attempt.number,
-        "node_rank": share.node_rank, "nnodes": spec["nodes"], "nproc_per_node": per_node,
-        "master_addr": attempt.master_addr, "master_port": attempt.master_port,
-        "trainer": spec["trainer"], "entrypoint": spec["entrypoint"], "env": spec["env"],
-        "checkpoint": {"interval_steps": interval, "keep": spec["checkpoint"]["keep"], "dir": checkpoint_dir,
-                       "snapshots": spec["checkpoint"].get("snapshots", False),
-                       "area": str(owner_area(settings, job.owner)), "resume_from": attempt.resume_from},
-        "hang_timeout_seconds": spec["hang_timeout_seconds"], "init_timeout_seconds": settings.init_timeout_seconds,
-        "faults": [f for f in spec["faults"] if f["attempt"] == attempt.number and first <= f["rank"] < last],
-    }  # fmt: skip

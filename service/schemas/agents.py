@@ -21,7 +21,9 @@ class AttemptReport(Strict):
     job_id: Annotated[str, StringConstraints(min_length=1, max_length=32)]
     attempt: Annotated[int, Field(ge=0)]
     state: Literal["running", "succeeded", "failed", "stopped"]
-    cause: Literal["exit", "signal", "hang"] | None = None
+    # time_limit, preempted, terminated: the agent got SIGTERM from Slurm (its time limit, a
+    # preemption, anything else) or the node's shutdown; the ranks had the grace to checkpoint.
+    cause: Literal["exit", "signal", "hang", "time_limit", "preempted", "terminated"] | None = None
     detail: Annotated[str, StringConstraints(max_length=512)] | None = None
     exit_code: int | None = None
 
@@ -30,6 +32,8 @@ class Heartbeat(Strict):
     clock: float
     attempts: Annotated[list[AttemptReport], Field(max_length=64)] = []
     stats: Annotated[dict[str, int | float], Field(max_length=64)] = {}
+    # The agent is stopping (it got SIGTERM): its node takes no new work from now on.
+    leaving: bool = False
 
 
 class NodeOut(BaseModel):
@@ -40,6 +44,7 @@ class NodeOut(BaseModel):
     last_heartbeat_at: datetime
     clock_offset_seconds: float
     clock_skew_flagged: bool
+    job_id: str | None  # the one job it serves (a Slurm allocation's agent); None: any
 
 
 class HeartbeatReply(BaseModel):

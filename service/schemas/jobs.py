@@ -48,6 +48,37 @@ class FaultSpec(Strict):
         return self
 
 
+# sbatch options ETT sets itself, or that the fields above set: refused in `slurm.options`.
+SBATCH_OWN_OPTIONS = frozenset({
+    "nodes", "ntasks", "ntasks-per-node", "job-name", "output", "error", "array", "wrap", "requeue",
+    "no-requeue", "exclude", "export", "chdir", "parsable", "partition", "account", "time", "hold",
+})  # fmt: skip
+SLURM_TIME = r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2})$"
+SlurmName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._,-]+$")]
+
+
+class SlurmSpec(Strict):
+    """Run the job in its own Slurm allocation (docs/slurm.md)."""
+
+    partition: SlurmName | None = None
+    account: SlurmName | None = None
+    # Slurm's forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+    time_limit: Annotated[str, StringConstraints(pattern=SLURM_TIME)] | None = None
+    # More sbatch options, each one long option: "--gpus-per-node=8", "--exclusive", "--qos=high"
+    options: Annotated[list[Annotated[str, StringConstraints(max_length=512)]], Field(max_length=64)] = []
+
+    @field_validator("options")
+    @classmethod
+    def _long_options_of_our_own(cls, options: list[str]) -> list[str]:
+        for index, option in enumerate(options):
+            name = option.removeprefix("--").split("=", 1)[0]
+            if not option.startswith("--") or not name or any(c.isspace() for c in option):
+                raise ValueError(f"options.{index}: {option!r} is not one long sbatch option (--name or --name=value)")
+            if name in SBATCH_OWN_OPTIONS:
+                raise ValueError(f"options.{index}: --{name} is set by ETT (or by a field of the slurm section)")
+        return options
+
+
 class JobSpec(Strict):
     name: JobName
     nodes: Annotated[int, Field(ge=1, le=4096)] = 1
@@ -63,6 +94,8 @@ class JobSpec(Strict):
     hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120
     faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
+    # Set: the job runs in an allocation of its own on a Slurm cluster, not on the hand-run agents.
+    slurm: SlurmSpec | None = None
 
     @field_validator("hang_timeout_seconds", mode="before")
     @classmethod
@@ -90,6 +123,16 @@ class AttemptOut(BaseModel):
     nodes: list[str]
 
 
+class SlurmOut(BaseModel):
+    """The job's Slurm allocation: the newest one (a lost node or allocation gets a new one)."""
+
+    job_id: str
+    allocation: int  # 0 for the first, 1 for its replacement, ...
+    state: str  # what Slurm last said: PENDING, RUNNING, TIMEOUT, ...
+    reason: str | None
+    nodes: list[str]
+
+
 class JobOut(BaseModel):
     id: str
     name: str
@@ -101,6 +144,7 @@ class JobOut(BaseModel):
     restarts: int
     reason: str | None
     attempts: list[AttemptOut]
+    slurm: SlurmOut | None = None
 
 
 class JobCreated(JobOut):

@@ -18,6 +18,7 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "faults": [],
         "env": {},
         "entrypoint": None,
+        "slurm": None,
     }
     spec.update(overrides)
     return spec

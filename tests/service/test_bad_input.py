@@ -27,6 +27,12 @@ BAD_SPECS = [
     ({"faults": [{"attempt": 0, "rank": 9, "at_step": 3, "action": "kill"}]}, "faults"),
     ({"env": {"1BAD": "x"}}, "env"),
     ({"env": {"OK": 1}}, "env.OK"),
+    ({"slurm": {"partition": "a b"}}, "slurm.partition"),
+    ({"slurm": {"time_limit": "an hour"}}, "slurm.time_limit"),
+    ({"slurm": {"options": ["--nodes=3"]}}, "slurm.options"),
+    ({"slurm": {"options": ["-N 3"]}}, "slurm.options"),
+    ({"slurm": {"options": ["--qos=high --exclusive"]}}, "slurm.options"),
+    ({"slurm": {}}, "slurm"),  # valid, but this service does not run jobs on Slurm (ETT_SLURM is off)
 ]
 
 

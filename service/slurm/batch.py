@@ -1,0 +1,64 @@
+"""The batch job an ETT job's allocation runs: one `ett agent` per node, started by `srun`, bound
+to the ETT job by the token it registers with.
+
+The script and the token live in the allocation's folder (ETT_SLURM_DIR/<job id>/<number>/),
+which the nodes must see at the same path; the token file is readable by the service's user
+only. Each agent's node-local folder is named after the Slurm job and node, so two allocations
+on one machine never share one.
+"""
+
+import shlex
+import sys
+from pathlib import Path
+
+from service.settings import Settings
+
+TOKEN_FILE = "agent.token"
+SCRIPT_FILE = "allocation.sh"
+
+
+def service_url(settings: Settings) -> str:
+    return settings.slurm_service_url or f"http://{settings.host}:{settings.port}"
+
+
+def agent_command(settings: Settings) -> list[str]:
+    if settings.slurm_agent_command:
+        return shlex.split(settings.slurm_agent_command)
+    return [sys.executable, "-P", "-m", "ett.cli.main", "agent"]
+
+
+def render_script(settings: Settings, folder: Path, procs_per_node: int) -> str:
+    """The batch script: the agents' settings, then one agent a node under srun. An agent's
+    address is its node's NodeAddr in Slurm, where the other nodes reach it."""
+    env = {
+        "ETT_AGENT_SERVICE_URL": service_url(settings),
+        "ETT_AGENT_TOKEN_FILE": str(folder / TOKEN_FILE),
+        "ETT_AGENT_SLOTS": str(procs_per_node),
+    } | settings.slurm_agent_env  # fmt: skip
+    exports = "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items())
+    per_node = (
+        'node="$SLURMD_NODENAME"; '
+        'addr=$(scontrol show node -o "$node" | tr " " "\\n" | sed -n "s/^NodeAddr=//p"); '
+        'exec "$@" --name "slurm-$SLURM_JOB_ID-$node" --address "${addr:-$node}" '
+        '--data-dir "${TMPDIR:-/tmp}/ett-slurm-$SLURM_JOB_ID-$node"'
+    )
+    agent = shlex.join(agent_command(settings))
+    return f"""#!/bin/bash
+# An ETT job's Slurm allocation (docs/slurm.md): one ett agent per node, bound to the job.
+{exports}
+exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote(per_node)} ett-agent {agent}
+"""
+
+
+def sbatch_options(spec: dict, job_id: str, folder: Path, exclude: list[str]) -> list[str]:
+    """sbatch's options for the job's spec: its nodes, its slurm section, no requeue by Slurm
+    (the service decides what comes next), the output beside the script."""
+    slurm = spec["slurm"]
+    options = [f"--job-name=ett-{spec['name']}-{job_id[:8]}", f"--nodes={spec['nodes']}", "--ntasks-per-node=1",
+               "--no-requeue", f"--output={folder / 'slurm-%j.out'}", f"--chdir={folder}"]
+    for field, option in (("partition", "--partition"), ("account", "--account"), ("time_limit", "--time")):
+        if slurm.get(field):
+            options.append(f"{option}={slurm[field]}")
+    if exclude:
+        options.append(f"--exclude={','.join(exclude)}")
+    return options + list(slurm.get("options", ()))
