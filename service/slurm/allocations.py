@@ -67,6 +67,7 @@ class SlurmBridge:
             ).all()  # fmt: skip
             for allocation in allocations:
                 self._follow(session, allocation, told.get(allocation.slurm_job_id), started, now)
+            self._revoke_spent_tokens(session, now)
             session.commit()
         self._submit_needed(now)
 
@@ -156,9 +157,17 @@ class SlurmBridge:
     @staticmethod
     def _retire(session: Session, allocation: SlurmAllocation, now: float) -> None:
         allocation.state, allocation.ended_at = SlurmState.ended, _at(now)
-        session.get(Token, allocation.token_id).revoked = True  # its agents' heartbeats are refused from now on
         for node in _agents_of(session, allocation):
-            node.state = NodeState.lost
+            node.state = NodeState.lost  # its agents say they are leaving, or are gone: not revived
+
+    def _revoke_spent_tokens(self, session: Session, now: float) -> None:
+        """The tokens of allocations ended more than the stop grace ago: their agents had that long
+        to forward the last events (a final checkpoint's) and are gone; nothing may use them since."""
+        spent = select(SlurmAllocation.token_id).where(
+            SlurmAllocation.state == SlurmState.ended,
+            SlurmAllocation.ended_at < _at(now - self.settings.stop_grace_seconds))
+        for token in session.scalars(select(Token).where(Token.id.in_(spent), ~Token.revoked)):
+            token.revoked = True
 
     # -- new allocations ---------------------------------------------------------------------
 

@@ -1,0 +1,48 @@
+"""A job on Slurm reaching its time limit; run by hand (about two minutes: Slurm's limits are whole
+minutes and slurmctld checks them every 30 s, too slow for the suite):
+
+    .venv/bin/python tests/slurm/by_hand_time_limit.py /tmp/time-limit
+
+Expected: attempt 0 failed with cause time_limit, its last step committed as the final
+checkpoint, attempt 1 resuming from it in a new allocation, 0 lost steps.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.proofs.cluster import cluster  # noqa: E402
+from tests.slurm.test_slurm_jobs import PLAIN_DDP, SLURM_AGENT_ENV  # noqa: E402
+from tests.support.slurm import slurm_cluster  # noqa: E402
+
+
+def main(root: Path) -> None:
+    with slurm_cluster(root / "slurm") as slurm:
+        env = {"ETT_SLURM": "true", "ETT_SLURM_POLL_SECONDS": "0.5",
+               "ETT_SLURM_AGENT_ENV": json.dumps(SLURM_AGENT_ENV)} | slurm.env  # fmt: skip
+        (root / "ett").mkdir(parents=True, exist_ok=True)
+        with cluster(root / "ett", **env) as ett:
+            spec = {"name": "time-limited", "nodes": 2, "procs_per_node": 1,
+                    "entrypoint": [sys.executable, str(PLAIN_DDP), "--steps", "500", "--step-seconds", "0.2"],
+                    "checkpoint": {"interval_steps": 1000}, "slurm": {"partition": "batch", "time_limit": "1"}}  # fmt: skip
+            started = time.time()
+            job_id = ett.submit(spec)
+            job = ett.wait_job(job_id, 400)
+            print(f"job {job['state']} after {time.time() - started:.0f} s")
+            for attempt in job["attempts"]:
+                print(f"attempt {attempt['number']}: {attempt['state']} {attempt['cause']} {attempt['detail']} "
+                      f"resume_from={attempt['resume_from']}")
+            print("slurm", job["slurm"])
+            last_steps: dict[int, int] = {}
+            for event in ett.events(job_id, kind="step"):
+                last_steps[event.attempt] = max(last_steps.get(event.attempt, 0), event.step)
+            print("committed", [(e.attempt, e.step) for e in ett.events(job_id, kind="ckpt_committed")],
+                  "last steps", last_steps)
+            print("failures", ett.report(job_id)["failures"])
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
