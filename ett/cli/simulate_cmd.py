@@ -12,7 +12,15 @@ from typing import Any
 import httpx
 
 from ett.cli.render import report_table
-from service.ett.simulate import FleetModel, expected_ett, memory_report, simulate, sweep, young_interval_seconds
+from service.ett.simulate import (
+    FleetModel,
+    expected_ett,
+    memory_report,
+    simulate,
+    sweep,
+    tier_models,
+    young_interval_seconds,
+)
 
 HELP = {
     "nodes": "nodes of the job",
@@ -27,6 +35,10 @@ HELP = {
     "init_seconds": "start-up of an attempt (allocation -> init_end)",
     "restore_seconds": "loading the newest committed checkpoint",
     "reschedule_seconds": "from a failure's detection to the next allocation",
+    "local_interval_seconds": "training time between node-local snapshots (the fast tier); 0: none",
+    "local_blocking_seconds": "pause of one node-local snapshot",
+    "local_restore_seconds": "resuming from node-local snapshots",
+    "adaptive_detection": "catch hangs after max(3 s, 4 steps) instead of the hang timeout",
     "seed": "random seed of the failure times",
 }
 SWEEP_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0)
@@ -40,13 +52,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "report: of the pure engine in memory, or, with --service, of a running service after replaying "
         "the timeline through POST /api/v1/jobs/{id}/events (an admin token).",
     )  # fmt: skip
-    for field in dataclasses.fields(FleetModel):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default,
-                            help=f"{HELP[field.name]} (default {field.default:g})")  # fmt: skip
+    for field in dataclasses.fields(FleetModel):  # None: not given (the model's default, or the job's figure)
+        flag, default = f"--{field.name.replace('_', '-')}", field.default
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP[field.name])
+        else:
+            parser.add_argument(flag, type=type(default), default=None,
+                                help=f"{HELP[field.name]} (default {default:g})")
     parser.add_argument("--service", help="replay into the service at this URL (default: in memory, no service)")
     parser.add_argument("--token", default=os.environ.get("ETT_TOKEN"), help="admin token for --service (ETT_TOKEN)")
     parser.add_argument("--batch", type=int, default=5000, help="events per request when replaying")
     parser.add_argument("--sweep", action="store_true", help="also simulate intervals around Young's, in memory")
+    parser.add_argument("--tiers", action="store_true", help="the job with one checkpoint tier against two (node-"
+                        "local snapshots and adaptive hang detection), each at its recommended intervals, side by side")
+    parser.add_argument("--from-job", metavar="JOB", help="take init, restore, checkpoint and step times from a "
+                        "job's report in the service at --service (they override the defaults; flags win); "
+                        "implies --tiers")
     parser.add_argument("--all-failures", action="store_true", help="list every failure (default: the first 5)")
     parser.add_argument("--json", action="store_true", help="print the raw report")
     parser.set_defaults(run=run)
@@ -75,16 +96,84 @@ def _ok(response: httpx.Response) -> Any:
     return response.json()
 
 
+def measured_costs(report: dict[str, Any]) -> dict[str, float]:
+    """The model's costs as a job measured them (its ETT report): mean start-up and restore per
+    attempt, mean save blocking and commit, mean kept step. Only what the job has figures for."""
+    seconds, attempts, restores = report["seconds"], report["restarts"] + 1, report["restarts"]
+    costs = {"init_seconds": seconds["init"] / attempts}
+    if restores:
+        costs["restore_seconds"] = costs["local_restore_seconds"] = seconds["restore"] / restores
+    if report["last_step"]:
+        costs["step_seconds"] = seconds["productive"] / report["last_step"]
+    checkpoints = report["checkpoints"]
+    if checkpoints["mean_blocking_seconds"] is not None:
+        costs["checkpoint_blocking_seconds"] = checkpoints["mean_blocking_seconds"]
+    if checkpoints["mean_commit_seconds"] is not None:
+        costs["checkpoint_write_seconds"] = checkpoints["mean_commit_seconds"]
+    return costs
+
+
+def job_report(url: str, token: str, job_id: str) -> dict[str, Any]:
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as client:
+        return _ok(client.get(f"/api/v1/jobs/{job_id}/ett"))
+
+
+def print_tiers(model: FleetModel, end_ts: float) -> None:
+    """One tier against two, side by side, on the same failure times."""
+    runs = {label: (m, memory_report(m, end_ts)[1]) for label, m in tier_models(model).items()}
+
+    def mean(report: dict[str, Any], key: str) -> str:
+        values = [f[key] for f in report["failures"] if f[key] is not None]
+        return f"{sum(values) / len(values):.1f}" if values else "-"
+
+    def local_interval(m: FleetModel) -> str:
+        return f"{m.blocks_per_snapshot * m.block_seconds:.0f}" if m.blocks_per_snapshot else "-"
+
+    rows = [
+        ("persistent interval (s)", lambda m, r: f"{m.interval_seconds:.0f}"),
+        ("node-local interval (s)", lambda m, r: local_interval(m)),
+        ("hang detection (s)", lambda m, r: f"{m.detection_seconds('hang'):g}"),
+        ("ETT (simulated)", lambda m, r: f"{r['ett_percent']:.2f}%"),
+        ("failures", lambda m, r: f"{len(r['failures'])}"),
+        ("mean time to recover (s)", lambda m, r: mean(r, "time_to_recover_seconds")),
+        ("mean lost steps", lambda m, r: mean(r, "lost_steps")),
+        ("checkpoint_save share", lambda m, r: f"{100 * r['seconds']['checkpoint_save'] / r['wall_seconds']:.2f}%"),
+        ("idle share (snapshots)", lambda m, r: f"{100 * r['seconds']['idle'] / r['wall_seconds']:.2f}%"),
+    ]  # fmt: skip
+    print(f"\n  {'':26}" + "".join(f"{label:>14}" for label in runs))
+    for name, cell in rows:
+        print(f"  {name:26}" + "".join(f"{cell(m, r):>14}" for m, r in runs.values()))
+
+
 def run(args: argparse.Namespace) -> int:
+    if (args.service or args.from_job) and not args.token:
+        print("ett simulate: --service and --from-job need a token (--token or ETT_TOKEN)", file=sys.stderr)
+        return 2
+    if args.from_job and not args.service:
+        print("ett simulate: --from-job needs --service, the service that ran the job", file=sys.stderr)
+        return 2
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(FleetModel) if getattr(args, f.name) is not None}
+    measured: dict[str, float] = {}
+    if args.from_job:
+        try:
+            measured = measured_costs(job_report(args.service, args.token, args.from_job))
+        except httpx.HTTPError as exc:
+            sys.exit(f"ett simulate: cannot reach the service at {args.service}: {exc}")
+        print(f"ett simulate: costs measured by job {args.from_job}: "
+              + ", ".join(f"{k} {v:.3g}" for k, v in measured.items() if k not in given))  # fmt: skip
     try:
-        model = FleetModel(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FleetModel)})
+        model = FleetModel(**(measured | given))
     except ValueError as exc:
         print(f"ett simulate: {exc}", file=sys.stderr)
         return 2
-    if args.service and not args.token:
-        print("ett simulate: --service needs an admin token (--token or ETT_TOKEN)", file=sys.stderr)
-        return 2
     end_ts = time.time()
+    if args.tiers or args.from_job:
+        print(f"ett simulate: {model.days:g} days of a {model.nodes:,}-node job, "
+              f"MTBF {model.mtbf_seconds / 3600:.2f} h, step {model.step_seconds:.3g} s, "
+              f"save blocking {model.checkpoint_blocking_seconds:.3g} s, "
+              f"snapshot {model.local_blocking_seconds:.3g} s, seed {model.seed}")
+        print_tiers(model, end_ts)
+        return 0
     if args.service:
         events = simulate(model, end_ts)
         try:

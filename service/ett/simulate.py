@@ -10,6 +10,14 @@ The model (`FleetModel`), per attempt of the job:
 
 So failures are a Poisson process over the time an attempt holds its nodes, and restarts cost
 R = E[d] + r in recovery, I + S in start-up, and the steps since the last committed checkpoint.
+
+Two tiers (`local_interval_seconds` > 0): every L seconds of training each rank also snapshots its
+state on its node's local disk, a pause of `local_blocking_seconds` between steps (idle in the
+accounting, as in a real job). A failure that keeps every node (a rank's exit, a hang) resumes
+from the newest snapshot when it is newer than the newest committed checkpoint, in
+`local_restore_seconds`; a lost node takes its snapshots with it, so that failure resumes from
+the persistent tier. Adaptive detection (`adaptive_detection`): a hang is caught after
+max(3 s, 4 steps) instead of the fixed hang timeout, as the agent does (agent/hang.py).
 The job stops at the end of its wall budget (a failure whose restart would cross the end is not
 simulated: the job stops there).
 
@@ -36,6 +44,7 @@ from service.ett.memory import MemoryJob
 # node, a few hang); detection: a dead rank at once, a silent node after the heartbeat timeout,
 # a hang after the hang timeout.
 CAUSES = (("exit", 0.78, 5.0), ("node_lost", 0.17, 15.0), ("hang", 0.05, 120.0))
+ADAPTIVE_HANG_FLOOR_SECONDS, ADAPTIVE_HANG_STEPS = 3.0, 4.0  # agent/hang.py
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,10 @@ class FleetModel:
     init_seconds: float = 300.0
     restore_seconds: float = 120.0
     reschedule_seconds: float = 120.0
+    local_interval_seconds: float = 0.0  # the node-local tier's interval of training; 0: one tier
+    local_blocking_seconds: float = 0.5  # one snapshot's pause between steps
+    local_restore_seconds: float = 10.0  # resuming from node-local snapshots
+    adaptive_detection: bool = False  # hangs caught after max(3 s, 4 steps), not the hang timeout
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -59,7 +72,8 @@ class FleetModel:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("checkpoint_blocking_seconds", "checkpoint_write_seconds", "init_seconds",
-                     "restore_seconds", "reschedule_seconds"):  # fmt: skip
+                     "restore_seconds", "reschedule_seconds", "local_interval_seconds", "local_blocking_seconds",
+                     "local_restore_seconds"):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.steps_per_event < 1 or self.nodes < 1 or self.gpus_per_node < 1:
@@ -79,9 +93,20 @@ class FleetModel:
         return self.blocks_per_checkpoint * self.block_seconds
 
     @property
+    def blocks_per_snapshot(self) -> int:
+        """Blocks of steps between node-local snapshots; 0: no local tier."""
+        return max(1, round(self.local_interval_seconds / self.block_seconds)) if self.local_interval_seconds else 0
+
+    def detection_seconds(self, cause: str) -> float:
+        detect = dict((c, d) for c, _, d in CAUSES)[cause]
+        if cause == "hang" and self.adaptive_detection:
+            return min(detect, max(ADAPTIVE_HANG_FLOOR_SECONDS, ADAPTIVE_HANG_STEPS * self.step_seconds))
+        return detect
+
+    @property
     def restart_seconds(self) -> float:
         """R: mean detection plus rescheduling, from a failure to the next allocation."""
-        return sum(share * detect for _, share, detect in CAUSES) + self.reschedule_seconds
+        return sum(share * self.detection_seconds(cause) for cause, share, _ in CAUSES) + self.reschedule_seconds
 
 
 def llama3_405b(**overrides: Any) -> FleetModel:
@@ -111,6 +136,27 @@ def young_interval_seconds(m: FleetModel) -> float:
     return math.sqrt(2.0 * m.checkpoint_blocking_seconds * m.mtbf_seconds)
 
 
+def recommended_tiers(m: FleetModel) -> tuple[float, float]:
+    """(local, persistent) intervals by Young's formula, each against the failures it must cover:
+    the local tier every failure (but at least one step event apart), the persistent tier only
+    those that lose a node (the others resume from the local tier)."""
+    lost_share = dict((c, s) for c, s, _ in CAUSES)["node_lost"]
+    local = max(m.block_seconds, math.sqrt(2.0 * m.local_blocking_seconds * m.mtbf_seconds))
+    return local, math.sqrt(2.0 * m.checkpoint_blocking_seconds * m.mtbf_seconds / lost_share)
+
+
+def tier_models(m: FleetModel) -> dict[str, FleetModel]:
+    """The job with one tier (its interval by Young's formula, the fixed hang timeout) and with two
+    (both intervals from recommended_tiers, adaptive detection): the same failure times."""
+    local, persistent = recommended_tiers(m)
+    return {
+        "one tier": replace(m, checkpoint_interval_seconds=young_interval_seconds(m), local_interval_seconds=0.0,
+                            adaptive_detection=False),
+        "two tiers": replace(m, checkpoint_interval_seconds=persistent, local_interval_seconds=local,
+                             adaptive_detection=True),
+    }  # fmt: skip
+
+
 class _Emitter:
     """Numbers events per (attempt, source), as the real emitters do."""
 
@@ -119,10 +165,10 @@ class _Emitter:
         self.start_ts = start_ts
         self._seq: dict[tuple[int, str], int] = {}
 
-    def emit(self, kind: str, t: float, attempt: int, source: str, step: int | None = None, **data: Any) -> None:
-        seq = self._seq.get((attempt, source), 0)
-        self._seq[(attempt, source)] = seq + 1
-        self.events.append({"kind": kind, "ts": self.start_ts + t, "attempt": attempt, "source": source,
+    def emit(self, kind: str, t: float, attempt: int, emitter: str, step: int | None = None, **data: Any) -> None:
+        seq = self._seq.get((attempt, emitter), 0)
+        self._seq[(attempt, emitter)] = seq + 1
+        self.events.append({"kind": kind, "ts": self.start_ts + t, "attempt": attempt, "source": emitter,
                             "seq": seq, "step": step, "data": data})  # fmt: skip
 
 
@@ -132,11 +178,12 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
     end = m.days * 86400.0
     out = _Emitter(end_ts - end)
     rank0 = "rank:0"
-    t, attempt, committed, step = 0.0, 0, None, 0
+    t, attempt, committed, local, step = 0.0, 0, None, None, 0
     while True:
         out.emit("attempt_allocated", t, attempt, "service", node_count=m.nodes, gpus=m.nodes * m.gpus_per_node)
         fail_at = t + rng.expovariate(1.0 / m.mtbf_seconds)
-        cause, detect = rng.choices([(c, d) for c, _, d in CAUSES], weights=[s for _, s, _ in CAUSES])[0]
+        cause = rng.choices([c for c, _, _ in CAUSES], weights=[s for _, s, _ in CAUSES])[0]
+        detect = m.detection_seconds(cause)
         if fail_at + detect + m.reschedule_seconds >= end:
             fail_at = math.inf
         limit = min(fail_at, end)
@@ -147,16 +194,20 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
             t += m.init_seconds
             out.emit("init_end", t, attempt, rank0)
             step = 0
-            if committed is not None:
-                out.emit("restore_start", t, attempt, rank0, committed)
-                if t + m.restore_seconds <= limit:
-                    t += m.restore_seconds
-                    out.emit("restore_end", t, attempt, rank0, committed)
-                    step = committed
+            from_local = local is not None and local > (committed or 0)
+            source, restore_to = ("local-snapshot", local) if from_local else ("persistent", committed)
+            if restore_to is not None:
+                out.emit("restore_start", t, attempt, rank0, restore_to)
+                took = m.local_restore_seconds if from_local else m.restore_seconds
+                if t + took <= limit:
+                    t += took
+                    out.emit("restore_end", t, attempt, rank0, restore_to, source=source)
+                    step = restore_to
+                    local = restore_to if from_local else None  # newer snapshots: an abandoned timeline
                 else:
                     t = limit
             if t < limit:
-                t, committed, step = _train(out, m, attempt, t, limit, committed, step)
+                t, committed, local, step = _train(out, m, attempt, t, limit, committed, local, step)
         if fail_at == math.inf:
             if step:
                 out.emit("train_end", t, attempt, rank0, step)
@@ -164,16 +215,20 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
             return out.events
         detail = f"simulated {cause} on sim-node-{rng.randrange(m.nodes):04d}"
         out.emit("attempt_failed", fail_at + detect, attempt, "service", cause=cause, detail=detail)
+        if cause == "node_lost":
+            local = None  # the lost node's snapshots are gone: the set is incomplete
         t, attempt = fail_at + detect + m.reschedule_seconds, attempt + 1
 
 
 def _train(
-    out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None, step: int
-) -> tuple[float, int | None, int]:
-    """Blocks of steps and checkpoints from t until `limit`; returns (time, committed step, step)."""
+    out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None, local: int | None,
+    step: int,
+) -> tuple[float, int | None, int | None, int]:
+    """Blocks of steps, snapshots and checkpoints from t until `limit`; returns (time, committed
+    step, snapshot step, step)."""
     rank0, B, C, W = "rank:0", m.block_seconds, m.checkpoint_blocking_seconds, m.checkpoint_write_seconds
     pending: list[tuple[float, int]] = []  # (commit time, step) of staged checkpoints
-    blocks, every = 0, m.blocks_per_checkpoint
+    blocks, every, snapshot_every = 0, m.blocks_per_checkpoint, m.blocks_per_snapshot
 
     def commit_until(now: float) -> None:
         nonlocal committed
@@ -188,6 +243,11 @@ def _train(
         commit_until(t)
         out.emit("step", t, attempt, rank0, step, duration=B, steps=m.steps_per_event)
         blocks += 1
+        if snapshot_every and blocks % snapshot_every == 0:
+            if t + m.local_blocking_seconds > limit:
+                break
+            t += m.local_blocking_seconds  # between steps: idle in the accounting
+            local = step
         if blocks % every:
             continue
         out.emit("ckpt_start", t, attempt, rank0, step)
@@ -198,7 +258,7 @@ def _train(
         out.emit("ckpt_staged", t, attempt, rank0, step)
         pending.append((t + W, step))
     commit_until(limit)
-    return t, committed, step
+    return t, committed, local, step
 
 
 def memory_report(m: FleetModel, end_ts: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -2,6 +2,7 @@
 every rank finishes the same step, that step's checkpoint is committed, and each rank exits with
 ett.EXIT_STOPPED. Real ranks of examples/plain_ddp.py under torchrun."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -35,14 +36,17 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_its_checkp
                         "OMP_NUM_THREADS": "1"}  # fmt: skip
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             str(PLAIN_DDP), "--steps", "100000", "--step-seconds", "0.05"]  # fmt: skip
-    torchrun = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    torchrun = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # fmt: skip
     try:
         rank1 = wait_for_event(events / "rank-1.jsonl", "init_start")["data"]["pid"]
         wait_for_event(events / "rank-0.jsonl", "step")
         os.kill(rank1, signal.SIGTERM)  # rank 0 gets none
         output, _ = torchrun.communicate(timeout=60)
     finally:
-        torchrun.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(torchrun.pid, signal.SIGKILL)  # the ranks too, whatever happened
+        torchrun.wait()
     ends = [wait_for_event(events / f"rank-{r}.jsonl", "train_end")["step"] for r in (0, 1)]
     assert ends[0] == ends[1], ends
     step = ends[0]

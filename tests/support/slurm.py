@@ -93,11 +93,6 @@ def _start(argv: list[str], env: dict[str, str]) -> None:
     assert done.returncode == 0, f"{argv[0]} did not start: {done.stderr or done.stdout}"
 
 
-def _stop_pidfile(path: Path) -> None:
-    with contextlib.suppress(OSError, ValueError):
-        os.kill(int(path.read_text().strip()), signal.SIGTERM)
-
-
 @contextlib.contextmanager
 def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
     """munged, slurmctld and a slurmd for each of NODES, up until the block ends."""
@@ -128,9 +123,38 @@ def slurm_cluster(root: Path) -> Iterator[SlurmCluster]:
         wait_for(idle, 60, "both Slurm nodes to be idle", interval=0.5)
         yield cluster
     finally:
-        with contextlib.suppress(Exception):
-            subprocess.run(["scancel", "--user=root"], env=env, capture_output=True, timeout=10)
-        for name in NODES:
-            _stop_pidfile(root / f"slurmd-{name}.pid")
-        _stop_pidfile(root / "slurmctld.pid")
-        _stop_pidfile(munge / "munged.pid")
+        _stop_everything(root, env)
+
+
+def _stop_everything(root: Path, env: dict[str, str]) -> None:
+    """Cancels every job and waits for their steps to go (each gets SIGTERM, then SIGKILL after
+    KillWait), then stops the daemons; a daemon that does not stop in 10 s is killed."""
+    with contextlib.suppress(Exception):
+        subprocess.run(["scancel", "--user=root"], env=env, capture_output=True, timeout=10)
+        left = lambda: subprocess.run(["squeue", "--noheader"], env=env, capture_output=True, text=True,  # noqa: E731
+                                      timeout=10).stdout.strip() == ""  # fmt: skip
+        wait_for(left, KILL_WAIT_SECONDS + 10, "Slurm's jobs to end", interval=0.5)
+    pidfiles = [*(root / f"slurmd-{name}.pid" for name in NODES), root / "slurmctld.pid", root / "munge" / "munged.pid"]
+    pids = [pid for pid in map(_pid_in, pidfiles) if pid is not None]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not any(_alive(pid) for pid in pids), 10, "the Slurm daemons to stop", interval=0.2)
+    for pid in filter(_alive, pids):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
