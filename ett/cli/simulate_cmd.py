@@ -96,6 +96,11 @@ def _ok(response: httpx.Response) -> Any:
     return response.json()
 
 
+# A snapshot's cost when the job gives none (snapshots are not events): the fast tier's budget, at
+# most this share of a step (ett/snapshots.py), which it keeps to by snapshotting less often.
+SNAPSHOT_SHARE_OF_STEP = 0.05
+
+
 def measured_costs(report: dict[str, Any]) -> dict[str, float]:
     """The model's costs as a job measured them (its ETT report): mean start-up and restore per
     attempt, mean save blocking and commit, mean kept step. Only what the job has figures for."""
@@ -163,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
               + ", ".join(f"{k} {v:.3g}" for k, v in measured.items() if k not in given))  # fmt: skip
     try:
         model = FleetModel(**(measured | given))
+        if args.from_job and "local_blocking_seconds" not in given:
+            model = dataclasses.replace(model, local_blocking_seconds=SNAPSHOT_SHARE_OF_STEP * model.step_seconds)
     except ValueError as exc:
         print(f"ett simulate: {exc}", file=sys.stderr)
         return 2

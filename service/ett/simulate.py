@@ -62,7 +62,7 @@ class FleetModel:
     restore_seconds: float = 120.0
     reschedule_seconds: float = 120.0
     local_interval_seconds: float = 0.0  # the node-local tier's interval of training; 0: one tier
-    local_blocking_seconds: float = 0.5  # one snapshot's pause between steps
+    local_blocking_seconds: float = 0.5  # one snapshot's pause between steps: 5% of a step, the fast tier's budget
     local_restore_seconds: float = 10.0  # resuming from node-local snapshots
     adaptive_detection: bool = False  # hangs caught after max(3 s, 4 steps), not the hang timeout
     seed: int = 0
@@ -137,17 +137,23 @@ def young_interval_seconds(m: FleetModel) -> float:
 
 
 def recommended_tiers(m: FleetModel) -> tuple[float, float]:
-    """(local, persistent) intervals by Young's formula, each against the failures it must cover:
-    the local tier every failure (but at least one step event apart), the persistent tier only
-    those that lose a node (the others resume from the local tier)."""
-    lost_share = dict((c, s) for c, s, _ in CAUSES)["node_lost"]
-    local = max(m.block_seconds, math.sqrt(2.0 * m.local_blocking_seconds * m.mtbf_seconds))
-    return local, math.sqrt(2.0 * m.checkpoint_blocking_seconds * m.mtbf_seconds / lost_share)
+    """(local, persistent) intervals by Young's formula, each against the failures it covers: the
+    persistent tier those that lose a node (share p), the local tier the others. To first order
+    the two tiers then cost sqrt(2 c (1-p) / M) + sqrt(2 C p / M) of the time against one tier's
+    sqrt(2 C / M), so a snapshot that costs more than about 40% of a persistent save (p = 0.17)
+    does not pay: then the local interval is 0, one tier."""
+    p = dict((cause, share) for cause, share, _ in CAUSES)["node_lost"]
+    c, C, M = m.local_blocking_seconds, m.checkpoint_blocking_seconds, m.mtbf_seconds
+    persistent = math.sqrt(2.0 * C * M / p)
+    local = min(persistent, max(m.block_seconds, math.sqrt(2.0 * c * M / (1.0 - p))))
+    pays = math.sqrt(c * (1.0 - p)) + math.sqrt(C * p) < math.sqrt(C)
+    return (local, persistent) if pays and local < persistent else (0.0, young_interval_seconds(m))
 
 
 def tier_models(m: FleetModel) -> dict[str, FleetModel]:
     """The job with one tier (its interval by Young's formula, the fixed hang timeout) and with two
-    (both intervals from recommended_tiers, adaptive detection): the same failure times."""
+    (both intervals from recommended_tiers, adaptive detection; one tier and adaptive detection
+    where snapshots do not pay): the same failure times."""
     local, persistent = recommended_tiers(m)
     return {
         "one tier": replace(m, checkpoint_interval_seconds=young_interval_seconds(m), local_interval_seconds=0.0,
