@@ -8,7 +8,8 @@ on a job whose steps take a second. Once an attempt has made `WARMUP_STEPS` step
 
 `hang_timeout_seconds` stays the ceiling. While a rank of this node is saving a checkpoint (a
 `ckpt_start` not yet followed by `ckpt_staged`) the ceiling applies: a save may block longer than
-any step. A rank that is slow but alive says so with `run.progress()` beats (the library) or its
+any step. A gap between steps in which a save started is not a step's time and is left out: a
+save that waited for the one before it to commit would otherwise raise the limit for good. A rank that is slow but alive says so with `run.progress()` beats (the library) or its
 progress mark; any progress restarts the wait, so only silence is measured.
 """
 
@@ -26,11 +27,18 @@ class HangLimit:
         self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
         self._last_step: tuple[int, float] | None = None  # (step, when it was first seen)
         self.saving = False  # a rank of this node is in a checkpoint's blocking part
+        self._saved_since_step = False  # a save started in the gap since the last step
+
+    def save_started(self) -> None:
+        """A rank of this node began a checkpoint (its `ckpt_start`)."""
+        self._saved_since_step = True
 
     def stepped(self, step: int, now: float) -> None:
         """The group's newest step, as seen at `now` (called with every newer step)."""
         if self._last_step is not None and step > self._last_step[0]:
-            self._gaps.append((now - self._last_step[1]) / (step - self._last_step[0]))
+            if not self._saved_since_step:
+                self._gaps.append((now - self._last_step[1]) / (step - self._last_step[0]))
+            self._saved_since_step = False
         if self._last_step is None or step > self._last_step[0]:
             self._last_step = (step, now)
 

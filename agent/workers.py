@@ -220,6 +220,7 @@ class WorkerGroup:
                         self._last_step = max(step, self._last_step or 0)
                 elif kind == "ckpt_start":
                     self._saving.add(source)
+                    self._hang_limit.save_started()
                 elif kind in ("ckpt_staged", "ckpt_failed"):
                     self._saving.discard(source)
         # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped>"): nodes

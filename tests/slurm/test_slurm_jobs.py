@@ -119,6 +119,24 @@ def test_an_agent_that_vanishes_costs_its_node_and_the_job_goes_on_without_it(et
     assert slurm.job(job["slurm"]["job_id"])["ExcNodeList"] == node  # asked Slurm for a node but that one
 
 
+def test_a_silent_agent_is_lost_its_allocation_replaced_and_without_a_spare_node_slurm_takes_any(ett, slurm):
+    job_id = ett.submit(slurm_job("silent-node", nodes=2, steps=80, step_seconds=0.1))
+    job = running_attempt(ett, job_id)
+    first = job["slurm"]["job_id"]
+    agent = next(pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).count(f"slurm-{first}-n2"))
+    os.kill(int(agent), signal.SIGSTOP)  # alive to Slurm, silent to ETT: lost after the heartbeat timeout
+    job = ett.wait_job(job_id, 180)
+    assert job["state"] == "succeeded", (job, ett.logs())
+    assert job["attempts"][0]["cause"] == "node_lost", job["attempts"][0]
+    with ett.sessions() as session:
+        allocations = session.scalars(select(SlurmAllocation).where(SlurmAllocation.job_id == job_id)
+                                      .order_by(SlurmAllocation.number)).all()  # fmt: skip
+        assert [a.bad_nodes for a in allocations] == [["n2"], []]
+    # Both nodes are needed and one is left out: sbatch refuses --exclude=n2, so Slurm picks any.
+    assert job["slurm"]["allocation"] == 1 and job["slurm"]["nodes"] == ["n1", "n2"]
+    assert slurm.job(first)["JobState"] == "CANCELLED"
+
+
 def test_a_preempted_job_saves_a_final_checkpoint_in_the_grace_and_goes_on_in_a_new_allocation(ett, slurm):
     spec = {"name": "preempted", "nodes": 2, "procs_per_node": 1, "max_restarts": 2,
             "entrypoint": [sys.executable, str(PLAIN_DDP), "--steps", "60", "--step-seconds", "0.2"],
