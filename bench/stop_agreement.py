@@ -1,6 +1,6 @@
 """What `run.should_stop()` (called by `run.checkpoint` at every step inside a job) costs: one
 one-number all-reduce, so that every rank stops after the same step when SIGTERM reaches only
-some. Against the same loop with no call, per step.
+some. Per call; a step of the loop pays it once.
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 bench/stop_agreement.py [--calls 5000]
 
