@@ -30,9 +30,10 @@ def register_node(session: Session, name: str, address: str, slots: int, token: 
 
 
 def fleet_capacity(session: Session, slots: int, fresh: datetime) -> tuple[int, int]:
-    """The shared nodes (not one Slurm job's) that heartbeated since `fresh` (not lost), and how
-    many of them have `slots` or more."""
-    live = select(Node.slots).where(Node.state != NodeState.lost, Node.last_heartbeat_at >= fresh,
+    """The shared nodes (not one Slurm job's) that heartbeated since `fresh` (not lost, not
+    leaving), and how many of them have `slots` or more."""
+    gone = (NodeState.lost, NodeState.leaving)
+    live = select(Node.slots).where(Node.state.not_in(gone), Node.last_heartbeat_at >= fresh,
                                     Node.job_id.is_(None)).subquery()  # a Slurm job's nodes serve it alone
     total, fitting = session.execute(
         select(func.count(), func.count().filter(live.c.slots >= slots)).select_from(live)).one()
