@@ -4,7 +4,8 @@ The same job (preset, overrides, ranks, checkpoint interval) and the same faults
 rank at given steps, one per attempt) in both runs:
 
 - ETT: a live service and real agent daemons (tests/support/cluster.py); the agent injects the
-  faults; the report and the events come from the service.
+  faults; the report and the events come from the service. The job has the node-local tier
+  (`checkpoint.snapshots`, as the demo) unless --no-snapshots.
 - baseline: `torchrun --standalone --max-restarts R bench/baseline_train.py`; this process tails
   rank 0's spool and SIGKILLs the rank's pid at the same steps. Its service-side events are made
   up from what is seen (see `baseline_service_events`, and BENCHMARKS.md), and the same ETT
@@ -69,7 +70,7 @@ def run_ett(args, root: Path) -> tuple[dict, list[Event]]:
     spec = trainer_job(
         "bench-recovery", nodes=args.nodes, procs_per_node=args.procs, faults=faults, max_restarts=len(faults),
         trainer={"preset": args.preset, "overrides": trainer_flags(args)}, hang_timeout_seconds=120,
-        checkpoint={"interval_steps": args.interval, "keep": 3},
+        checkpoint={"interval_steps": args.interval, "keep": 3, "snapshots": args.snapshots},
     )  # fmt: skip
     root.mkdir(parents=True)
     with cluster(root) as c:
@@ -208,6 +209,9 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--nodes", type=int, default=2, help="ETT agents; the baseline runs nodes x procs ranks on one torchrun")
     parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--snapshots", action=argparse.BooleanOptionalAction, default=True,
+                        help="ETT's node-local tier (the job's checkpoint.snapshots), as the demo runs; the "
+                        "baseline has none (torch.save every --interval steps)")
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE", help="more trainer overrides")
     args = parser.parse_args()
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -21,6 +22,10 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 
 from trainer.model import Transformer
 from trainer.moe import MoE
+
+# torch._dynamo above: DTensor's first operation (distribute_tensor) imports it, 1.2 s of a rank's
+# start-up on this CPU. Imported with this module, it is in the agent's warm server (agent/warm.py),
+# so every rank forked from there starts without paying it (docs/agent.md, "Warm start").
 
 
 @dataclass
