@@ -11,6 +11,7 @@ without: the target is at most 1.05 (issue #21).
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -18,18 +19,20 @@ import tempfile
 from pathlib import Path
 
 
-def run(steps: int, snapshots: bool) -> tuple[float, float]:
+def run(steps: int, snapshots: bool) -> tuple[float, float, int]:
     with tempfile.TemporaryDirectory() as root:
         env = os.environ | {"ETT_EVENT_DIR": f"{root}/events", "OMP_NUM_THREADS": "1"}
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "trainer.train", "--preset", "cpu-demo", "--train.steps", str(steps),
                 "--checkpoint.dir", f"{root}/ckpt", "--checkpoint.local_dir", f"{root}/local",
                 "--checkpoint.interval_steps", "1000", "--checkpoint.snapshots", "true" if snapshots else "false"]
-        subprocess.run(argv, env=env, check=True, capture_output=True)
+        done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
         events = [json.loads(line) for line in Path(root, "events", "rank-0.jsonl").read_text().splitlines()]
     steps_ = [e for e in events if e["kind"] == "step"][5:]  # past the warm-up
     gaps = [b["ts"] - a["ts"] for a, b in zip(steps_, steps_[1:])]
-    return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps)
+    # The cadence the fast tier settled on (ett/snapshots.py logs each change): 1 is every step.
+    every = max([int(m) for m in re.findall(r"local snapshots every (\d+) steps", done.stdout + done.stderr)] or [1])
+    return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps), every
 
 
 def main() -> None:
@@ -37,15 +40,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    results: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
     for _ in range(args.rounds):
         for snapshots in (False, True):
             results[snapshots].append(run(args.steps, snapshots))
     for snapshots, runs in results.items():
-        print(f"snapshots {'on ' if snapshots else 'off'}: step " + ", ".join(f"{s * 1e3:.1f}" for s, _ in runs)
-              + " ms; step end to step end " + ", ".join(f"{g * 1e3:.1f}" for _, g in runs) + " ms")
-    on = statistics.median(g for _, g in results[True])
-    off = statistics.median(g for _, g in results[False])
+        print(f"snapshots {'on ' if snapshots else 'off'}: step " + ", ".join(f"{s * 1e3:.1f}" for s, _, _ in runs)
+              + " ms; step end to step end " + ", ".join(f"{g * 1e3:.1f}" for _, g, _ in runs) + " ms"
+              + (f"; a snapshot every {', '.join(str(e) for _, _, e in runs)} step(s)" if snapshots else ""))
+    on = statistics.median(g for _, g, _ in results[True])
+    off = statistics.median(g for _, g, _ in results[False])
     print(f"per-step snapshots cost {100 * (on / off - 1):+.1f}% of a step (ratio {on / off:.3f}; target <= 1.05)")
 
 
