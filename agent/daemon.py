@@ -46,6 +46,7 @@ class Agent:
             log.warning("no warm start: the socket path %s is too long; ranks start fresh", self.warm.socket_path)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
                                      settings.local_checkpoint_root, warm_socket, settings.checkpoint_root, self.run_as)
+        self.supervisor.warm_starting = lambda: self.warm.starting
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
@@ -155,9 +156,11 @@ class Agent:
     def _long_poll(self) -> None:
         while not self._heartbeats_done.is_set():
             started = time.monotonic()
-            self._send_heartbeat(wait=self.settings.heartbeat_wait_seconds)
+            commands = self._send_heartbeat(wait=self.settings.heartbeat_wait_seconds)
             rest = self.settings.heartbeat_interval_seconds - (time.monotonic() - started)
-            if rest > 0:
+            # Commands come in runs (a stop, then the next attempt's launch): after some, poll
+            # again at once; the pause is for an answer that came early with nothing in it.
+            if rest > 0 and not commands:
                 self._heartbeats_done.wait(rest)
 
     def _report_changes(self) -> None:
@@ -172,7 +175,8 @@ class Agent:
                 self.forwarder.flush(timeout=self.settings.flush_before_report_seconds)
             self._send_heartbeat(wait=0)
 
-    def _send_heartbeat(self, wait: float) -> bool:
+    def _send_heartbeat(self, wait: float) -> int:
+        """One heartbeat; the number of commands its answer carried (0 as well when it failed)."""
         attempts = self.supervisor.reports.snapshot()
         body = {"clock": time.time(), "attempts": attempts, "stats": self.stats.heartbeat_figures(),
                 "leaving": self.leaving}
@@ -183,17 +187,18 @@ class Agent:
             log.warning("heartbeat refused: %s %s", exc.response.status_code, exc.response.text[:200])
             if exc.response.status_code == 404:  # the service forgot us (a new database): say hello again
                 self._register()
-            return False
+            return 0
         except httpx.HTTPError as exc:
             self.stats.heartbeat_failures += 1
             log.warning("heartbeat failed: %s", exc)
             self._heartbeats_done.wait(min(self._backoff(self.stats.heartbeat_failures), 5.0))
-            return False
+            return 0
         self.stats.last_heartbeat = time.time()
         self.supervisor.reports.acknowledge(attempts)
-        for command in answer.get("commands", []):
+        commands = answer.get("commands", [])
+        for command in commands:
             self.commands.put(command)
-        return True
+        return len(commands)
 
     def _backoff(self, failures: int) -> float:
         limit = min(self.settings.retry_max_seconds, self.settings.retry_base_seconds * 2 ** min(failures, 16))

@@ -9,8 +9,13 @@ on a job whose steps take a second. Once an attempt has made `WARMUP_STEPS` step
 `hang_timeout_seconds` stays the ceiling. While a rank of this node is saving a checkpoint (a
 `ckpt_start` not yet followed by `ckpt_staged`) the ceiling applies: a save may block longer than
 any step. A gap between steps in which a save started is not a step's time and is left out: a
-save that waited for the one before it to commit would otherwise raise the limit for good. A rank that is slow but alive says so with `run.progress()` beats (the library) or its
-progress mark; any progress restarts the wait, so only silence is measured.
+save that waited for the one before it to commit would otherwise raise the limit for good. And
+steps run slower while a checkpoint is written in the background (the ranks' progress marks say
+when): the gaps during a write and the others are kept apart, and each limit follows its own,
+so a hang between writes is caught as fast as the steps there allow (the ceiling applies in a
+regime until it has WARMUP_STEPS gaps). A rank that is slow but alive says so with
+`run.progress()` beats (the library) or its progress mark; any progress restarts the wait, so
+only silence is measured.
 """
 
 from collections import deque
@@ -24,30 +29,39 @@ GAPS_KEPT = 50  # the newest gaps between steps: a job's pace may change
 class HangLimit:
     def __init__(self, ceiling: float | None) -> None:
         self.ceiling = ceiling  # hang_timeout_seconds; None: no hang detection
-        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        # Gaps between steps, by whether a background write ran during them.
+        self._gaps: dict[bool, deque[float]] = {False: deque(maxlen=GAPS_KEPT), True: deque(maxlen=GAPS_KEPT)}
         self._last_step: tuple[int, float] | None = None  # (step, when it was first seen)
         self.saving = False  # a rank of this node is in a checkpoint's blocking part
+        self.writing = False  # a rank of this node is writing a checkpoint in the background
         self._saved_since_step = False  # a save started in the gap since the last step
+        self._wrote_since_step = False  # a background write ran in the gap since the last step
 
     def save_started(self) -> None:
         """A rank of this node began a checkpoint (its `ckpt_start`)."""
         self._saved_since_step = True
 
+    def set_writing(self, busy: bool) -> None:
+        """Whether a rank of this node writes a checkpoint in the background now (its mark)."""
+        self.writing = busy
+        self._wrote_since_step = self._wrote_since_step or busy
+
     def stepped(self, step: int, now: float) -> None:
         """The group's newest step, as seen at `now` (called with every newer step)."""
         if self._last_step is not None and step > self._last_step[0]:
             if not self._saved_since_step:
-                self._gaps.append((now - self._last_step[1]) / (step - self._last_step[0]))
-            self._saved_since_step = False
+                self._gaps[self._wrote_since_step].append((now - self._last_step[1]) / (step - self._last_step[0]))
+            self._saved_since_step, self._wrote_since_step = False, self.writing
         if self._last_step is None or step > self._last_step[0]:
             self._last_step = (step, now)
 
     @property
     def seconds(self) -> float | None:
         """The limit now (None: no detection)."""
-        if self.ceiling is None or self.saving or len(self._gaps) < WARMUP_STEPS:
+        gaps = self._gaps[self.writing]
+        if self.ceiling is None or self.saving or len(gaps) < WARMUP_STEPS:
             return self.ceiling
-        return min(self.ceiling, max(FLOOR_SECONDS, FACTOR * max(self._gaps)))
+        return min(self.ceiling, max(FLOOR_SECONDS, FACTOR * max(gaps)))
 
     @property
     def adaptive(self) -> bool:

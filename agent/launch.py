@@ -89,8 +89,12 @@ def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_so
     env.update(command.env)
     env.update(job_env(command, paths))
     env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})
-    # Warm start only for the trainer with no job environment: variables read while torch is
-    # imported (in the warm server, long before) could not take effect.
-    if warm_socket is not None and command.entrypoint is None and not command.env:
+    if warm_socket is not None and starts_warm(command):
         env[WARM_SOCKET_ENV] = str(warm_socket)
     return env
+
+
+def starts_warm(command: LaunchCommand) -> bool:
+    """Warm start only for the trainer with no job environment: variables read while torch is
+    imported (in the warm server, long before) could not take effect."""
+    return command.entrypoint is None and not command.env

@@ -4,17 +4,20 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agent.commands import IntervalCommand, LaunchCommand, StopCommand
 from agent.confine import launch_refusal
 from agent.job_user import RunAs
+from agent.launch import starts_warm
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 
 log = logging.getLogger(__name__)
 CONFIG_ERROR_EXIT_CODE = 3  # the service fails the job at once, as for a trainer's configuration error
+WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
 AttemptKey = tuple[str, int]
 
 
@@ -68,6 +71,9 @@ class Supervisor:
         # reported before its processes are gone), so an attempt never starts beside the last one.
         self.held: dict[AttemptKey, tuple[LaunchCommand, float]] = {}
         self.reports = ReportBook()
+        # Whether the warm server is still importing: a trainer launch then waits for it (at most
+        # WARM_WAIT_SECONDS) rather than start cold, which takes as long and loads the CPU twice.
+        self.warm_starting: Callable[[], bool] = lambda: False
 
     @property
     def live_ranks(self) -> int:
@@ -98,7 +104,14 @@ class Supervisor:
             log.info("attempt %s/%d waits for the previous group of this node to be gone", *command.key)
             self.held[command.key] = (command, time.monotonic() + self.stop_grace_seconds + 5.0)
             return
+        if self._waits_for_warm(command):
+            log.info("attempt %s/%d waits for the warm server's imports", *command.key)
+            self.held[command.key] = (command, time.monotonic() + WARM_WAIT_SECONDS)
+            return
         self._start(command)
+
+    def _waits_for_warm(self, command: LaunchCommand) -> bool:
+        return self.warm_socket is not None and starts_warm(command) and self.warm_starting()
 
     def _start(self, command: LaunchCommand) -> None:
         refusal = launch_refusal(command, self.checkpoint_root)
@@ -174,7 +187,8 @@ class Supervisor:
                 # The job is done: no attempt will resume from the local copies.
                 shutil.rmtree(group.command.checkpoint.local_dir, ignore_errors=True)
         for key, (command, deadline) in list(self.held.items()):
-            if not self.groups or time.monotonic() >= deadline:  # past the deadline, a stuck group is not waited for
+            free = not self.groups and not self._waits_for_warm(command)
+            if free or time.monotonic() >= deadline:  # past the deadline, a stuck group is not waited for
                 del self.held[key]
                 self._start(command)
                 changed = True

@@ -87,6 +87,11 @@ class WarmServer:
     def usable(self) -> bool:
         return len(os.fsencode(self.socket_path)) <= SOCKET_PATH_MAX_BYTES
 
+    @property
+    def starting(self) -> bool:
+        """Started and still importing: not listening yet."""
+        return self._proc is not None and self._proc.poll() is None and not self.socket_path.exists()
+
     def ensure_running(self) -> None:
         if not self.usable or (self._proc is not None and self._proc.poll() is None):
             return
@@ -98,6 +103,7 @@ class WarmServer:
         # Neither the agent's settings (its token) nor a thread pool at import time (see above).
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")} | SINGLE_THREAD_ENV
         self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
+        self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
         with open(self.log_path, "ab") as out:
             self._proc = subprocess.Popen(
                 [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules],

@@ -223,19 +223,23 @@ class WorkerGroup:
                     self._hang_limit.save_started()
                 elif kind in ("ckpt_staged", "ckpt_failed"):
                     self._saving.discard(source)
-        # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped>"): nodes
-        # without rank 0 see no step events. A new step or beat is progress; a step above 0 is a
-        # step done; the last two say whether the rank's disk is full.
+        # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped> <writing>"):
+        # nodes without rank 0 see no step events. A new step or beat is progress; a step above 0
+        # is a step done; the next two say whether the rank's disk is full; the last whether it
+        # writes a checkpoint in the background.
+        writing = False
         for path in self.paths.events_dir.glob("progress-rank-*"):
             mark = read_progress_mark(path)
             if mark is None:
                 continue
+            writing = writing or mark.writing
             self.spool_trouble[path.name] = (mark.unwritten, mark.dropped)
             if (mark.step, mark.beats) != self._progress_marks.get(path.name):
                 self._progress_marks[path.name] = (mark.step, mark.beats)
                 self._last_progress = self._marked_at = now
                 if mark.step > 0:
                     self._last_step = max(mark.step, self._last_step or 0)
+        self._hang_limit.set_writing(writing)
         if self._last_step is not None:
             self._hang_limit.stepped(self._last_step, now)
         self._hang_limit.saving = bool(self._saving)

@@ -5,9 +5,10 @@ serialises, writes and flushes each line, so the agent sees it within millisecon
 disk never stalls a training step.
 
 Only rank 0 sends `step` events, so every rank also keeps a progress mark: its last finished
-step, a count of liveness beats (work outside steps, `Run.progress`), and the spool's state,
-`"<step> <beats> <unwritten> <dropped>"` overwritten in place in `progress-rank-{RANK}` beside the
-spool. It is not an event and is not forwarded; the agent of each node reads it to detect hangs
+step, a count of liveness beats (work outside steps, `Run.progress`), the spool's state, and
+whether a checkpoint of the rank is being written in the background (steps are slower then),
+`"<step> <beats> <unwritten> <dropped> <writing>"` overwritten in place in `progress-rank-{RANK}`
+beside the spool. It is not an event and is not forwarded; the agent of each node reads it to detect hangs
 (a new step or beat is progress), to time faults of its own ranks (by the step), and to report a
 full disk.
 
@@ -56,7 +57,7 @@ class EventWriter:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._seq = 0
-        self._mark = (0, 0)  # (last step, beats): the progress mark
+        self._mark = (0, 0, 0)  # (last step, beats, writing): the progress mark
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._seq = self._next_seq_in(self.path)
@@ -79,8 +80,16 @@ class EventWriter:
         (for the agent; see the module's docstring)."""
         if self._thread is not None:
             with self._lock:
-                last_step, beats = self._mark
-                self._mark = (last_step, beats + 1) if step is None else (step, beats)
+                last_step, beats, writing = self._mark
+                self._mark = (last_step, beats + 1, writing) if step is None else (step, beats, writing)
+                self._queue.put(self._mark)
+
+    def writing(self, busy: bool) -> None:
+        """Marks that a checkpoint of this rank is (or no longer is) being written in the
+        background: the agent then compares step times with those of earlier writes."""
+        if self._thread is not None:
+            with self._lock:
+                self._mark = (*self._mark[:2], int(busy))
                 self._queue.put(self._mark)
 
     def close(self) -> None:
@@ -106,7 +115,7 @@ class EventWriter:
     def _write_loop(self) -> None:
         spool = _Spool(self.path)
         fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        mark = (0, 0)
+        mark = (0, 0, 0)
         try:
             _write_mark(fd, mark, spool)  # its bytes exist from now on: overwriting them needs no free space
             closing = False
@@ -142,6 +151,7 @@ class ProgressMark:
     beats: int  # liveness beats outside steps
     unwritten: int  # events waiting for disk space
     dropped: int  # events dropped past the bound
+    writing: bool = False  # a checkpoint of the rank is being written in the background
 
 
 def read_progress_mark(path: Path) -> ProgressMark | None:
@@ -152,12 +162,13 @@ def read_progress_mark(path: Path) -> ProgressMark | None:
         return None
     if len(fields) < 2:
         return None
-    return ProgressMark(fields[0], fields[1], *(fields[2:4] if len(fields) >= 4 else (0, 0)))
+    unwritten, dropped = fields[2:4] if len(fields) >= 4 else (0, 0)
+    return ProgressMark(fields[0], fields[1], unwritten, dropped, len(fields) >= 5 and fields[4] == 1)
 
 
-def _write_mark(fd: int, mark: tuple[int, int], spool: "_Spool") -> None:
-    """`<step> <beats> <unwritten> <dropped>` in place: the agent reads it (agent/workers.py)."""
-    text = f"{mark[0]} {mark[1]} {len(spool.pending)} {spool.dropped}".rjust(PROGRESS_WIDTH).encode()
+def _write_mark(fd: int, mark: tuple[int, int, int], spool: "_Spool") -> None:
+    """`<step> <beats> <unwritten> <dropped> <writing>` in place: the agent reads it (agent/workers.py)."""
+    text = f"{mark[0]} {mark[1]} {len(spool.pending)} {spool.dropped} {mark[2]}".rjust(PROGRESS_WIDTH).encode()
     try:
         os.pwrite(fd, text, 0)
     except OSError:

@@ -35,3 +35,17 @@ def test_a_gap_in_which_a_save_started_is_not_a_steps_time():
     assert limit.seconds == FLOOR_SECONDS  # the 5.5 s gap was left out: 4 x 0.5 s, floored
     limit.stepped(15, last + 2.0)  # a slow step with no save: it counts
     assert limit.seconds == pytest.approx(FACTOR * 2.0)
+
+
+def test_steps_during_a_background_write_and_between_writes_have_limits_of_their_own():
+    limit = HangLimit(ceiling=60.0)
+    now = steps(limit, 1, 8, 0.0, 0.2)  # between writes: 0.2 s steps
+    limit.set_writing(True)  # a checkpoint written in the background slows the steps to 2 s
+    now = steps(limit, 9, 8, now, 2.0)
+    assert limit.seconds == pytest.approx(FACTOR * 2.0)  # during a write: the write's own steps
+    limit.set_writing(False)
+    assert limit.seconds == FLOOR_SECONDS  # between writes: 4 x 0.2 s, floored; not 8 s
+    fresh = HangLimit(ceiling=60.0)
+    steps(fresh, 1, 8, 0.0, 0.2)
+    fresh.set_writing(True)
+    assert fresh.seconds == 60.0  # no write seen yet: the ceiling until its steps are

@@ -146,7 +146,8 @@ def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(supervisor)
     command = launch_command(init_timeout_seconds=4)
     command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "8"]})
     supervisor.launch(command)
-    assert run_to_end(supervisor)["state"] == "succeeded"
+    report = run_to_end(supervisor)
+    assert report["state"] == "succeeded", report
 
 
 def test_the_same_work_unmarked_is_a_hang_and_null_turns_detection_off(supervisor):

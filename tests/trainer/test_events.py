@@ -111,6 +111,18 @@ def test_the_killed_run_left_no_commit_for_the_torn_save(killed_run, rank):
 
 
 @pytest.mark.slow
+def test_the_mark_says_while_a_checkpoint_is_written_in_the_background(tmp_path):
+    writer = EventWriter(str(tmp_path), rank=1, attempt=0)
+    writer.progress(7)
+    writer.writing(True)
+    writer.progress(None)
+    writer.close()
+    mark = read_progress_mark(tmp_path / "progress-rank-1")
+    assert (mark.step, mark.beats, mark.writing) == (7, 1, True)
+    (tmp_path / "progress-rank-2").write_text("5 0 0 0".rjust(64))  # a mark of an older writer
+    assert read_progress_mark(tmp_path / "progress-rank-2").writing is False
+
+
 def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(tmp_path):
     """The marks the agent's hang detection and step faults read (agent/workers.py), written by
     real trainer ranks: each rank's mark follows its steps while it trains, and ends at the last."""
@@ -128,4 +140,5 @@ def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(t
     for rank, steps in seen.items():
         final = read_progress_mark(run.event_dir / f"progress-rank-{rank}")
         assert final is not None and final.step == 6 and (final.unwritten, final.dropped) == (0, 0)
+        assert not final.writing  # the last save is committed before the rank ends
         assert steps == sorted(steps) and len(set(steps) - {0}) >= 3, (rank, steps)  # seen advancing
