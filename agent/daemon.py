@@ -45,8 +45,8 @@ class Agent:
         if settings.warm_start and warm_socket is None:
             log.warning("no warm start: the socket path %s is too long; ranks start fresh", self.warm.socket_path)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
-                                     settings.local_checkpoint_root, warm_socket, settings.checkpoint_root, self.run_as)
-        self.supervisor.warm_starting = lambda: self.warm.starting
+                                     settings.local_checkpoint_root, warm_socket, settings.checkpoint_root, self.run_as,
+                                     warm_starting=lambda: self.warm.starting)
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,

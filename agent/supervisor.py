@@ -57,6 +57,7 @@ class Supervisor:
     def __init__(
         self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
         warm_socket: Path | None = None, checkpoint_root: Path | None = None, run_as: RunAs = RunAs(),
+        warm_starting: Callable[[], bool] = lambda: False,
     ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
@@ -73,7 +74,7 @@ class Supervisor:
         self.reports = ReportBook()
         # Whether the warm server is still importing: a trainer launch then waits for it (at most
         # WARM_WAIT_SECONDS) rather than start cold, which takes as long and loads the CPU twice.
-        self.warm_starting: Callable[[], bool] = lambda: False
+        self.warm_starting = warm_starting
 
     @property
     def live_ranks(self) -> int:

@@ -133,9 +133,9 @@ def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:
 
 
 def finish_job(session: Session, job: Job, state: JobState, reason: str | None, now: float) -> None:
-    job.state, job.reason, job.finished_at = state, reason, _at(now)
-    last = job.attempts[-1].number if job.attempts else 0
-    emit(session, job.id, last, "job_finished", now, {"state": state.value})
+    job.state, job.reason, job.finished_at = state, reason[:512] if reason else reason, _at(now)
+    if job.attempts:  # a job never allocated has no window, so no job_finished event
+        emit(session, job.id, job.attempts[-1].number, "job_finished", now, {"state": state.value})
 
 
 def cancel_job(session: Session, job: Job, now: float) -> None:
@@ -146,10 +146,7 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
             attempt.state, attempt.ended_at = AttemptState.stopped, _at(now)
             emit(session, job.id, attempt.number, "attempt_stopped", now, {"reason": "cancelled"})
             _stop_shares(session, attempt, "cancelled")
-    if job.state == JobState.running:
-        finish_job(session, job, JobState.cancelled, "cancelled", now)
-    else:  # never allocated: no window, so no job_finished event
-        job.state, job.reason, job.finished_at = JobState.cancelled, "cancelled", _at(now)
+    finish_job(session, job, JobState.cancelled, "cancelled", now)
 
 
 def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> None:

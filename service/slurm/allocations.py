@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs.scheduler import ACTIVE, fail_attempt, finish_job
 from service.models import Job, JobState, Node, NodeState, Role, SlurmAllocation, SlurmState, Token
-from service.security import create_token, hash_token
+from service.security import create_token, find_token
 from service.settings import Settings
 from service.slurm.batch import SCRIPT_FILE, TOKEN_FILE, render_script, sbatch_options
 from service.slurm.commands import Slurm, SlurmError, SlurmJob, SlurmUnreachable
@@ -126,7 +126,7 @@ class SlurmBridge:
                           if n.state in (NodeState.idle, NodeState.busy, NodeState.lost))  # fmt: skip
         if state not in ("TIMEOUT", "PREEMPTED", "CANCELLED", "COMPLETED"):
             allocation.bad_nodes = vanished
-        self._retire(session, allocation, now)
+        self._retire(session, allocation, agents, now)
         job = allocation.job
         if job.state not in (JobState.queued, JobState.running):
             return
@@ -141,23 +141,25 @@ class SlurmBridge:
         if job.state not in (JobState.queued, JobState.running):
             return  # no restart left
         if state == "CANCELLED":
-            _fail_job(session, job, f"{detail}: cancelled outside ETT (scancel); `ett cancel` ends an ETT job", now)
+            reason = f"{detail}: cancelled outside ETT (scancel); `ett cancel` ends an ETT job"
+            finish_job(session, job, JobState.failed, reason, now)
         elif not registered and state not in CAUSES:
             output = self._folder(job, allocation.number) / f"slurm-{allocation.slurm_job_id}.out"
-            _fail_job(session, job, f"{detail} before any of its agents registered; see {output}", now)
+            reason = f"{detail} before any of its agents registered; see {output}"
+            finish_job(session, job, JobState.failed, reason, now)
         log.warning("job %s: %s", job.id, detail)
 
     def _release(self, session: Session, allocation: SlurmAllocation, why: str, now: float) -> None:
         """Cancels it in Slurm (inside the transaction: a refusal leaves it live, tried next pass)."""
         self.slurm.cancel([allocation.slurm_job_id])
         allocation.slurm_reason = why[:256]
-        self._retire(session, allocation, now)
+        self._retire(session, allocation, _agents_of(session, allocation), now)
         log.info("job %s: Slurm job %s released: %s", allocation.job_id, allocation.slurm_job_id, why)
 
     @staticmethod
-    def _retire(session: Session, allocation: SlurmAllocation, now: float) -> None:
+    def _retire(session: Session, allocation: SlurmAllocation, agents: list[Node], now: float) -> None:
         allocation.state, allocation.ended_at = SlurmState.ended, _at(now)
-        for node in _agents_of(session, allocation):
+        for node in agents:
             node.state = NodeState.lost  # its agents say they are leaving, or are gone: not revived
 
     def _revoke_spent_tokens(self, session: Session, now: float) -> None:
@@ -189,7 +191,7 @@ class SlurmBridge:
                     log.warning("job %s: sbatch failed, tried again next pass: %s", job.id, exc)
                     continue
                 except SlurmError as exc:  # Slurm refused the job's own settings: a bad partition, account, option
-                    _fail_job(session, job, f"sbatch refused the job: {exc}", now)
+                    finish_job(session, job, JobState.failed, f"sbatch refused the job: {exc}", now)
                 session.commit()
 
     def _needs_allocation(self, job: Job, now: float) -> bool:
@@ -209,7 +211,7 @@ class SlurmBridge:
         folder = self._folder(job, number)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         secret = create_token(session, Role.agent, f"slurm:{job.id}:{number}", job_id=job.id)
-        token = session.scalar(select(Token).where(Token.token_hash == hash_token(secret)))
+        token = find_token(session, secret)
         token_file = folder / TOKEN_FILE
         token_file.unlink(missing_ok=True)
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the service's user alone reads it
@@ -242,11 +244,3 @@ def _agents_of(session: Session, allocation: SlurmAllocation) -> list[Node]:
     """The nodes its agents registered (named after the Slurm job, bound to the ETT job)."""
     return list(session.scalars(select(Node).where(
         Node.job_id == allocation.job_id, Node.name.startswith(_agent_prefix(allocation), autoescape=True))))
-
-
-def _fail_job(session: Session, job: Job, reason: str, now: float) -> None:
-    """Fails a job whatever it went through; one that never had an attempt has no window to close."""
-    if job.attempts:
-        finish_job(session, job, JobState.failed, reason[:512], now)
-    else:
-        job.state, job.reason, job.finished_at = JobState.failed, reason[:512], _at(now)
