@@ -27,7 +27,7 @@ from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
 from agent.supervisor import Supervisor
-from agent.warm import WarmServer
+from agent.warm import WarmServer, socket_path
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Agent:
         self.client = ServiceClient(settings)
         # JobUserError (a ValueError naming the setting) when the settings name no usable user.
         self.run_as = RunAs(settings.job_python, resolve_job_user(settings.job_user, settings.allow_root_jobs))
-        self.warm = WarmServer((settings.data_dir / "warm" / "warm.sock").resolve(),
+        self.warm = WarmServer(socket_path(settings.data_dir),
                                ["trainer.train", "torch.distributed.run"], settings.data_dir / "warm.log", self.run_as)
         warm_socket = self.warm.socket_path if settings.warm_start and self.warm.usable else None
         if settings.warm_start and warm_socket is None:

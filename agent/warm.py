@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
+def socket_path(data_dir: Path) -> Path:
+    """Where the warm server of an agent with this data folder listens, once its imports are done."""
+    return (data_dir / "warm" / "warm.sock").resolve()
+
+
 def python_module(python: str, module: str) -> list[str]:
     """`python -P -m MODULE`: -P keeps the working folder off the import path, so a folder there
     named like one of our packages (agent, trainer) is not imported instead of it."""

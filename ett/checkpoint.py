@@ -16,6 +16,7 @@ to `dir` in the background before the marker is written (ett/checkpoint_tiers.py
 stays the checkpoint of record, and resume reads the local copies that match its manifest.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -54,6 +55,12 @@ logger = logging.getLogger(__name__)
 # At close, with every save committed: DCP's checkpoint process is asked to exit and given this
 # long, then killed (its own shutdown took 1 s on 2 cores, the last second of every job).
 CHECKPOINT_PROCESS_EXIT_SECONDS = 0.1
+# `async_mode auto`: a checkpoint process only for a rank's state of at least this size. The
+# process is spawned afresh in every attempt and imports torch (seconds of CPU per rank, which on
+# a busy node a step pays: the demo's first step after its first save took 4.6 s instead of
+# 0.2 s); a thread pays only serialisation under the GIL, which bench/checkpoint_save.py found no
+# costlier than the process at 1 GB per rank (BENCHMARKS.md, "Checkpoint save").
+PROCESS_MIN_BYTES = 1 << 30
 
 
 @dataclass
@@ -65,7 +72,9 @@ class CheckpointConfig:
     interval_steps: int = 0  # save every N steps; 0: only when forced (the trainer: its last step, SIGTERM)
     keep: int = 3  # newest committed checkpoints kept
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
-    async_mode: str = "process"  # "process" | "thread": where DCP writes in the background
+    # Where DCP writes in the background: "process" | "thread" | "auto" (a process for a rank's
+    # state of PROCESS_MIN_BYTES or more, else a thread).
+    async_mode: str = "auto"
     # With local_dir: each rank also snapshots its own state there after every step (the fast
     # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
     # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
@@ -91,8 +100,8 @@ class CheckpointConfig:
         if self.resume_from not in ("auto", "none") and step_of(Path(self.resume_from)) is None:
             raise UsageError(
                 f"checkpoint.resume_from must be auto, none or a step-NNNNNNNN folder, got {self.resume_from!r}")
-        if self.async_mode not in ("process", "thread"):
-            raise UsageError(f"checkpoint.async_mode must be 'process' or 'thread', got {self.async_mode!r}")
+        if self.async_mode not in ("auto", "process", "thread"):
+            raise UsageError(f"checkpoint.async_mode must be 'auto', 'process' or 'thread', got {self.async_mode!r}")
         if self.local_dir and (not self.dir or Path(self.local_dir).resolve() == Path(self.dir).resolve()):
             raise UsageError("checkpoint.local_dir needs checkpoint.dir, and another folder: the local copy caches it")
 
@@ -171,20 +180,25 @@ class Checkpointer:
 
     def _agree_on_mode(self, state: dict) -> AsyncCheckpointerType:
         """Process-based saving keeps serialisation and file writes off the training process's
-        GIL. It stages into shared memory, which containers often cap (Docker: 64 MiB of
+        GIL, at the price of a checkpoint process per rank and attempt (`auto`: only for a large
+        state). It stages into shared memory, which containers often cap (Docker: 64 MiB of
         /dev/shm); where this rank's state does not fit, fall back to thread-based saving. All
         ranks must agree: the checkpoint processes form one group."""
-        if self.cfg.async_mode != "process":
+        if self.cfg.async_mode == "thread":
             return AsyncCheckpointerType.THREAD
         local_bytes = tensor_bytes(state)
         shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-        fits = int(3 * shm_free > 4 * local_bytes)  # a third to spare
+        fits = 3 * shm_free > 4 * local_bytes  # a third to spare
         if not fits:
             logger.warning("checkpoint.async_mode: /dev/shm has %d MiB free, too little for process-based "
                            "saving of %d MiB of state; saving from a thread instead", shm_free >> 20, local_bytes >> 20)
-        agreed = torch.tensor([fits])
+        worth_it = self.cfg.async_mode == "process" or local_bytes >= PROCESS_MIN_BYTES
+        agreed = torch.tensor([int(fits and worth_it)])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        return AsyncCheckpointerType.PROCESS if agreed.item() else AsyncCheckpointerType.THREAD
+        mode = AsyncCheckpointerType.PROCESS if agreed.item() else AsyncCheckpointerType.THREAD
+        logger.info("checkpoint.async_mode %s: saving from a %s (%d MiB of state on this rank)", self.cfg.async_mode,
+                    mode.value, local_bytes >> 20)
+        return mode
 
     def save(self, step: int, state: dict) -> bool:
         """Blocks for the copy of everything but the parameters and optimizer state, whose copy
@@ -343,14 +357,17 @@ class Checkpointer:
         self.committer.shutdown()
         self.stager.close()
         daemon = _async_process_executor._CHECKPOINT_PROCESS
-        if daemon is not None:
+        if self.mode == AsyncCheckpointerType.PROCESS and daemon is not None:
             # DCP has no public call to stop its checkpoint process. Ask it to exit, and kill it if it
             # is slow to: it has nothing left to write (every save is committed above), and a rank
-            # must not leave it behind.
+            # must not leave it behind. DCP keeps one per process: forgotten, a later checkpointer
+            # starts its own instead of writing to a dead pipe.
             started = time.monotonic()
-            daemon._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
+            with contextlib.suppress(OSError):  # it died already
+                daemon._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
             daemon._save_process.join(timeout=CHECKPOINT_PROCESS_EXIT_SECONDS)
             if daemon._save_process.is_alive():
                 daemon._save_process.kill()
                 daemon._save_process.join()
+            _async_process_executor._CHECKPOINT_PROCESS = None
             logger.info("checkpoint process gone in %.2f s", time.monotonic() - started)

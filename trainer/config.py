@@ -82,8 +82,6 @@ def tiny() -> JobConfig:
         model=ModelConfig(dim=32, n_layers=2, n_heads=2, max_seq_len=32),
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=32),
         train=TrainConfig(steps=20, batch_size=4, seq_len=32, lr=3e-3, min_lr=3e-4, warmup_steps=2),
-        # Thread-based saving: the checkpoint process costs each rank seconds of start-up.
-        checkpoint=CheckpointConfig(async_mode="thread"),
         log=LogConfig(interval_steps=5),
     )
 

@@ -110,6 +110,20 @@ def _job_user_settings(root: Path) -> dict[str, str]:
     return {"ETT_AGENT_JOB_USER": "root", "ETT_AGENT_ALLOW_ROOT_JOBS": "true"}
 
 
+def _wait_warm(data_dirs: list[Path], agents: list[subprocess.Popen], timeout: float = 30) -> float:
+    """Waits until each agent's warm server has done its imports (agent/warm.py), as on a cluster
+    whose agents were up before the job came: a job allocated earlier would wait for them inside
+    its window. Returns the seconds waited; gives up quietly after `timeout` (the job then starts cold)."""
+    from agent.warm import socket_path
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout and any(agent.poll() is None for agent in agents):
+        if all(socket_path(folder).exists() for folder in data_dirs):
+            break
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
 def _wait_ready(url: str, service: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -211,12 +225,14 @@ def run(args: argparse.Namespace) -> int:
         _wait_ready(url, procs[0], service_log)
         print(f"ett demo: service at {url} (API docs at {url}/docs)")
         job_user = _job_user_settings(root)
-        for i in range(2):
+        data_dirs = [root / f"node-{i}" for i in range(2)]
+        for i, data_dir in enumerate(data_dirs):
             agent_env = {**os.environ, **job_user, "ETT_AGENT_SERVICE_URL": url, "ETT_AGENT_NAME": f"node-{i}",
                          "ETT_AGENT_TOKEN": _token("agent", f"node-{i}", env), "ETT_AGENT_SLOTS": "2",
-                         "ETT_AGENT_DATA_DIR": str(root / f"node-{i}")}
+                         "ETT_AGENT_DATA_DIR": str(data_dir)}
             procs.append(_ett("agent", env=agent_env, log=root / f"node-{i}.log"))
-        print("ett demo: agents node-0 and node-1 started (2 slots each)")
+        waited = _wait_warm(data_dirs, procs[1:])
+        print(f"ett demo: agents node-0 and node-1 up (2 slots each; ready to launch in {waited:.1f} s)")
         user = _token("user", "demo", env)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {user}"}, timeout=30) as client:
             job = client.post("/api/v1/jobs", json=demo_job()).raise_for_status().json()
