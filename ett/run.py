@@ -222,6 +222,12 @@ class Run:
             dist.all_reduce(flag_1, op=dist.ReduceOp.MAX)
             flag = bool(flag_1.item())
         self._stop_agreed = flag
+        if flag and threading.current_thread() is threading.main_thread():
+            # This rank now stops after a final checkpoint; a later SIGTERM (torchrun tearing the
+            # group down once a peer has exited) has nothing to add. Python puts its own handlers
+            # back to the default while the interpreter shuts down, so such a signal would then
+            # kill the rank (exit -15, not EXIT_STOPPED); an ignored signal stays ignored.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return flag
 
     def checkpoint_due(self, step: int) -> bool:
