@@ -8,7 +8,7 @@ a background thread, renamed into place once whole. No collective is involved, s
 costs one copy of the rank's shard and one write in the background, which on a busy node competes
 with the step for the CPU; when the two take more than `MAX_SHARE` of the steps between two
 snapshots, the rank snapshots every 2nd, 4th, ... step instead (powers of two, so ranks that
-chose differently still share steps).
+chose differently still share steps), and back again once they cost far less (`next_every`).
 
 On restart the ranks agree on the newest step every rank holds a whole snapshot of; a rank on a
 new node (its disk lost with the old one) holds none, so nothing partial is ever loaded. The same
@@ -17,6 +17,7 @@ previous nodes in their old rank order. The checkpointer (ett/checkpoint.py) loa
 that snapshot and the persistent checkpoint.
 """
 
+import contextlib
 import logging
 import os
 import shutil
@@ -69,6 +70,18 @@ def filled(current: Any, saved: Any) -> Any:
     return saved
 
 
+def next_every(every: int, cost: float, step_seconds: float) -> int:
+    """The cadence after a snapshot that cost `cost` seconds, with steps of `step_seconds`: doubled
+    when it took more than MAX_SHARE of the steps between two snapshots, halved when half the
+    cadence would still take at most half of that (a passing stall, such as a background
+    checkpoint write, then costs steps lost only while it lasts, and the cadence never swings)."""
+    if cost > MAX_SHARE * step_seconds * every and every < MAX_EVERY:
+        return every * 2
+    if every > 1 and cost < MAX_SHARE * step_seconds * every / 4:
+        return every // 2
+    return every
+
+
 class LocalSnapshots:
     def __init__(self, local_dir: str, rank: int, world_size: int, every: int = 0) -> None:
         self.root = Path(local_dir) / "snapshots" / f"w{world_size}"
@@ -93,8 +106,8 @@ class LocalSnapshots:
             self._writing.join()
         copy = local_copy(state)
         cost = time.perf_counter() - now + self._write_seconds
-        if self.adaptive and step_seconds and cost > MAX_SHARE * step_seconds * self.every and self.every < MAX_EVERY:
-            self.every *= 2
+        if self.adaptive and step_seconds and (every := next_every(self.every, cost, step_seconds)) != self.every:
+            self.every = every
             logger.info("local snapshots every %d steps: a copy and write take %.1f ms, a step %.1f ms", self.every,
                         cost * 1e3, step_seconds * 1e3)
         self._writing = threading.Thread(target=self._write, args=(step, copy), name="ett-snapshot", daemon=True)
@@ -108,14 +121,21 @@ class LocalSnapshots:
             staging = target.with_suffix(".tmp")
             torch.save({"step": step, "state": copy}, staging)
             os.replace(staging, target)  # whole, or not there
-            for old in self.steps()[KEEP:]:
-                self._file(old).unlink(missing_ok=True)
-                with_no_rank_left = not any(self._file(old).parent.glob("rank-*.pt"))
-                if with_no_rank_left:
-                    shutil.rmtree(self._file(old).parent, ignore_errors=True)
         except OSError as error:  # a full or lost local disk: the persistent tier still holds
             logger.warning("local snapshot of step %d not written: %s", step, error)
+        else:
+            self._prune()
         self._write_seconds = time.perf_counter() - started
+
+    def _prune(self) -> None:
+        """Removes this rank's snapshots but the newest KEEP; the last rank out removes the step's
+        folder. The ranks of a node share the folders, so another rank may remove one meanwhile."""
+        for old in self.steps()[KEEP:]:
+            self._file(old).unlink(missing_ok=True)
+            folder = self._file(old).parent
+            with contextlib.suppress(FileNotFoundError):
+                if not any(folder.glob("rank-*.pt")):
+                    shutil.rmtree(folder, ignore_errors=True)
 
     def wait(self) -> None:
         if self._writing is not None:

@@ -1,12 +1,13 @@
 """The fast tier (ett/snapshots.py) on real torchrun ranks (EP 2, ZeRO-3, dropout): a rank killed
 right after a local snapshot resumes from it with at most that step lost, bitwise as an
 uninterrupted run; a node whose local shards are gone (a lost node) makes every rank fall back to
-the persistent tier; snapshots never block the loop."""
+the persistent tier; snapshots never block the loop; their cadence follows their cost."""
 
 import shutil
 
 import pytest
 
+from ett.snapshots import MAX_EVERY, next_every
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, has_event, local_checkpoint_dir, run_trainer
 
 pytestmark = pytest.mark.slow
@@ -70,3 +71,18 @@ def test_a_node_that_lost_its_local_shards_makes_every_rank_use_the_persistent_t
     assert [e["step"] for e in restored] == [4, 4]
     assert all(e["data"]["source"] != "local-snapshot" for e in restored)
     assert not snapshot_file(copy, 6, 0).exists()  # rank 0's newer snapshot was of the abandoned timeline
+
+
+def test_the_snapshot_cadence_doubles_when_costly_and_comes_back_when_cheap_without_swinging():
+    step = 0.1  # seconds; the budget is MAX_SHARE (5%) of the steps between two snapshots
+    assert next_every(1, 0.004, step) == 1  # 4 ms of a 100 ms step: every step
+    assert next_every(1, 0.006, step) == 2  # over 5 ms
+    assert next_every(2, 0.006, step) == 2  # within the 10 ms of two steps, and above a quarter of it
+    assert next_every(4, 0.003, step) == 2  # a passing stall is over: half the cadence costs at most half
+    assert next_every(2, 0.002, step) == 1
+    every, cadences = 1, []
+    for cost in (0.02, 0.02, 0.002, 0.001, 0.001, 0.001):  # a stall, then cheap again
+        every = next_every(every, cost, step)
+        cadences.append(every)
+    assert cadences == [2, 4, 2, 1, 1, 1]
+    assert next_every(MAX_EVERY, 1.0, step) == MAX_EVERY
