@@ -167,16 +167,21 @@ class Progress:
 def _follow(client: httpx.Client, job_id: str, timeout: float, progress: Progress) -> dict[str, Any]:
     """Prints each attempt's state changes, and the progress, until the job ends."""
     seen: dict[int, str] = {}
+    restored: set[int] = set()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         job = client.get(f"/api/v1/jobs/{job_id}").raise_for_status().json()
         for attempt in job["attempts"]:
             number, state = attempt["number"], attempt["state"]
             if number not in seen:  # allocation is printed even when a poll first sees it running
-                resume = f", resuming from {attempt['resume_from']}" if attempt["resume_from"] else ""
+                newest = f" (newest checkpoint: {attempt['resume_from']})" if attempt["resume_from"] else ""
                 progress.clear()
-                print(f"  attempt {number}: allocated on {', '.join(attempt['nodes'])}{resume}", flush=True)
+                print(f"  attempt {number}: allocated on {', '.join(attempt['nodes'])}{newest}", flush=True)
                 seen[number] = "allocated"
+            if attempt["restored_step"] is not None and number not in restored:
+                restored.add(number)
+                progress.clear()
+                print(f"  attempt {number}: resumed from step {attempt['restored_step']}", flush=True)
             if seen[number] != state:
                 seen[number] = state
                 why = f" ({attempt['cause']}: {attempt['detail']})" if attempt["cause"] else ""

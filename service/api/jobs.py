@@ -6,6 +6,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
+from service.ett.accounts import restored_steps
 from service.jobs import scheduler
 from service.jobs.catalog import (
     EntrypointRefused,
@@ -21,11 +22,13 @@ from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpe
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-def job_out(job: Job) -> JobOut:
+def job_out(job: Job, restored: dict[int, int]) -> JobOut:
+    """`restored`: the step each attempt restored (service.ett.accounts.restored_steps)."""
     attempts = [
         AttemptOut(
             number=a.number, state=a.state, allocated_at=a.allocated_at, ended_at=a.ended_at, cause=a.cause,
-            detail=a.detail, resume_from=a.resume_from, nodes=[n.node.name for n in a.nodes],
+            detail=a.detail, resume_from=a.resume_from, restored_step=restored.get(a.number),
+            nodes=[n.node.name for n in a.nodes],
         )
         for a in job.attempts
     ]
@@ -54,7 +57,7 @@ def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Req
     warnings = fleet_warnings(session, request.app.state.settings, job)
     session.commit()
     request.app.state.wake_scheduler()
-    return JobCreated(**job_out(job).model_dump(), warnings=warnings)
+    return JobCreated(**job_out(job, {}).model_dump(), warnings=warnings)
 
 
 @router.get("")
@@ -66,16 +69,17 @@ def list_jobs(
     offset: int = Query(0, ge=0, le=2**31),  # bounded: a huge offset overflows SQLite's integers
 ) -> JobList:
     jobs, total = visible_jobs(session, caller, state, limit, offset)
-    return JobList(items=[job_out(j) for j in jobs], total=total)
+    restored = restored_steps(session, [j.id for j in jobs])
+    return JobList(items=[job_out(j, restored.get(j.id, {})) for j in jobs], total=total)
 
 
 @router.get("/{job_id}")
-def get_job(job: VisibleJobDep) -> JobOut:
-    return job_out(job)
+def get_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
+    return job_out(job, restored_steps(session, [job.id]).get(job.id, {}))
 
 
 @router.post("/{job_id}/cancel")
 def cancel_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
     scheduler.cancel_job(session, job, time.time())
     session.commit()
-    return job_out(job)
+    return job_out(job, restored_steps(session, [job.id]).get(job.id, {}))

@@ -89,7 +89,9 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
     if frame is not None:
         steps = step_time(session, job.id, account, frame)
         timeline = build_timeline(account, frame, steps, checkpoint_saves(session, job.id))
-    return render(request, "job.html", {"caller": caller, "job": job, "report": report, "timeline": timeline})
+    restored = {n: a.restored_step for n, a in account.attempts.items() if a.restored_step is not None}
+    context = {"caller": caller, "job": job, "report": report, "timeline": timeline, "restored": restored}
+    return render(request, "job.html", context)
 
 
 WINDOWS = {"1": "last hour", "24": "last 24 hours", "168": "last 7 days", "all": "all time"}

@@ -119,7 +119,10 @@ class AttemptOut(BaseModel):
     ended_at: datetime | None
     cause: str | None
     detail: str | None
-    resume_from: str | None
+    resume_from: str | None  # the newest committed checkpoint when the attempt was scheduled
+    # The step its ranks went on from: a local snapshot newer than resume_from when every rank
+    # held one. None until they have restored (and for an attempt that started from scratch).
+    restored_step: int | None = None
     nodes: list[str]
 
 

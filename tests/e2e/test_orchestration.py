@@ -32,7 +32,10 @@ def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
         newest = newest_committed_before_the_failure(c, job_id)
         assert second["resume_from"].endswith(f"step-{newest:08d}")
         [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
-        assert restore.step == newest
+        assert restore.step == newest and second["restored_step"] == newest and first["restored_step"] is None
+        # The job page says so too.
+        page = c.user.get(f"/jobs/{job_id}").text
+        assert f"step {newest} <span class=\"muted\">(newest checkpoint {second['resume_from']})</span>" in page
         # The same nodes with the same ranks: each rank reads its own shards from its node's local
         # copy (a few items another node's rank wrote come from the persistent folder: "mixed").
         sources = {e.source: e.data["source"] for e in events(c, job_id, "restore_end") if e.attempt == 1}
