@@ -7,20 +7,19 @@ size, size and CRC-32 of every file). Resume takes the newest folder that verifi
 Saving copies the state to CPU memory (staging, ett/checkpoint_staging.py): everything at once
 but the parameters and optimizer state of a `ModelOptimizerState`, which are copied in a
 background thread overlapped with the next step's forward and backward; the loop waits for
-them with `wait_for_staging()` before `optimizer.step`. DCP then writes in the background. When
-the write finishes on every rank (DCP's coordinator writes `.metadata` after gathering every
-rank's write result, and every file is fsynced), rank 0 writes the marker and prunes old ones.
+them with `wait_for_staging()` before `optimizer.step`. DCP then writes in the background, from
+a thread or a checkpoint process (ett/checkpoint_writer.py). When the write finishes on every
+rank (DCP's coordinator writes `.metadata` after gathering every rank's write result, and every
+file is fsynced), rank 0 writes the marker and prunes old ones.
 
 With `local_dir` (node-local fast disk), DCP writes there first and the ranks then copy the files
 to `dir` in the background before the marker is written (ett/checkpoint_tiers.py); `dir`
 stays the checkpoint of record, and resume reads the local copies that match its manifest.
 """
 
-import contextlib
 import logging
 import os
 import shutil
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter, _async_process_executor
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from ett.checkpoint_staging import ReusedBufferStager
 from ett.checkpoint_tiers import TieredReader, copy_to_persistent
+from ett.checkpoint_writer import ASYNC_MODES, agree_on_mode, stop_checkpoint_process
 from ett.errors import UsageError
 from ett.events import EventWriter
 from ett.folders import (
@@ -52,15 +50,6 @@ from ett.snapshots import LocalSnapshots
 from ett.state import ModelOptimizerState
 
 logger = logging.getLogger(__name__)
-# At close, with every save committed: DCP's checkpoint process is asked to exit and given this
-# long, then killed (its own shutdown took 1 s on 2 cores, the last second of every job).
-CHECKPOINT_PROCESS_EXIT_SECONDS = 0.1
-# `async_mode auto`: a checkpoint process only for a rank's state of at least this size. The
-# process is spawned afresh in every attempt and imports torch (seconds of CPU per rank, which on
-# a busy node a step pays: the demo's first step after its first save took 4.6 s instead of
-# 0.2 s); a thread pays only serialisation under the GIL, which bench/checkpoint_save.py found no
-# costlier than the process at 1 GB per rank (BENCHMARKS.md, "Checkpoint save").
-PROCESS_MIN_BYTES = 1 << 30
 
 
 @dataclass
@@ -72,8 +61,7 @@ class CheckpointConfig:
     interval_steps: int = 0  # save every N steps; 0: only when forced (the trainer: its last step, SIGTERM)
     keep: int = 3  # newest committed checkpoints kept
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
-    # Where DCP writes in the background: "process" | "thread" | "auto" (a process for a rank's
-    # state of PROCESS_MIN_BYTES or more, else a thread).
+    # Where DCP writes in the background: "auto" | "process" | "thread" (ett/checkpoint_writer.py).
     async_mode: str = "auto"
     # With local_dir: each rank also snapshots its own state there after every step (the fast
     # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
@@ -100,7 +88,7 @@ class CheckpointConfig:
         if self.resume_from not in ("auto", "none") and step_of(Path(self.resume_from)) is None:
             raise UsageError(
                 f"checkpoint.resume_from must be auto, none or a step-NNNNNNNN folder, got {self.resume_from!r}")
-        if self.async_mode not in ("auto", "process", "thread"):
+        if self.async_mode not in ASYNC_MODES:
             raise UsageError(f"checkpoint.async_mode must be 'auto', 'process' or 'thread', got {self.async_mode!r}")
         if self.local_dir and (not self.dir or Path(self.local_dir).resolve() == Path(self.dir).resolve()):
             raise UsageError("checkpoint.local_dir needs checkpoint.dir, and another folder: the local copy caches it")
@@ -141,22 +129,6 @@ def find_resume_folder(cfg: CheckpointConfig) -> Path | None:
     return first_verified(resume_candidates(cfg.dir, None if cfg.resume_from == "auto" else cfg.resume_from))
 
 
-def tensor_bytes(state: dict) -> int:
-    """Bytes of this rank's tensors in a state dict (Stateful values through their state_dict)."""
-    total, stack = 0, [state]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, Stateful):
-            value = value.state_dict()
-        if isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, list | tuple):
-            stack.extend(value)
-        elif isinstance(value, torch.Tensor):
-            total += (value.to_local() if isinstance(value, DTensor) else value).nbytes
-    return total
-
-
 class Checkpointer:
     """Saves and restores one job's checkpoints; every rank makes one and calls it alike."""
 
@@ -168,7 +140,7 @@ class Checkpointer:
         # DCP's own collectives run in a background thread (or process): they get a group of
         # their own, so they never interleave with the training loop's on the default group.
         self.group = dist.new_group(backend="gloo")
-        # The mode is chosen by the first save, from the size of the state (_agree_on_mode), before
+        # The mode is chosen by the first save, from the size of the state (agree_on_mode), before
         # the stager allocates its buffers (shared memory or not); they are reused by every later
         # save. Parameters and optimizer state are copied in the background until wait_for_staging().
         self.mode: AsyncCheckpointerType | None = None
@@ -178,28 +150,6 @@ class Checkpointer:
         self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size, cfg.snapshot_every)
                           if cfg.local_dir and cfg.snapshots else None)  # fmt: skip
 
-    def _agree_on_mode(self, state: dict) -> AsyncCheckpointerType:
-        """Process-based saving keeps serialisation and file writes off the training process's
-        GIL, at the price of a checkpoint process per rank and attempt (`auto`: only for a large
-        state). It stages into shared memory, which containers often cap (Docker: 64 MiB of
-        /dev/shm); where this rank's state does not fit, fall back to thread-based saving. All
-        ranks must agree: the checkpoint processes form one group."""
-        if self.cfg.async_mode == "thread":
-            return AsyncCheckpointerType.THREAD
-        local_bytes = tensor_bytes(state)
-        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
-        fits = 3 * shm_free > 4 * local_bytes  # a third to spare
-        if not fits:
-            logger.warning("checkpoint.async_mode: /dev/shm has %d MiB free, too little for process-based "
-                           "saving of %d MiB of state; saving from a thread instead", shm_free >> 20, local_bytes >> 20)
-        worth_it = self.cfg.async_mode == "process" or local_bytes >= PROCESS_MIN_BYTES
-        agreed = torch.tensor([int(fits and worth_it)])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        mode = AsyncCheckpointerType.PROCESS if agreed.item() else AsyncCheckpointerType.THREAD
-        logger.info("checkpoint.async_mode %s: saving from a %s (%d MiB of state on this rank)", self.cfg.async_mode,
-                    mode.value, local_bytes >> 20)
-        return mode
-
     def save(self, step: int, state: dict) -> bool:
         """Blocks for the copy of everything but the parameters and optimizer state, whose copy
         goes on until wait_for_staging(); the write and the commit follow in the background.
@@ -207,7 +157,7 @@ class Checkpointer:
         self.events.emit("ckpt_start", step=step)
         self.wait()  # the stager reuses its CPU buffers: the previous save must be written first
         if self.mode is None:
-            self.mode = self._agree_on_mode(state)
+            self.mode = agree_on_mode(self.cfg.async_mode, state, self.group)
             self.stager.share_memory = self.mode == AsyncCheckpointerType.PROCESS
         self.stager.copy_in_background(
             t for s in state.values() if isinstance(s, ModelOptimizerState) for t in s.changed_only_by_optimizer_step()
@@ -356,18 +306,5 @@ class Checkpointer:
             self.snapshots.wait()
         self.committer.shutdown()
         self.stager.close()
-        daemon = _async_process_executor._CHECKPOINT_PROCESS
-        if self.mode == AsyncCheckpointerType.PROCESS and daemon is not None:
-            # DCP has no public call to stop its checkpoint process. Ask it to exit, and kill it if it
-            # is slow to: it has nothing left to write (every save is committed above), and a rank
-            # must not leave it behind. DCP keeps one per process: forgotten, a later checkpointer
-            # starts its own instead of writing to a dead pipe.
-            started = time.monotonic()
-            with contextlib.suppress(OSError):  # it died already
-                daemon._send(_async_process_executor._CheckpointSaveProcessControlOpts.TERMINATE)
-            daemon._save_process.join(timeout=CHECKPOINT_PROCESS_EXIT_SECONDS)
-            if daemon._save_process.is_alive():
-                daemon._save_process.kill()
-                daemon._save_process.join()
-            _async_process_executor._CHECKPOINT_PROCESS = None
-            logger.info("checkpoint process gone in %.2f s", time.monotonic() - started)
+        if self.mode == AsyncCheckpointerType.PROCESS:
+            stop_checkpoint_process()

@@ -4,21 +4,23 @@ import torch
 import torch.distributed as dist
 
 import ett.checkpoint
+import ett.checkpoint_writer
 from ett.checkpoint import CheckpointConfig, Checkpointer
+from ett.checkpoint_writer import agree_on_mode
 from ett.events import EventWriter
 from tests.trainer.multiprocess import run_on_ranks
 
 
 def modes_chosen(root: str, min_bytes: int, sizes: list[int]) -> list[str]:
     """The mode each config picks on this rank, whose state holds sizes[rank] bytes."""
-    ett.checkpoint.PROCESS_MIN_BYTES = min_bytes
+    ett.checkpoint_writer.PROCESS_MIN_BYTES = min_bytes
     state = {"weights": torch.zeros(sizes[dist.get_rank()], dtype=torch.uint8)}
     events = EventWriter(None, dist.get_rank(), 0)
     chosen = []
     for config in (CheckpointConfig(), CheckpointConfig(async_mode="process"), CheckpointConfig(async_mode="thread")):
         config.dir = f"{root}/ckpt"  # the first: the default, auto
         checkpointer = Checkpointer(config, events)
-        chosen.append(checkpointer._agree_on_mode(state).value)
+        chosen.append(agree_on_mode(config.async_mode, state, checkpointer.group).value)
         checkpointer.close()
     return chosen
 
