@@ -80,6 +80,8 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
     try:
         yield started
     finally:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
+            signal.signal(signum, signal.SIG_IGN)
         # Agents first (they stop their ranks), the service last.
         for proc in reversed(started):
             if proc.poll() is None:
@@ -196,21 +198,25 @@ def _follow(client: httpx.Client, job_id: str, timeout: float, progress: Progres
     raise SystemExit(f"ett demo: the job did not end within {timeout:.0f} s")
 
 
+def _stop_everything_on_signals() -> None:
+    """Ctrl-C (even where SIGINT came ignored: a background job of a script), SIGTERM and SIGHUP
+    (the terminal closed) stop the agents and the service too, not only us: they run in sessions
+    of their own, which no terminal signal reaches."""
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, interrupt)
+
+
 def _stay_up(url: str, job_id: str, user_token: str) -> None:
     """On a terminal: the service stays up, with a login that works, until Ctrl-C."""
     print(f"ett demo: the service stays up: open {url}/jobs/{job_id}?token={user_token}\n"
           f"          (the job's page; signed in as the demo's user), or use the API at {url}/docs with "
           f"ETT_SERVICE_URL={url} ETT_TOKEN={user_token}. Ctrl-C stops everything.", flush=True)
-    def interrupt(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    # Ctrl-C even where SIGINT came ignored (a background job of a script), and SIGTERM: both stop
-    # the agents and the service, not only us.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
     try:
         signal.pause()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the way out: the demo itself went well
         print()
 
 
@@ -221,9 +227,25 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "ETT_DATA_DIR": str(root / "service"), "ETT_PORT": str(port),
            "ETT_HEARTBEAT_TIMEOUT_SECONDS": "30"}
     started = time.monotonic()
+    _stop_everything_on_signals()
     print(f"ett demo: working in {root}")
     subprocess.run([sys.executable, "-m", "ett.cli.main", "service", "migrate"], env=env, check=True,
                    capture_output=True)
+    try:
+        job = _run_demo(args, root, env, url, started)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP before the end: _processes stopped everything
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+            print("\nett demo: interrupted; the service and agents are stopped", flush=True)
+        job = None
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if job is not None and job["state"] == "succeeded" else 1
+
+
+def _run_demo(args: argparse.Namespace, root: Path, env: dict[str, str], url: str, started: float) -> dict[str, Any]:
+    """Service, agents, the job and its report; on a terminal, stays up until interrupted."""
     with _processes() as procs:
         service_log = root / "service.log"
         procs.append(_ett("service", env=env, log=service_log))
@@ -252,8 +274,4 @@ def run(args: argparse.Namespace) -> int:
         if sys.stdin.isatty() and sys.stdout.isatty() and not args.exit:
             _stay_up(url, job["id"], user)
         print(f"ett demo: logs in {root}" if args.keep else "ett demo: done")
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
-    return 0 if job["state"] == "succeeded" else 1
+    return job

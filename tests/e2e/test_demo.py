@@ -1,6 +1,6 @@
 """The README's first command: `ett demo` as a newcomer runs it, on a terminal (a real pseudo-
 terminal), a real process from end to end: live progress, the report, then the service stays up
-with a login that opens the job's page, until Ctrl-C."""
+with a login that opens the job's page, until Ctrl-C; a terminal closed mid-job stops it all."""
 
 import os
 import pty
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.agent.helpers import pids_with_env
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +66,28 @@ def test_ett_demo_on_a_terminal_shows_progress_the_report_and_stays_up_until_ctr
         assert demo.wait(timeout=120) == 0  # the demo gives its processes 20 s to stop, then SIGKILL
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/readyz", timeout=5)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        os.close(main)
+
+
+def test_a_terminal_closed_mid_job_stops_the_demos_service_and_agents():
+    main, terminal = pty.openpty()
+    demo = subprocess.Popen([str(ETT), "demo"], stdin=terminal, stdout=terminal, stderr=terminal,
+                            start_new_session=True)
+    os.close(terminal)
+    out: list[str] = []
+    try:
+        root = read_until(main, r"working in (\S+)\r?\n", 60, out).group(1)
+        read_until(main, r"attempt 0: running", 240, out)
+        # The service and the agents run in sessions of their own: no terminal signal reaches them.
+        ours = [("ETT_DATA_DIR", f"{root}/service")] + [("ETT_AGENT_DATA_DIR", f"{root}/node-{i}") for i in (0, 1)]
+        assert all(pids_with_env(*env) for env in ours)
+        os.kill(demo.pid, signal.SIGHUP)  # the terminal window closed
+        assert demo.wait(timeout=60) == 1
+        assert not any(pids_with_env(*env) for env in ours)
+        assert not Path(root).exists()
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
