@@ -9,6 +9,7 @@ succeeded.
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ import httpx
 from ett.cli.render import report_table
 
 DEMO_STEPS = 60
+# Ctrl-C, `kill`, the terminal closed: each stops the demo's service and agents as well.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,7 +83,7 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
     try:
         yield started
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut this short
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not cut this short
             signal.signal(signum, signal.SIG_IGN)
         # Agents first (they stop their ranks), the service last.
         for proc in reversed(started):
@@ -205,7 +208,7 @@ def _stop_everything_on_signals() -> None:
     def interrupt(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, interrupt)
 
 
@@ -229,8 +232,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     _stop_everything_on_signals()
     print(f"ett demo: working in {root}")
-    subprocess.run([sys.executable, "-m", "ett.cli.main", "service", "migrate"], env=env, check=True,
-                   capture_output=True)
     try:
         job = _run_demo(args, root, env, url, started)
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP before the end: _processes stopped everything
@@ -238,14 +239,14 @@ def run(args: argparse.Namespace) -> int:
             print("\nett demo: interrupted; the service and agents are stopped", flush=True)
         job = None
     if not args.keep:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)
     return 0 if job is not None and job["state"] == "succeeded" else 1
 
 
 def _run_demo(args: argparse.Namespace, root: Path, env: dict[str, str], url: str, started: float) -> dict[str, Any]:
     """Service, agents, the job and its report; on a terminal, stays up until interrupted."""
+    subprocess.run([sys.executable, "-m", "ett.cli.main", "service", "migrate"], env=env, check=True,
+                   capture_output=True)
     with _processes() as procs:
         service_log = root / "service.log"
         procs.append(_ett("service", env=env, log=service_log))

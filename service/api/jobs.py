@@ -6,7 +6,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
-from service.ett.accounts import restored_steps
+from service.ett.accounts import job_account, restored_steps
 from service.jobs import scheduler
 from service.jobs.catalog import (
     EntrypointRefused,
@@ -75,11 +75,11 @@ def list_jobs(
 
 @router.get("/{job_id}")
 def get_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
-    return job_out(job, restored_steps(session, [job.id]).get(job.id, {}))
+    return job_out(job, job_account(session, job.id).restored_steps())
 
 
 @router.post("/{job_id}/cancel")
 def cancel_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
     scheduler.cancel_job(session, job, time.time())
     session.commit()
-    return job_out(job, restored_steps(session, [job.id]).get(job.id, {}))
+    return job_out(job, job_account(session, job.id).restored_steps())

@@ -18,16 +18,11 @@ def job_account(session: Session, job_id: str) -> JobAccount:
 
 
 def restored_steps(session: Session, job_ids: list[str]) -> dict[str, dict[int, int]]:
-    """Per job, the step each attempt's ranks went on from (the newer of their local snapshot and
-    the checkpoint the scheduler offered), for the attempts that have restored; one query."""
+    """JobAccount.restored_steps of each job, in one query (a page of the jobs list)."""
     if not job_ids:
         return {}
     rows = session.scalars(select(JobAccountRow).where(JobAccountRow.job_id.in_(job_ids)))
-    steps: dict[str, dict[int, int]] = {}
-    for row in rows:
-        attempts = JobAccount.from_dict(row.account).attempts
-        steps[row.job_id] = {n: a.restored_step for n, a in attempts.items() if a.restored_step is not None}
-    return steps
+    return {row.job_id: JobAccount.from_dict(row.account).restored_steps() for row in rows}
 
 
 def fleet_mtbf_seconds(session: Session, now: float) -> float | None:

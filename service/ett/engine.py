@@ -154,6 +154,11 @@ class JobAccount:
     finished_state: str | None = None
     last_event_at: float | None = None
 
+    def restored_steps(self) -> dict[int, int]:
+        """The step each attempt's ranks went on from (the newer of their local snapshot and the
+        checkpoint the scheduler offered), for the attempts that have restored."""
+        return {n: a.restored_step for n, a in self.attempts.items() if a.restored_step is not None}
+
     def attempt(self, number: int) -> AttemptSummary:
         if number not in self.attempts:
             self.attempts[number] = AttemptSummary(number)

@@ -89,8 +89,8 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
     if frame is not None:
         steps = step_time(session, job.id, account, frame)
         timeline = build_timeline(account, frame, steps, checkpoint_saves(session, job.id))
-    restored = {n: a.restored_step for n, a in account.attempts.items() if a.restored_step is not None}
-    context = {"caller": caller, "job": job, "report": report, "timeline": timeline, "restored": restored}
+    context = {"caller": caller, "job": job, "report": report, "timeline": timeline,
+               "restored": account.restored_steps()}
     return render(request, "job.html", context)
 
 

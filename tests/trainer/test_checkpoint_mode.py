@@ -3,11 +3,11 @@
 import torch
 import torch.distributed as dist
 
-import ett.checkpoint
 import ett.checkpoint_writer
 from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.checkpoint_writer import agree_on_mode
 from ett.events import EventWriter
+from ett.folders import MARKER, step_folder
 from tests.trainer.multiprocess import run_on_ranks
 
 
@@ -44,7 +44,7 @@ def save_with_each_mode_in_turn(root: str) -> list[bool]:
         checkpointer = Checkpointer(CheckpointConfig(dir=f"{root}/ckpt", async_mode=async_mode), events)
         checkpointer.save(step, {"weights": torch.full((8,), float(step))})
         checkpointer.close()
-        committed.append((ett.checkpoint.step_folder(f"{root}/ckpt", step) / ett.checkpoint.MARKER).exists())
+        committed.append((step_folder(f"{root}/ckpt", step) / MARKER).exists())
     return committed
 
 
