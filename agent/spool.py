@@ -45,7 +45,7 @@ class AttemptPaths:
 
     @property
     def interval_file(self) -> Path:
-        """A new checkpoint interval for the ranks: "<interval_steps> <from_step>" (ETT_CHECKPOINT_INTERVAL_FILE)."""
+        """New checkpoint intervals for the ranks: a "<interval_steps> <from_step>" line per change (ETT_CHECKPOINT_INTERVAL_FILE)."""
         return self.control_dir / "checkpoint-interval"
 
     @property

@@ -149,15 +149,17 @@ class Supervisor:
         self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state.value, end))
 
     def set_interval(self, command: IntervalCommand) -> None:
-        """Hands a running attempt's ranks their new checkpoint interval: written whole (a rename),
-        read by each rank at its next step (ett/checkpoint.py, CheckpointConfig.due)."""
+        """Hands a running attempt's ranks their new checkpoint interval: added to the ones before
+        (a change whose step has not come yet still holds until the next one's), written whole (a
+        rename), read by each rank at its next step (ett/checkpoint.py, IntervalFile)."""
         group = self.groups.get(command.key)
         if group is None:
             log.info("checkpoint interval for attempt %s/%d, which does not run here; ignored", *command.key)
             return
         target = group.paths.interval_file
+        earlier = target.read_text() if target.exists() else ""
         staging = target.with_suffix(".new")
-        staging.write_text(f"{command.interval_steps} {command.from_step}\n")
+        staging.write_text(f"{earlier}{command.interval_steps} {command.from_step}\n")
         staging.replace(target)
         log.info("attempt %s/%d: checkpoint interval %d from step %d", *command.key, command.interval_steps,
                  command.from_step)

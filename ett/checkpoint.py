@@ -95,12 +95,15 @@ class CheckpointConfig:
 
 
 class IntervalFile:
-    """A running job's new checkpoint interval, as its agent writes it (whole, by a rename). Every
-    rank applies it from the same step, so their collective saves stay in step; it is read again
-    only when the file changes (one stat a step)."""
+    """A running job's new checkpoint intervals, as its agent writes them (whole, by a rename): one
+    "<interval_steps> <from_step>" line per change, in the order the service made them. Every rank
+    applies each from its own step, so their collective saves stay in step, even when two changes
+    arrive before the first one's step (the file keeps both). It is read again only when it changes
+    (one stat a step)."""
 
     def __init__(self, path: str) -> None:
-        self.path, self._version, self._pending = path, None, None
+        self.path, self._version = path, None
+        self._changes: list[tuple[int, int]] = []  # (interval_steps, from_step)
 
     def interval_at(self, step: int, interval: int) -> int:
         try:
@@ -110,14 +113,14 @@ class IntervalFile:
         if version is not None and version != self._version:
             self._version = version
             try:
-                new, from_step = (int(part) for part in Path(self.path).read_text().split()[:2])
+                lines = Path(self.path).read_text().splitlines()
+                self._changes = [(int(new), int(from_step)) for new, from_step in (line.split()[:2] for line in lines)]
             except (OSError, ValueError):
                 pass  # not written whole: read it again when it changes
-            else:
-                self._pending = (new, from_step)
-        if self._pending is not None and step >= self._pending[1]:
-            logger.info("checkpoint interval %d from step %d (was %d)", self._pending[0], step, interval)
-            interval, self._pending = self._pending[0], None
+        in_force = [new for new, from_step in self._changes if from_step <= step]
+        if in_force and in_force[-1] != interval:
+            logger.info("checkpoint interval %d from step %d (was %d)", in_force[-1], step, interval)
+            interval = in_force[-1]
         return interval
 
 

@@ -230,3 +230,18 @@ def test_a_new_interval_applies_from_its_step_on_every_rank_alike(tmp_path):
             if cfg.due(step):
                 saves[rank].append(step)
     assert saves[0] == saves[1] == [10, 20, 24, 28, 32, 36, 40]
+
+
+def test_two_new_intervals_that_arrive_together_each_apply_from_their_own_step(tmp_path):
+    """The agent may get two changes in one answer before the first one's step: both hold."""
+    from ett.checkpoint import CheckpointConfig
+
+    interval_file = tmp_path / "checkpoint-interval"
+    cfg = CheckpointConfig(dir=str(tmp_path), interval_steps=10, interval_file=str(interval_file))
+    saves = []
+    for step in range(1, 41):
+        if step == 13:  # 4 from step 22, then 6 from step 30, written before step 22
+            interval_file.write_text("4 22\n6 30\n")
+        if cfg.due(step):
+            saves.append(step)
+    assert saves == [10, 20, 24, 28, 30, 36]
