@@ -12,6 +12,7 @@ import json
 import time
 
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import ett
@@ -78,6 +79,10 @@ def main() -> None:
             losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
             with open(args.losses, "w") as f:
                 json.dump(losses, f)
+    # After the run has committed its last save (its own checkpoint group is one of these). Left
+    # to interpreter exit, gloo's threads were once torn down unjoined: "terminate called", SIGABRT.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
