@@ -31,13 +31,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ett.checkpoint_staging import ReusedBufferStager
-from ett.checkpoint_tiers import TieredReader, copy_to_persistent
+from ett.checkpoint_tiers import TieredReader, gather_manifest
 from ett.checkpoint_writer import ASYNC_MODES, agree_on_mode, stop_checkpoint_process
 from ett.errors import UsageError
 from ett.events import EventWriter
 from ett.folders import (
     MARKER,
-    dcp_manifest,
     first_verified,
     read_manifest,
     resume_candidates,
@@ -63,6 +62,9 @@ class CheckpointConfig:
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
     # Where DCP writes in the background: "auto" | "process" | "thread" (ett/checkpoint_writer.py).
     async_mode: str = "auto"
+    # Threads (and files) per rank that DCP writes with; DCP's own default is 1, which left a
+    # 14 GiB GPU state's commit at 0.4 GiB/s (BENCHMARKS.md, "Checkpoint write").
+    write_threads: int = 4
     # With local_dir: each rank also snapshots its own state there after every step (the fast
     # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
     # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
@@ -85,6 +87,8 @@ class CheckpointConfig:
             raise UsageError(f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}")
         if self.keep < 1:
             raise UsageError(f"checkpoint.keep must be >= 1, got {self.keep}")
+        if self.write_threads < 1:
+            raise UsageError(f"checkpoint.write_threads must be >= 1, got {self.write_threads}")
         if self.resume_from not in ("auto", "none") and step_of(Path(self.resume_from)) is None:
             raise UsageError(
                 f"checkpoint.resume_from must be auto, none or a step-NNNNNNNN folder, got {self.resume_from!r}")
@@ -149,6 +153,9 @@ class Checkpointer:
         self.mode: AsyncCheckpointerType | None = None
         self.stager = ReusedBufferStager(share_memory=False, pin_memory=torch.cuda.is_available())
         self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-commit")
+        # Old checkpoints are deleted beside the next save, not before it: removing a 14 GiB one
+        # took 5 s on the GPU machine of BENCHMARKS.md, and the next save waits for the commit.
+        self.pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-prune")
         self.in_flight: Future | None = None  # the last save, until committed (or failed)
         self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size, cfg.snapshot_every)
                           if cfg.local_dir and cfg.snapshots else None)  # fmt: skip
@@ -172,9 +179,10 @@ class Checkpointer:
         # With a local tier, DCP writes to node-local disk without fsync: the copy to `folder` is the durable one.
         target = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
         try:
+            writer = FileSystemWriter(target, sync_files=not self.cfg.local_dir, thread_count=self.cfg.write_threads,
+                                      overwrite=True)
             response = dcp.async_save(
-                state, storage_writer=FileSystemWriter(target, sync_files=not self.cfg.local_dir, overwrite=True),
-                process_group=self.group,
+                state, storage_writer=writer, process_group=self.group,
                 async_checkpointer_type=self.mode, async_stager=self.stager,
             )
         except Exception as error:
@@ -201,34 +209,36 @@ class Checkpointer:
 
     def _commit(self, upload: Future, step: int, folder: Path) -> None:
         try:
-            # A failed background copy fails the upload too, which raises below (on every rank with
-            # a local tier: copy_to_persistent's collective is reached all the same): no commit.
-            if self.cfg.local_dir:
-                files = copy_to_persistent(upload, step_folder(self.cfg.local_dir, step), folder, self.group)
-                if self.tends_local_dir:
-                    self._prune_local()
-            else:
-                upload.result()
-                files = None  # rank 0 reads the manifest's sizes and CRC-32s from the written files
+            # A failed background copy fails the upload too, which raises below on every rank
+            # (gather_manifest's collective is reached all the same): no commit.
+            written = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
+            files = gather_manifest(upload, written, folder, self.group)
             if self.rank == 0:
-                nbytes = write_marker(folder, step, self.world_size, files or dcp_manifest(folder))
+                nbytes = write_marker(folder, step, self.world_size, files)
                 self.events.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes)
                 logger.info("checkpoint %s committed (%.1f MiB)", folder, nbytes / 2**20)
-                self._prune()
+            self.pruner.submit(self._prune, step)
         except Exception as error:
             logger.exception("checkpoint of step %d failed", step)
             self.events.emit("ckpt_failed", step=step, error=repr(error))
         finally:
             self.events.writing(False)
 
-    def _prune_local(self) -> None:
-        """The node's local folder keeps the newest `keep` saves: enough to resume from any
-        checkpoint the persistent folder keeps."""
-        for old in step_folders(self.cfg.local_dir)[self.cfg.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, committed_step: int) -> None:
+        """After the commit of `committed_step`: the newest `keep` committed checkpoints stay (older
+        torn ones go too), and as many saves up to it in the node's local folder, enough to resume
+        from any checkpoint kept. The next save may be in progress: it is newer, and never touched."""
+        try:
+            if self.tends_local_dir:
+                saved = [f for f in step_folders(self.cfg.local_dir) if step_of(f) <= committed_step]
+                for old in saved[self.cfg.keep :]:
+                    shutil.rmtree(old, ignore_errors=True)
+            if self.rank == 0:
+                self._prune_persistent()
+        except Exception:
+            logger.exception("removing old checkpoints failed")
 
-    def _prune(self) -> None:
-        """Keep the newest `keep` committed checkpoints; older torn ones go too."""
+    def _prune_persistent(self) -> None:
         committed = [p for p in step_folders(self.cfg.dir) if (p / MARKER).exists()]
         newest = step_of(committed[0])
         for folder in step_folders(self.cfg.dir):
@@ -305,6 +315,7 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        self.pruner.shutdown()
         if self.snapshots is not None:
             self.snapshots.wait()
         self.committer.shutdown()

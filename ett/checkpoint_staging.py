@@ -9,7 +9,9 @@ the ~1 GB state of bench/checkpoint_save.py.)
 
 Parameters and optimizer state change only in `optimizer.step`: `stage` copies them in a
 background thread (`copy_` releases the GIL) and the training loop calls `wait_for_copies()`
-before its next `optimizer.step`, as torchtitan's `maybe_wait_for_staging`. Everything else
+before its next `optimizer.step`, as torchtitan's `maybe_wait_for_staging`. From a GPU they are
+copied on a CUDA stream of their own: on the training stream the copy would queue between the
+next forward's kernels and hold them up. Everything else
 changes elsewhere (model buffers such as the MoE router's `expert_bias` in the forward, RNG
 states, data position, step) and is copied before `stage` returns.
 
@@ -44,6 +46,7 @@ class ReusedBufferStager(AsyncStager):
         self.copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-stage")
         self._background: set[int] = set()  # storages of the tensors copied in the background
         self.copies: Future | None = None  # the last stage's: its staged dict, or the copy's error
+        self.stream: torch.cuda.Stream | None = None  # the background copies' (CUDA tensors)
 
     def copy_in_background(self, tensors: Iterable[torch.Tensor]) -> None:
         """The next `stage` copies these (and views of them) in the background: only the
@@ -57,14 +60,28 @@ class ReusedBufferStager(AsyncStager):
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = self._stage(state_dict, (), later)
         self._background = set()
-        self.copies = self.copier.submit(self._copy_all, later, staged)
+        self.copies = self.copier.submit(self._copy_all, later, staged, self._copy_stream(later))
         return self.copies
+
+    def _copy_stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Stream | None:
+        """The stream for the background copies from a GPU, made to start after everything the
+        training stream has queued so far (the optimizer step that wrote the tensors)."""
+        device = next((tensor.device for _, tensor in pairs if tensor.is_cuda), None)
+        if device is None:
+            return None
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        return self.stream
 
     @staticmethod
     @torch.no_grad()
-    def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], staged: dict) -> dict:
-        for buffer, tensor in pairs:
-            buffer.copy_(tensor)
+    def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], staged: dict, stream: torch.cuda.Stream | None) -> dict:
+        with torch.cuda.stream(stream):  # None: no GPU tensors, a no-op
+            for buffer, tensor in pairs:
+                buffer.copy_(tensor, non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()  # the copies are done before wait_for_copies() returns
         return staged
 
     def wait_for_copies(self) -> None:

@@ -2,7 +2,7 @@
 
 With a local folder, DCP writes each save there (node-local disk, no fsync: it is a cache), then
 each rank copies its own shard files `__<rank>_<i>.distcp` to the persistent folder with fsync,
-computing their CRC-32s on the way; once every rank's copy is durable, rank 0 copies DCP's
+computing their CRC-32s on the way (without one, each rank reads back its own files for them); once every rank's copy is durable, rank 0 copies DCP's
 `.metadata` and writes the marker. The persistent folder alone is the checkpoint of record: the
 service catalogs it and resume picks it.
 
@@ -44,6 +44,11 @@ def file_crc32(path: Path) -> int:
     return crc
 
 
+def file_entry(path: Path) -> dict[str, int]:
+    """A file's manifest entry (bytes, CRC-32), read from the file."""
+    return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+
+
 def copy_durably(source: Path, target: Path) -> dict[str, int]:
     """Copy one file and fsync it; returns its manifest entry (bytes, CRC-32 of what was read)."""
     crc, size = 0, 0
@@ -61,30 +66,34 @@ def own_shard_files(folder: Path, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*.distcp"))
 
 
-def copy_to_persistent(upload: Future, local: Path, folder: Path, group: dist.ProcessGroup) -> dict[str, dict] | None:
-    """Run by every rank once DCP's local save is done: each copies its own shard files from
-    `local` to `folder` durably; one all-gather (reached even by a rank whose part failed, so
-    none waits for ever) tells all that every copy is durable; then rank 0 copies DCP's metadata,
-    last as DCP writes it. Returns the manifest's entries on rank 0, None on the others; raises
-    on every rank when any rank's part failed."""
+def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.ProcessGroup) -> dict[str, dict] | None:
+    """Run by every rank once DCP's save to `written` is done. Each rank takes care of its own
+    shard files: copied to `folder` durably when `written` is the local tier, else read back for
+    their CRC-32s in place (DCP fsynced them; they are still in the page cache). So each rank reads
+    only what it wrote, all ranks at once: rank 0 alone reading every rank's files would take as
+    long as the whole checkpoint's size over one reader. One all-gather (reached even by a rank
+    whose part failed, so none waits for ever) tells all that every part is done; then rank 0
+    adds DCP's metadata, copied last as DCP writes it. Returns the manifest's entries on rank 0,
+    None on the others; raises on every rank when any rank's part failed."""
     rank = dist.get_rank()
     entries, error = {}, None
     try:
         upload.result()
         folder.mkdir(parents=True, exist_ok=True)
-        for path in own_shard_files(local, rank):
-            entries[path.name] = copy_durably(path, folder / path.name)
+        for path in own_shard_files(written, rank):
+            entries[path.name] = file_entry(path) if written == folder else copy_durably(path, folder / path.name)
     except Exception as exc:
         error = f"rank {rank}: {exc!r}"
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (entries, error), group=group)
     errors = [error for _, error in gathered if error]
     if errors:
-        raise RuntimeError(f"copying {local} to {folder} failed: {'; '.join(errors)}")
+        raise RuntimeError(f"checkpoint {folder}: saving failed: {'; '.join(errors)}")
     if rank != 0:
         return None
     files = {name: entry for rank_entries, _ in gathered for name, entry in rank_entries.items()}
-    files[".metadata"] = copy_durably(local / ".metadata", folder / ".metadata")
+    metadata = written / ".metadata"
+    files[".metadata"] = file_entry(metadata) if written == folder else copy_durably(metadata, folder / ".metadata")
     return files
 
 

@@ -17,9 +17,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
-
-from ett.checkpoint_tiers import file_crc32
+from ett.checkpoint_tiers import file_crc32, file_entry
 
 logger = logging.getLogger(__name__)
 
@@ -55,21 +53,10 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def dcp_manifest(folder: Path) -> Manifest:
-    """The files of a DCP checkpoint, as its `.metadata` names them."""
-    metadata = FileSystemReader(folder).read_metadata()
-    names = sorted({".metadata"} | {item.relative_path for item in metadata.storage_data.values()})
-    return {name: _entry(folder / name) for name in names}
-
-
 def folder_manifest(folder: Path) -> Manifest:
     """Every file under `folder` but the marker (a checkpoint another library wrote)."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MARKER, f"{MARKER}.tmp"))
-    return {str(p.relative_to(folder)): _entry(p) for p in files}
-
-
-def _entry(path: Path) -> dict[str, int]:
-    return {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+    return {str(p.relative_to(folder)): file_entry(p) for p in files}
 
 
 def write_marker(folder: Path, step: int, world_size: int, files: Manifest) -> int:

@@ -61,3 +61,18 @@ def test_the_cuda_generator_is_saved_and_restored():
     first = torch.rand(4, device="cuda")
     rng.load_state_dict(saved)
     assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_background_staging_copies_on_a_stream_of_its_own_after_the_writes_queued_before():
+    stager = ReusedBufferStager(share_memory=False, pin_memory=True)
+    w = torch.zeros(4096, 4096, device="cuda")
+    x = torch.randn(8192, 8192, device="cuda")
+    for _ in range(10):  # tens of milliseconds of queued work on the training stream
+        x = torch.tanh(x @ x)
+    w.add_(1)  # queued after it: the copy must see this write
+    stager.copy_in_background([w])
+    staged = stager.stage({"w": w})
+    stager.wait_for_copies()
+    assert stager.stream is not None and stager.stream != torch.cuda.current_stream()
+    assert torch.equal(staged.result()["w"], torch.ones(4096, 4096))
+    stager.close()

@@ -35,7 +35,7 @@ def corrupt(path) -> None:
 @pytest.mark.parametrize("node, sources", [
     ("unchanged", ["local", "local"]),
     ("new", ["persistent", "persistent"]),  # a node that never ran the job: an empty local folder
-    ("corrupt", ["mixed", "persistent"]),  # rank 1's local shard is damaged; rank 0 reads a few items from it
+    ("corrupt", ["mixed", "persistent"]),  # rank 1's local shards are damaged; rank 0 reads a few items from them
 ])
 def test_a_resume_reads_the_local_copies_that_verify(straight_run, tmp_path, node, sources):
     persistent, local = tmp_path / "ckpt", local_checkpoint_dir(tmp_path)
@@ -43,7 +43,8 @@ def test_a_resume_reads_the_local_copies_that_verify(straight_run, tmp_path, nod
     if node != "new":
         shutil.copytree(local_checkpoint_dir(straight_run.event_dir.parent), local)
     if node == "corrupt":
-        corrupt(local / "step-00000006" / "__1_0.distcp")
+        for shard in (local / "step-00000006").glob("__1_*.distcp"):  # one per write thread
+            corrupt(shard)
     # Snapshots off: this is about the persistent checkpoint's local copies (tests/trainer/test_snapshots.py).
     resume = ["--checkpoint.local_dir", str(local), "--checkpoint.resume_from", str(persistent / "step-00000006"),
               "--checkpoint.snapshots", "false"]
