@@ -1,6 +1,8 @@
-"""Where a large checkpoint's commit goes: DCP's synchronous write (fsynced) of a CPU state with
-FileSystemWriter's thread_count 1, 2, 4, 8, then the CRC-32 pass over the files written (what the
-manifest costs when it is computed by reading the files back).
+"""Where a large checkpoint's commit and resume check go: DCP's synchronous write (fsynced) of a
+CPU state with FileSystemWriter's thread_count 1, 2, 4, 8; the CRC-32 pass over the files written
+(what the manifest costs when it is computed by reading the files back); and resume's check of
+the committed folder (`ett.folders.verify`) reading one file at a time against VERIFY_THREADS at
+once. The files are still in the page cache, as after a restart on the same node.
 
     python bench/ckpt_write.py [--gib 4] [--dir /tmp/ett-ckpt-write]
 """
@@ -15,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from ett import folders
 from ett.checkpoint_tiers import file_crc32
 
 
@@ -39,8 +42,16 @@ def main() -> None:
         for path in root.glob("*.distcp"):
             file_crc32(path)
         crc = time.perf_counter() - start
+        folders.write_marker(root, 1, 1, folders.folder_manifest(root))
+        verify_s = {}
+        for verify_threads in (1, folders.VERIFY_THREADS):
+            folders.VERIFY_THREADS = verify_threads
+            start = time.perf_counter()
+            assert folders.verify(root) is None
+            verify_s[verify_threads] = time.perf_counter() - start
         print(f"  thread_count {threads}: write+fsync {write:.2f} s ({nbytes / write / 2**30:.2f} GiB/s), "
-              f"CRC-32 pass {crc:.2f} s ({nbytes / crc / 2**30:.2f} GiB/s)", flush=True)
+              f"CRC-32 pass {crc:.2f} s ({nbytes / crc / 2**30:.2f} GiB/s), verify "
+              + ", ".join(f"{s:.2f} s with {t} thread(s)" for t, s in verify_s.items()), flush=True)
     shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
 

@@ -4,6 +4,7 @@ plain torchrun, with no ETT around it."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,8 +33,15 @@ def plain_torchrun(script: str, *args: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(REPO / "examples" / script), *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_")}
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # torchrun and both ranks go, and the failure says where they were
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
+        pytest.fail(f"{script} under plain torchrun ran past 120 s; its stderr ends:\n{stderr[-4000:]}")
+    assert process.returncode == 0, stderr[-4000:]
 
 
 def run_with_a_kill(c: Cluster, spec: dict, **agent: Any) -> dict:
