@@ -1,6 +1,6 @@
 """Nothing of a worker group may outlive the agent: the parent-death signal, and the group's guard.
 
-    python -m agent.guard AGENT_PID -- torchrun ARGV...
+    python -m agent.guard AGENT_PID [--wait-for HOST:PORT] -- torchrun ARGV...
 
 The agent starts torchrun through this small process. The guard asks the kernel for SIGUSR1
 when the agent dies (PR_SET_PDEATHSIG), and then SIGKILLs every process carrying the group's
@@ -8,28 +8,61 @@ marker (agent.procs), so even a rank's own children, which no parent-death signa
 Otherwise it only waits for torchrun (its child, in its process group) and exits as torchrun
 did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores it; a torchrun
 forked by the agent's warm server (agent.warm) is in a group of its own: the guard passes it on.
+
+On every node but the master, `--wait-for` the master's torchrun store first: a torchrun whose
+store client finds nothing listening backs off, and connected 0.41 s after a store that came up
+50 ms after it (BENCHMARKS.md, "Recovery"), which on a restart is nearly always the case for
+some node. The wait polls every 5 ms; after WAIT_SECONDS torchrun starts anyway, and its own
+rendezvous timeout reports a master that never came.
 """
 
 import os
 import signal
+import socket
 import sys
+import time
+from collections.abc import Callable
 
 from agent.procs import GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
 from agent.warm import WARM_SOCKET_ENV, WarmProcess, start_process
 
 
+WAIT_SECONDS = 60.0
+POLL_SECONDS = 0.005
+USAGE = "usage: python -m agent.guard AGENT_PID [--wait-for HOST:PORT] -- ARGV..."
+
+
+def wait_for_listener(address: str, stopped: Callable[[], bool] = lambda: False, timeout: float = WAIT_SECONDS) -> bool:
+    """Until a connection to HOST:PORT is accepted (True), or `timeout` passes or `stopped()` (False)."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stopped():
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return True
+        except OSError:
+            time.sleep(POLL_SECONDS)
+    return False
+
+
 def main(argv: list[str]) -> int:
+    wait_for = None
+    if len(argv) >= 3 and argv[1] == "--wait-for":
+        wait_for, argv = argv[2], [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--":
-        sys.exit("usage: python -m agent.guard AGENT_PID -- ARGV...")
+        sys.exit(USAGE)
     marker = os.environ[GROUP_MARKER_ENV]
 
     def sweep(_signum: int = 0, _frame: object = None) -> None:
         signal_marked(GROUP_MARKER_ENV, marker, signal.SIGKILL, spare=os.getpid())
 
     child = None
+    stop_requested = []  # a SIGTERM that came before torchrun was started
 
-    def pass_on_sigterm(_signum: int, _frame: object) -> None:
-        if isinstance(child, WarmProcess):
+    def pass_on_sigterm(signum: int, _frame: object) -> None:
+        if child is None:
+            stop_requested.append(signum)
+        elif isinstance(child, WarmProcess):
             child.send_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGUSR1, sweep)
@@ -37,7 +70,13 @@ def main(argv: list[str]) -> int:
     set_parent_death_signal(signal.SIGUSR1)
     if os.getppid() != int(argv[0]):
         return 1  # the agent died before the request above took hold
+    if wait_for is not None:
+        wait_for_listener(wait_for, stopped=lambda: bool(stop_requested))
+    if stop_requested:
+        return 128 + signal.SIGTERM  # stopped while waiting for the master: nothing to stop
     child = start_process(argv[2:], os.environ.get(WARM_SOCKET_ENV))
+    if stop_requested:  # came while torchrun was being started, so it may have missed it
+        child.send_signal(signal.SIGTERM)
     returncode = child.wait()
     return returncode if returncode >= 0 else 128 - returncode
 

@@ -44,9 +44,12 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
     """torchrun, under the group's guard, runs each rank through agent.rank_runner, which records
     its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
     Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
-    started must not shadow them."""
+    started must not shadow them. Every node but the master's waits for the master's store
+    (agent.guard) rather than let torchrun back off."""
+    master = f"{command.master_addr}:{command.master_port}"
     return [
-        *python_module(python, "agent.guard"), str(os.getpid()), "--",
+        *python_module(python, "agent.guard"), str(os.getpid()),
+        *(["--wait-for", master] if command.node_rank else []), "--",
         *python_module(python, "torch.distributed.run"),
         "--nnodes", str(command.nnodes),
         "--node-rank", str(command.node_rank),

@@ -8,6 +8,7 @@ Needs the extra: pip install 'ett[huggingface]'.
 """
 
 import argparse
+import gc
 import json
 import time
 
@@ -46,15 +47,7 @@ class SlowSteps(TrainerCallback):
         time.sleep(self.seconds)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--output-dir", default="hf-out", help="outside ETT: where checkpoints go")
-    parser.add_argument("--save-every", type=int, default=5, help="outside ETT: save every N steps")
-    parser.add_argument("--step-seconds", type=float, default=0.0)
-    parser.add_argument("--losses", default=None, help="rank 0 writes {step: loss} here (JSON)")
-    args = parser.parse_args()
-
+def train(args: argparse.Namespace) -> None:
     with ett.init(checkpoint_dir=args.output_dir, interval_steps=args.save_every) as run:
         with run.initializing():
             config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -79,9 +72,25 @@ def main() -> None:
             losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
             with open(args.losses, "w") as f:
                 json.dump(losses, f)
-    # After the run has committed its last save (its own checkpoint group is one of these). Left
-    # to interpreter exit, gloo's threads were once torn down unjoined: "terminate called", SIGABRT.
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--output-dir", default="hf-out", help="outside ETT: where checkpoints go")
+    parser.add_argument("--save-every", type=int, default=5, help="outside ETT: save every N steps")
+    parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--losses", default=None, help="rank 0 writes {step: loss} here (JSON)")
+    train(parser.parse_args())
+    # The Trainer and the DDP model are gone (train() returned; gc for their cycles) while the
+    # process group is still registered, so freeing DDP's reducer does not drop the group's last
+    # reference: when it did, after destroy_process_group, the group's destructor joined gloo's
+    # threads holding the GIL while one of them needed it to free an all-gather's tensor, and the
+    # rank hung for ever. Left to interpreter exit, gloo's threads were once torn down unjoined
+    # ("terminate called", SIGABRT). The barrier lets every collective before it finish first.
+    gc.collect()
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -27,21 +27,8 @@ def batch(step: int, rank: int, batch_size: int = 16) -> tuple[torch.Tensor, tor
     return inputs_BD, targets_B1
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--checkpoint-dir", default=None, help="outside ETT: where to save and resume from")
-    parser.add_argument("--interval", type=int, default=5, help="outside ETT: save every N steps")
-    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step, to stand for real compute")
-    parser.add_argument("--out", default=None, help="rank 0 writes the final parameters here (torch.save)")
-    args = parser.parse_args()
-
-    if "WORLD_SIZE" in os.environ:  # torchrun (or an ETT agent, through torchrun)
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def train(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
-
     with ett.init(checkpoint_dir=args.checkpoint_dir, interval_steps=args.interval) as run:
         with run.initializing():
             torch.manual_seed(0)  # the same initial weights on every rank
@@ -65,6 +52,26 @@ def main() -> None:
 
     if args.out and rank == 0:
         torch.save(model.module.state_dict(), args.out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--checkpoint-dir", default=None, help="outside ETT: where to save and resume from")
+    parser.add_argument("--interval", type=int, default=5, help="outside ETT: save every N steps")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step, to stand for real compute")
+    parser.add_argument("--out", default=None, help="rank 0 writes the final parameters here (torch.save)")
+    args = parser.parse_args()
+
+    if "WORLD_SIZE" in os.environ:  # torchrun (or an ETT agent, through torchrun)
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    train(args)
+    # The DDP model is gone (train() returned) while the group is still registered: freed after
+    # destroy_process_group, its reducer would drop the group's last reference, and the group's
+    # destructor joins gloo's threads holding the GIL (a rank of examples/hf_trainer.py hung so).
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -39,6 +39,16 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
                     "--checkpoint.resume_from", "/ckpt/j/step-00000040"]
 
 
+def test_only_the_nodes_but_the_master_wait_for_its_store(tmp_path):
+    def guard_options(node_rank: int) -> list[str]:
+        argv = torchrun_argv(trainer_command(nnodes=2, node_rank=node_rank, master_port=29517),
+                             AttemptPaths.of(tmp_path, "j", 0))
+        return argv[argv.index("agent.guard") + 2: argv.index("--")]  # after the agent's pid
+
+    assert guard_options(0) == []
+    assert guard_options(1) == ["--wait-for", "127.0.0.1:29517"]
+
+
 def test_no_resume_point_named_means_the_newest_that_verifies(tmp_path):
     argv = torchrun_argv(trainer_command(), AttemptPaths.of(tmp_path, "j", 0))
     assert argv[-2:] == ["--checkpoint.resume_from", "auto"]

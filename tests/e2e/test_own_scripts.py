@@ -7,12 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.agent.helpers import pids_with_env
 from tests.support.cluster import (
     REPO,
     Cluster,
@@ -29,19 +32,23 @@ KILL = {"attempt": 0, "rank": 1, "at_step": 13, "action": "kill"}
 
 
 def plain_torchrun(script: str, *args: str) -> None:
-    """The script under plain torchrun on one node with two ranks: no ETT variable set."""
+    """The script under plain torchrun on one node with two ranks: no ETT variable set. Output
+    goes to files, not pipes: a rank left behind must not keep the test waiting for their end."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(REPO / "examples" / script), *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_")}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               start_new_session=True)
-    try:
-        _, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:  # torchrun and both ranks go, and the failure says where they were
-        os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        pytest.fail(f"{script} under plain torchrun ran past 120 s; its stderr ends:\n{stderr[-4000:]}")
-    assert process.returncode == 0, stderr[-4000:]
+    marker = uuid.uuid4().hex  # on torchrun and its ranks (each in a session of its own)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_")} | {"OWN_SCRIPT_RUN": marker}
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            for pid in pids_with_env("OWN_SCRIPT_RUN", marker):
+                os.kill(pid, signal.SIGKILL)
+            process.wait()
+        output.seek(0)
+        log = output.read()[-4000:]
+    assert process.returncode == 0, f"{script} under plain torchrun: exit {process.returncode}; its output ends:\n{log}"
 
 
 def run_with_a_kill(c: Cluster, spec: dict, **agent: Any) -> dict:

@@ -1,0 +1,42 @@
+"""The group's guard waiting for the master node's store before it starts torchrun (real processes)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from agent.procs import GROUP_MARKER_ENV
+from tests.agent.helpers import free_port
+
+STAMP_CHILD = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(repr(time.time()))"
+
+
+def start_guard(port: int, stamp) -> subprocess.Popen:
+    """The guard on a node that is not the master: --wait-for 127.0.0.1:PORT, then a child that
+    writes the time it started to `stamp`."""
+    argv = [sys.executable, "-m", "agent.guard", str(os.getpid()), "--wait-for", f"127.0.0.1:{port}", "--",
+            sys.executable, "-c", STAMP_CHILD, str(stamp)]
+    return subprocess.Popen(argv, env={**os.environ, GROUP_MARKER_ENV: "guard-test"})
+
+
+def test_the_guard_starts_torchrun_only_once_the_master_listens(tmp_path):
+    port, stamp = free_port(), tmp_path / "started"
+    guard = start_guard(port, stamp)
+    time.sleep(0.5)
+    assert not stamp.exists() and guard.poll() is None  # nothing listens yet: still waiting
+    with socket.create_server(("127.0.0.1", port)):
+        listening_since = time.time()
+        assert guard.wait(timeout=10) == 0
+    assert listening_since <= float(stamp.read_text()) < listening_since + 5
+
+
+def test_a_sigterm_while_the_guard_waits_ends_it_and_nothing_starts(tmp_path):
+    port, stamp = free_port(), tmp_path / "started"
+    guard = start_guard(port, stamp)
+    time.sleep(0.5)  # the guard has installed its handlers and waits
+    guard.send_signal(signal.SIGTERM)
+    assert guard.wait(timeout=10) == 128 + signal.SIGTERM
+    time.sleep(0.2)
+    assert not stamp.exists()
