@@ -10,10 +10,11 @@ did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores i
 forked by the agent's warm server (agent.warm) is in a group of its own: the guard passes it on.
 
 On every node but the master, `--wait-for` the master's torchrun store first: a torchrun whose
-store client finds nothing listening backs off, and connected 0.41 s after a store that came up
-50 ms after it (BENCHMARKS.md, "Recovery"), which on a restart is nearly always the case for
-some node. The wait polls every 5 ms; after WAIT_SECONDS torchrun starts anyway, and its own
-rendezvous timeout reports a master that never came.
+store client finds nothing listening backs off, and connected 0.25 to 1 s after a store that came
+up 50 to 500 ms after it (bench/store_connect.py; BENCHMARKS.md, "Recovery"), which happens
+whenever a node's torchrun starts before the master's. The wait polls every 5 ms; after
+WAIT_SECONDS torchrun starts anyway, and its own rendezvous timeout reports a master that never
+came.
 """
 
 import os
