@@ -62,8 +62,8 @@ class CheckpointConfig:
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
     # Where DCP writes in the background: "auto" | "process" | "thread" (ett/checkpoint_writer.py).
     async_mode: str = "auto"
-    # Threads (and files) per rank that DCP writes with; DCP's own default is 1, which left a
-    # 14 GiB GPU state's commit at 0.4 GiB/s (BENCHMARKS.md, "Checkpoint write").
+    # Threads (and files) per rank that DCP writes with. DCP's own default is 1: 0.74-0.84 GiB/s
+    # against 1.55 with 4 on the H100 machine of BENCHMARKS.md ("GPU checks").
     write_threads: int = 4
     # With local_dir: each rank also snapshots its own state there after every step (the fast
     # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
