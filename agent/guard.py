@@ -33,17 +33,16 @@ POLL_SECONDS = 0.005
 USAGE = "usage: python -m agent.guard AGENT_PID [--wait-for HOST:PORT] -- ARGV..."
 
 
-def wait_for_listener(address: str, stopped: Callable[[], bool] = lambda: False, timeout: float = WAIT_SECONDS) -> bool:
-    """Until a connection to HOST:PORT is accepted (True), or `timeout` passes or `stopped()` (False)."""
+def wait_for_listener(address: str, stopped: Callable[[], bool] = lambda: False, timeout: float = WAIT_SECONDS) -> None:
+    """Until a connection to HOST:PORT is accepted, `timeout` passes or `stopped()`."""
     host, port = address.rsplit(":", 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stopped():
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                return True
+                return
         except OSError:
             time.sleep(POLL_SECONDS)
-    return False
 
 
 def main(argv: list[str]) -> int:

@@ -8,19 +8,16 @@ after the client starts connecting; the figure is the client's connect time less
 """
 
 import argparse
-import socket
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 
-from agent.guard import wait_for_listener
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from agent.guard import wait_for_listener  # noqa: E402
+from tests.support.postgres import free_port  # noqa: E402
 
 
 def connect_late(delay: float, wait_first: bool) -> float:

@@ -2,8 +2,8 @@
 
 With a local folder, DCP writes each save there (node-local disk, no fsync: it is a cache), then
 each rank copies its own shard files `__<rank>_<i>.distcp` to the persistent folder with fsync,
-computing their CRC-32s on the way (without one, each rank reads back its own files for them); once every rank's copy is durable, rank 0 copies DCP's
-`.metadata` and writes the marker. The persistent folder alone is the checkpoint of record: the
+computing their CRC-32s on the way (without a local folder, each rank reads back its own files
+for them); once every rank's copy is durable, rank 0 copies DCP's `.metadata` and writes the marker. The persistent folder alone is the checkpoint of record: the
 service catalogs it and resume picks it.
 
 Resume reads each file of the chosen persistent checkpoint from this node's local folder when
@@ -75,13 +75,16 @@ def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.Pro
     whose part failed, so none waits for ever) tells all that every part is done; then rank 0
     adds DCP's metadata, copied last as DCP writes it. Returns the manifest's entries on rank 0,
     None on the others; raises on every rank when any rank's part failed."""
+    def record(path: Path) -> dict[str, int]:
+        return file_entry(path) if written == folder else copy_durably(path, folder / path.name)
+
     rank = dist.get_rank()
     entries, error = {}, None
     try:
         upload.result()
         folder.mkdir(parents=True, exist_ok=True)
         for path in own_shard_files(written, rank):
-            entries[path.name] = file_entry(path) if written == folder else copy_durably(path, folder / path.name)
+            entries[path.name] = record(path)
     except Exception as exc:
         error = f"rank {rank}: {exc!r}"
     gathered: list = [None] * dist.get_world_size()
@@ -92,8 +95,7 @@ def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.Pro
     if rank != 0:
         return None
     files = {name: entry for rank_entries, _ in gathered for name, entry in rank_entries.items()}
-    metadata = written / ".metadata"
-    files[".metadata"] = file_entry(metadata) if written == folder else copy_durably(metadata, folder / ".metadata")
+    files[".metadata"] = record(written / ".metadata")
     return files
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ett
+from ett.checkpoint import CheckpointConfig
 from ett.folders import MARKER, step_folders
 from ett.run import Run
 from tests.trainer.trainer_runs import read_events
@@ -216,8 +217,6 @@ def test_a_resume_point_outside_the_jobs_folder_is_ignored(in_job, monkeypatch, 
 
 def test_a_new_interval_applies_from_its_step_on_every_rank_alike(tmp_path):
     """What the agent writes for a running `auto` job: every rank switches at `from_step`."""
-    from ett.checkpoint import CheckpointConfig
-
     interval_file = tmp_path / "checkpoint-interval"
     ranks = [CheckpointConfig(dir=str(tmp_path), interval_steps=10, interval_file=str(interval_file)) for _ in range(2)]
     saves: list[list[int]] = [[], []]
@@ -234,8 +233,6 @@ def test_a_new_interval_applies_from_its_step_on_every_rank_alike(tmp_path):
 
 def test_two_new_intervals_that_arrive_together_each_apply_from_their_own_step(tmp_path):
     """The agent may get two changes in one answer before the first one's step: both hold."""
-    from ett.checkpoint import CheckpointConfig
-
     interval_file = tmp_path / "checkpoint-interval"
     cfg = CheckpointConfig(dir=str(tmp_path), interval_steps=10, interval_file=str(interval_file))
     saves = []
