@@ -3,7 +3,8 @@
 Threads, and why each exists:
 - main: the monitor loop. It alone starts and signals processes (the kernel ties a child's
   parent-death signal to the thread that forked it, so that thread must live as long as we do);
-  it never blocks: commands arrive through a queue, reports leave through the ReportBook.
+  it never blocks: commands arrive through a queue, reports leave through the ReportBook. Between
+  polls it sleeps until a command comes, a watched process exits or the period ends (agent.wakeup).
 - long-poll: heartbeats with ?wait=S, so commands arrive the moment the service queues them.
 - reporter: a heartbeat at once whenever an attempt's state changes, not at the next period.
 - forwarder: posts spooled events, and may sit in backoff while the service is down.
@@ -27,6 +28,7 @@ from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
 from agent.supervisor import Supervisor
+from agent.wakeup import Wakeup
 from agent.warm import WarmServer, socket_path
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class Agent:
                                                  settings.spool_max_bytes))  # fmt: skip
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stopping = threading.Event()  # set by a signal: wind down
+        self.wakeup = Wakeup()  # ends the monitor loop's pause early
         self.leaving = False  # SIGTERM or SIGINT: every heartbeat from now on says the node takes no work
         self._report_now = threading.Event()
         self._heartbeats_done = threading.Event()
@@ -102,6 +105,7 @@ class Agent:
         """What SIGTERM and SIGINT do (from a signal handler: flags only)."""
         self.leaving = True
         self.stopping.set()
+        self.wakeup.wake()
 
     def _monitor(self) -> None:
         while not self.stopping.is_set():
@@ -114,7 +118,8 @@ class Agent:
             self.stats.processes = self.supervisor.live_ranks
             self.stats.rank_events_unwritten, self.stats.rank_events_dropped = (
                 self.supervisor.rank_events_unwritten_and_dropped())
-            self.stopping.wait(self.settings.monitor_interval_seconds)
+            if not self.stopping.is_set():
+                self.wakeup.wait(self.settings.monitor_interval_seconds, self.supervisor.exit_fds)
 
     def _carry_out(self, payload: dict[str, Any]) -> None:
         try:
@@ -198,6 +203,8 @@ class Agent:
         commands = answer.get("commands", [])
         for command in commands:
             self.commands.put(command)
+        if commands:
+            self.wakeup.wake()
         return len(commands)
 
     def _backoff(self, failures: int) -> float:

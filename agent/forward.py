@@ -33,7 +33,8 @@ from typing import Any
 import httpx
 
 from agent.metrics import AgentStats
-from agent.spool import AttemptPaths, append_json_line, disk_bytes, parse_event, read_complete_lines, release_prefix
+from agent.jsonl import append_json_line
+from agent.spool import AttemptPaths, disk_bytes, parse_event, read_complete_lines, release_prefix
 
 log = logging.getLogger(__name__)
 REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")

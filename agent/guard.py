@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from agent.procs import GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
-from agent.warm import WARM_SOCKET_ENV, WarmProcess, start_process
+from agent.warm_client import WARM_SOCKET_ENV, WarmProcess, start_process
 
 
 WAIT_SECONDS = 60.0

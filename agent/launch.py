@@ -10,7 +10,7 @@ from agent.commands import CheckpointSpec, LaunchCommand, TrainerSpec
 from agent.job_user import RunAs
 from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
-from agent.warm import WARM_SOCKET_ENV, python_module
+from agent.warm_client import WARM_SOCKET_ENV, python_module
 
 
 def override_value(value: Any) -> str:

@@ -2,12 +2,12 @@
 
 torchrun starts each rank in a session of its own, so no single process group holds a worker
 group. Every process inherits the group's marker variable instead, and /proc tells us who has it.
+The guard and the rank runners import this at every launch: os and ctypes only.
 """
 
 import ctypes
 import os
 import signal
-from pathlib import Path
 
 # Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
 GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
@@ -26,16 +26,18 @@ def marked_pids(name: str, value: str) -> list[int]:
     """Our user's live processes whose environment holds name=value."""
     needle = f"{name}={value}".encode()
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
-            zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            with open(f"/proc/{name}/environ", "rb") as environ_file:
+                environ = environ_file.read()
+            with open(f"/proc/{name}/stat", "rb") as stat_file:
+                zombie = stat_file.read().rsplit(b")", 1)[1].split()[0] == b"Z"
         except OSError:
             continue  # gone, or not ours
         if not zombie and needle in environ.split(b"\0"):
-            pids.append(int(entry.name))
+            pids.append(int(name))
     return pids
 
 

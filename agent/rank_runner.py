@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from agent.procs import set_parent_death_signal
-from agent.spool import append_json_line
-from agent.warm import WARM_SOCKET_ENV, start_process
+from agent.jsonl import append_json_line
+from agent.warm_client import WARM_SOCKET_ENV, start_process
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.jsonl import append_json_line
 from ett.events import make_event
 
 
@@ -59,16 +60,6 @@ class AttemptPaths:
     def create(self) -> None:
         self.events_dir.mkdir(parents=True, exist_ok=True)
         self.control_dir.mkdir(exist_ok=True)
-
-
-def append_json_line(path: Path, record: dict[str, Any]) -> None:
-    """One write on an O_APPEND descriptor: concurrent writers never interleave inside a line."""
-    line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tuple[list[tuple[bytes, int]], int]:

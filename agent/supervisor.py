@@ -80,6 +80,11 @@ class Supervisor:
     def live_ranks(self) -> int:
         return sum(group.live_ranks for group in self.groups.values())
 
+    @property
+    def exit_fds(self) -> list[int]:
+        """pidfds of every group's processes: the monitor loop wakes when one exits (agent.wakeup)."""
+        return [fd for group in self.groups.values() for fd in group.exit_fds]
+
     def rank_events_unwritten_and_dropped(self) -> tuple[int, int]:
         """Over this node's running ranks: events waiting for disk space, and events dropped."""
         trouble = [t for group in self.groups.values() for t in group.spool_trouble.values()]

@@ -6,7 +6,7 @@ A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node)
 line runs, and a restart ran two in a row: torchrun, then the ranks. The agent keeps this server
 ready with MODULE... imported; the guard (for torchrun) and each rank runner (for its rank), when
 the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead of starting
-an interpreter, and fall back to one when the server cannot serve. The server runs as the job's
+an interpreter, and fall back to one when the server cannot serve (agent.warm_client). The server runs as the job's
 user, with the job's interpreter (agent.job_user), as the processes it stands in for would.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
@@ -36,14 +36,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from agent.job_user import RunAs
 from agent.procs import set_parent_death_signal
+from agent.warm_client import python_module
 
-WARM_SOCKET_ENV = "ETT_WARM_SOCKET"  # set by the agent for ranks it may start warm
 MAX_REQUEST_BYTES = 1 << 20
-HANDSHAKE_TIMEOUT_SECONDS = 10.0
 RESTART_PAUSE_SECONDS = 10.0
 SOCKET_PATH_MAX_BYTES = 107  # sun_path
 
@@ -56,27 +54,9 @@ def socket_path(data_dir: Path) -> Path:
     """Where the warm server of an agent with this data folder listens, once its imports are done."""
     return (data_dir / "warm" / "warm.sock").resolve()
 
-
-def python_module(python: str, module: str) -> list[str]:
-    """`python -P -m MODULE`: -P keeps the working folder off the import path, so a folder there
-    named like one of our packages (agent, trainer) is not imported instead of it."""
-    return [python, "-P", "-m", module]
-
-
 def serves(argv: list[str], modules: list[str]) -> bool:
     return len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules
 
-
-def start_process(argv: list[str], warm_socket: str | None, **popen: Any) -> "subprocess.Popen[bytes] | WarmProcess":
-    """From the warm server when there is one and it can (its process group is its own), else a
-    fresh process with the parent-death signal set and `popen`; `warm_socket`: $ETT_WARM_SOCKET."""
-    if warm_socket:
-        try:
-            return WarmProcess(warm_socket, argv)
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"agent.warm: no warm start for {argv[3:4]} ({exc!r}); starting a fresh interpreter",
-                  file=sys.stderr, flush=True)
-    return subprocess.Popen(argv, preexec_fn=set_parent_death_signal, **popen)
 
 
 class WarmServer:
@@ -123,45 +103,6 @@ class WarmServer:
             self._proc.wait()
         self.socket_path.unlink(missing_ok=True)
 
-
-class WarmProcess:
-    """A process forked by the server: the few calls of the Popen it stands in for."""
-
-    def __init__(self, socket_path: str, argv: list[str]) -> None:
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._conn.settimeout(HANDSHAKE_TIMEOUT_SECONDS)  # a stuck server must not stall the launch
-            self._conn.connect(socket_path)
-            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
-            socket.send_fds(self._conn, [json.dumps(request).encode()], [0, 1, 2])
-            self.pid = int(self._answer()["pid"])
-            self._conn.settimeout(None)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def _answer(self) -> dict:
-        message = self._conn.recv(4096)
-        if not message:
-            raise ConnectionError("the warm server closed the connection")
-        return json.loads(message)
-
-    def send_signal(self, signum: int) -> None:
-        try:
-            os.kill(self.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self) -> int:
-        try:
-            return int(self._answer()["returncode"])
-        except (OSError, ValueError, KeyError):
-            return -signal.SIGKILL  # the keeper is gone, and with it (parent-death signal) the rank
-        finally:
-            self._conn.close()
 
 
 def serve(socket_path: Path, modules: list[str]) -> None:

@@ -6,9 +6,10 @@
 
 A rank that fails makes torchrun tear the others down; the first failure recorded by a rank runner
 is the attempt's cause, reported the moment it is recorded (`reported_state`), before the group is
-gone: the service stops the other nodes and plans the restart meanwhile. Once every local rank has
-exited after a failure or a stop, torchrun is not waited for (it takes seconds to wind down). A
-hang is torn down at once with SIGKILL: the group is broken and its last committed checkpoint is
+gone: the service stops the other nodes and plans the restart meanwhile. Likewise a success is
+reported once every local rank has exited cleanly, before torchrun's own wind-down. Once every
+local rank has exited after a failure or a stop, torchrun is not waited for (it takes seconds to
+wind down). A hang is torn down at once with SIGKILL: the group is broken and its last committed checkpoint is
 all that counts. A stop gets SIGTERM, then SIGKILL after a grace. Whatever happens, every process
 carrying the group's marker is SIGKILLed at the end (processes forked by the warm server do not
 carry it: they die with the runner that asked for them, agent.warm).
@@ -16,6 +17,7 @@ carry it: they die with the runner that asked for them, agent.warm).
 
 import enum
 import logging
+import os
 import subprocess
 import time
 import uuid
@@ -32,6 +34,7 @@ from agent.job_user import RunAs
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.procs import GROUP_MARKER_ENV, signal_group, signal_marked
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
+from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,7 @@ class WorkerGroup:
         self._marked_at: float | None = None  # the last change of any rank's progress mark
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
         self._kill_at: float | None = None
+        self._pidfds: dict[int, int] = {}  # pid -> pidfd: torchrun's guard and the rank runners (agent.wakeup)
 
     @property
     def live_ranks(self) -> int:
@@ -126,10 +130,18 @@ class WorkerGroup:
 
     @property
     def reported_state(self) -> str:
-        """The attempt state the service is told: a failure as soon as it is decided."""
+        """The attempt state the service is told: a failure as soon as it is decided, a success as
+        soon as every local rank has exited cleanly (torchrun's own wind-down, a monitor period and
+        its exit barrier, is not the job's time)."""
         if not self.state.is_terminal and self._ending is not None and self._ending.state == WorkerState.FAILED:
             return WorkerState.FAILED.value
+        if not self.state.is_terminal and self._ending is None and self._ranks_succeeded:
+            return WorkerState.SUCCEEDED.value
         return self.state.reported
+
+    @property
+    def _ranks_succeeded(self) -> bool:
+        return self._all_exited and all(end_of_rank(r) is None for r in self.exited.values())
 
     @property
     def _all_exited(self) -> bool:
@@ -144,6 +156,7 @@ class WorkerGroup:
                 start_new_session=True, **self.run_as.popen(),
             )  # fmt: skip
         self._launched_at = self._last_progress = self.clock()
+        self._watch(self._proc.pid)
         self.events.emit("workers_launched", {
             "node_rank": self.command.node_rank, "nproc_per_node": self.command.nproc_per_node,
             "pid": self._proc.pid, "argv": rank_argv(self.command, self.run_as.python),
@@ -168,6 +181,7 @@ class WorkerGroup:
             return False
         before = self.state
         now = self.clock()
+        self._forget_exited()  # before the records: a runner writes its record, then exits
         self._read_rank_records(now)
         self._read_progress(now)
         if self._proc.poll() is not None:
@@ -192,6 +206,7 @@ class WorkerGroup:
                 continue
             if "pid" in record:
                 self.rank_pids[rank], self.runner_pids[rank] = record["pid"], record["runner_pid"]
+                self._watch(record["runner_pid"])
                 continue
             self.exited[rank] = record
             self.events.emit("worker_exited", {k: v for k, v in record.items() if k in WORKER_EXITED_FIELDS})
@@ -271,6 +286,21 @@ class WorkerGroup:
         self.state = WorkerState.STOPPING
         self.kill()
 
+    @property
+    def exit_fds(self) -> list[int]:
+        """pidfds of the processes whose exit the monitor loop should wake for."""
+        return list(self._pidfds.values())
+
+    def _watch(self, pid: int) -> None:
+        fd = open_pidfd(pid)
+        if fd is not None:
+            self._pidfds[pid] = fd
+
+    def _forget_exited(self) -> None:
+        for pid, fd in list(self._pidfds.items()):
+            if self.state.is_terminal or exited(fd):
+                os.close(self._pidfds.pop(pid))
+
     def _finish(self) -> None:
         assert self._proc is not None
         self._read_rank_records(self.clock())
@@ -285,13 +315,14 @@ class WorkerGroup:
         code = self._proc.returncode
         if self._ending is not None:
             self.end = self._ending
-        elif code == 0 or (self._all_exited and all(end_of_rank(r) is None for r in self.exited.values())):
+        elif code == 0 or self._ranks_succeeded:
             # Every rank here succeeded: torchrun's own end (its exit barrier across nodes) is not ours.
             self.end = GroupEnd(WorkerState.SUCCEEDED)
         else:
             self.end = GroupEnd(WorkerState.FAILED, "exit", f"torchrun exit code {code} (see {self.paths.log_file})",
                                 code)
         self.state = self.end.state
+        self._forget_exited()
         self.paths.ended_marker.write_text(self.state.value)
         log.info("attempt %s/%d %s %s", self.command.job_id, self.command.attempt, self.state, self.end.detail)
 

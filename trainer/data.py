@@ -35,19 +35,25 @@ class SourceCorpus:
 
     def __init__(self, root: str = ""):
         self.root = Path(root or sysconfig.get_paths()["stdlib"])
-        self.paths: list[Path] = []
-        for folder, subfolders, files in os.walk(self.root):
+        # Plain strings, not Path objects: every rank scans about 1,800 files at every start.
+        top = str(self.root)
+        self.paths: list[str] = []
+        names: list[str] = []  # relative to the root, for the fingerprint
+        for folder, subfolders, files in os.walk(top):
             # Installed packages differ between machines; the standard library itself does not.
             subfolders[:] = sorted(d for d in subfolders if d not in ("site-packages", "dist-packages", "__pycache__"))
-            self.paths += [Path(folder) / f for f in sorted(files) if f.endswith(".py")]
-        sizes = [p.stat().st_size for p in self.paths]
+            relative = os.path.relpath(folder, top)
+            for name in sorted(f for f in files if f.endswith(".py")):
+                self.paths.append(os.path.join(folder, name))
+                names.append(name if relative == "." else f"{relative}/{name}")
+        sizes = [os.stat(path).st_size for path in self.paths]
         self.starts = [0]
         for size in sizes:
             self.starts.append(self.starts[-1] + size)
         if self.num_bytes == 0:
             raise ValueError(f"data.root: no .py files under {self.root}")
-        names = "\n".join(f"{p.relative_to(self.root)}:{s}" for p, s in zip(self.paths, sizes))
-        self.fingerprint = hashlib.sha256(names.encode()).hexdigest()[:16]
+        listing = "\n".join(f"{name}:{size}" for name, size in zip(names, sizes))
+        self.fingerprint = hashlib.sha256(listing.encode()).hexdigest()[:16]
 
     @property
     def num_bytes(self) -> int:

@@ -40,3 +40,12 @@ def test_a_sigterm_while_the_guard_waits_ends_it_and_nothing_starts(tmp_path):
     assert guard.wait(timeout=10) == 128 + signal.SIGTERM
     time.sleep(0.2)
     assert not stamp.exists()
+
+
+def test_the_guard_and_the_rank_runner_import_only_what_they_need():
+    # Both start as fresh interpreters at every launch (once per node, once per rank), on CPUs the
+    # other ranks are using: the agent's own modules, logging or torch would cost every restart.
+    code = "import sys, agent.guard, agent.rank_runner; print(*sys.modules)"
+    loaded = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    heavy = {"torch", "ett", "logging", "dataclasses", "agent.spool", "agent.warm", "agent.job_user"}
+    assert not heavy & set(loaded)

@@ -11,7 +11,8 @@ import textwrap
 
 import pytest
 
-from agent.warm import WarmProcess, WarmServer, python_module
+from agent.warm import WarmServer
+from agent.warm_client import WarmProcess, python_module
 from tests.agent.helpers import wait_for
 
 RANK_MODULE = textwrap.dedent("""
@@ -62,7 +63,7 @@ def test_a_module_the_server_did_not_load_is_refused(warm, tmp_path):
 
 RUNNER = """
 import sys, time
-from agent.warm import WarmProcess
+from agent.warm_client import WarmProcess
 rank = WarmProcess(sys.argv[1], [sys.executable, "-P", "-m", "warm_rank_module", sys.argv[2], "0", "60"])
 print(rank.pid, flush=True)
 time.sleep(60)

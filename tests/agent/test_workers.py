@@ -6,11 +6,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
 from agent.spool import AttemptPaths
-from tests.agent.helpers import ETT_RANK, launch_command, pids_with_env, read_events, run_to_end, wait_for
+from agent.supervisor import Supervisor
+from tests.agent.helpers import ETT_RANK, free_port, launch_command, pids_with_env, read_events, run_to_end, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -248,3 +250,24 @@ def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):
     wait_for(lambda: supervisor.poll() or supervisor.rank_events_unwritten_and_dropped() == (5, 2), 10, "the report")
     supervisor.stop(command_adapter_stop(command))
     run_to_end(supervisor)
+
+
+def test_a_success_is_reported_once_the_ranks_exit_while_torchrun_waits_for_the_other_node(tmp_path):
+    # Node 0's ranks finish first; its torchrun then waits in its exit barrier for node 1's.
+    nodes = [Supervisor(tmp_path / f"spool-{n}", f"node-{n}", stop_grace_seconds=1.0) for n in range(2)]
+    port, job_id = free_port(), uuid.uuid4().hex
+    for node_rank, steps in ((0, "2"), (1, "40")):
+        nodes[node_rank].launch(launch_command("--steps", steps, "--step-seconds", "0.1", nnodes=2, node_rank=node_rank,
+                                               master_port=port, job_id=job_id))
+    try:
+        first, second = nodes
+        wait_for(lambda: first.poll() or first.reports.snapshot()[0]["state"] != "running", 60, "node 0's ranks")
+        assert first.reports.snapshot()[0]["state"] == "succeeded"
+        [group] = first.groups.values()
+        assert not group.state.is_terminal, "reported only once torchrun had exited"
+        for node in nodes:
+            wait_for(lambda: node.poll() or not node.groups, 60, "the group to end")
+            assert node.reports.snapshot()[0]["state"] == "succeeded"
+    finally:
+        for node in nodes:
+            node.shutdown()
