@@ -84,6 +84,7 @@ class Agent:
         ]  # fmt: skip
         for thread in threads:
             thread.start()
+        self._report_now.set()  # the attempts a previous run left (Supervisor.recover) wait for their events
         try:
             self._monitor()
         finally:
@@ -97,6 +98,7 @@ class Agent:
             self._report_now.set()
             self._send_heartbeat(wait=0)  # the stopped attempts, said once more on the way out
             self._forwarding_done.set()
+            self.forwarder.wake()  # out of a backoff: one last try
             threads[2].join(timeout=self.settings.request_timeout_seconds + 1)
             self.client.close()
             log.info("agent %s stopped", self.settings.name)
@@ -174,15 +176,20 @@ class Agent:
             self._report_now.clear()
             if self._heartbeats_done.is_set():
                 return
-            if any(report["state"] != "running" for report in self.supervisor.reports.snapshot()):
-                # The service restarts an attempt once every node has reported its end, from the
-                # newest checkpoint it knows of: let it know of the ones committed here first.
-                self.forwarder.flush(timeout=self.settings.flush_before_report_seconds)
+            reports = self.supervisor.reports
+            held = reports.held()
+            if held:
+                # An end is reported once this node's events are in (ReportBook); else try again.
+                if self.forwarder.flush(timeout=self.settings.flush_before_report_seconds) or reports.overdue():
+                    reports.release(held)
+                else:
+                    self._heartbeats_done.wait(0.25)
+                    self._report_now.set()
             self._send_heartbeat(wait=0)
 
     def _send_heartbeat(self, wait: float) -> int:
         """One heartbeat; the number of commands its answer carried (0 as well when it failed)."""
-        attempts = self.supervisor.reports.snapshot()
+        attempts = self.supervisor.reports.to_send()
         body = {"clock": time.time(), "attempts": attempts, "stats": self.stats.heartbeat_figures(),
                 "leaving": self.leaving}
         try:

@@ -109,7 +109,10 @@ class Forwarder:
             for done in waiters if forwarded else ():
                 done.set()
             if not forwarded:
-                stop.wait(self._backoff())
+                # Cut short by a flush (an attempt's end waits for its events, agent.supervisor's
+                # ReportBook) and by wake() at the end.
+                self._wake.wait(self._backoff())
+                self._wake.clear()
             elif not self._flush_waiters:
                 self._wake.wait(poll_seconds)
                 self._wake.clear()
@@ -120,8 +123,12 @@ class Forwarder:
         batch to fill; True once it has, False after `timeout` (the service may be down)."""
         done = threading.Event()
         self._flush_waiters.append(done)
-        self._wake.set()
+        self.wake()
         return done.wait(timeout)
+
+    def wake(self) -> None:
+        """Ends a wait (a backoff, the poll period) at once."""
+        self._wake.set()
 
     def forward_once(self, flush: bool) -> bool:
         """Reads new lines and sends batches while one is due; False when the service failed us."""

@@ -19,25 +19,55 @@ log = logging.getLogger(__name__)
 CONFIG_ERROR_EXIT_CODE = 3  # the service fails the job at once, as for a trainer's configuration error
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
 AttemptKey = tuple[str, int]
+RUNNING = {"state": "running", "cause": None, "detail": "", "exit_code": None}  # a report's fields while running
 
 
 class ReportBook:
     """The latest report of each attempt, shared by the monitor loop and the heartbeat threads.
 
-    An ended attempt stays in every heartbeat until one carrying its final report is answered 200.
+    An ended attempt's report is held back (heartbeats say `running`) until the reporter has
+    forwarded the events its ranks wrote, or for at most END_WAIT_SECONDS: the service restarts
+    from the newest checkpoint it knows of and counts a job done once its nodes report the end,
+    so those events must be there first (after a service outage the forwarder may still be in
+    backoff). It then stays in every heartbeat until one carrying it is answered 200.
     """
+
+    END_WAIT_SECONDS = 30.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reports: dict[AttemptKey, dict[str, Any]] = {}
+        self._held: dict[AttemptKey, float] = {}  # ended attempts not yet released, since when
 
     def set(self, key: AttemptKey, report: dict[str, Any]) -> None:
         with self._lock:
             self._reports[key] = report
+            if report["state"] != "running":
+                self._held.setdefault(key, time.monotonic())
 
     def snapshot(self) -> list[dict[str, Any]]:
+        """Every attempt's latest report, held or not."""
         with self._lock:
             return list(self._reports.values())
+
+    def to_send(self) -> list[dict[str, Any]]:
+        """What a heartbeat carries: a held end still as `running`."""
+        with self._lock:
+            return [report if key not in self._held else report | RUNNING
+                    for key, report in self._reports.items()]
+
+    def held(self) -> list[AttemptKey]:
+        with self._lock:
+            return list(self._held)
+
+    def overdue(self) -> bool:
+        with self._lock:
+            return any(time.monotonic() - since >= self.END_WAIT_SECONDS for since in self._held.values())
+
+    def release(self, keys: list[AttemptKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._held.pop(key, None)
 
     def acknowledge(self, sent: list[dict[str, Any]]) -> None:
         with self._lock:

@@ -143,6 +143,29 @@ def test_flush_sends_what_is_written_without_waiting_for_a_batch(fake_service, t
         assert not forwarder.flush(timeout=0.5)  # the service is down: the caller is not held longer
     finally:
         stop.set()
+        forwarder.wake()
+        thread.join(30)
+
+
+def test_a_flush_tries_again_at_once_when_the_forwarder_is_in_backoff(fake_service, tmp_path):
+    # An attempt's end is reported once its events are in (agent.supervisor.ReportBook): after an
+    # outage the reporter's flush must not wait out the forwarder's backoff (here a minute).
+    forwarder = forwarder_for(fake_service, tmp_path, retry_base_seconds=120.0, retry_max_seconds=120.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=forwarder.run, args=(stop,))
+    fake_service.stop()
+    write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    thread.start()
+    try:
+        assert not forwarder.flush(timeout=0.5)  # down: it fails and backs off
+        assert forwarder.failures >= 1
+        fake_service.start()
+        started = time.monotonic()
+        assert forwarder.flush(timeout=30.0)
+        assert time.monotonic() - started < 30.0 and len(fake_service.events) == 3
+    finally:
+        stop.set()
+        forwarder.wake()
         thread.join(30)
 
 
