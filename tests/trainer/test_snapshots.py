@@ -86,3 +86,10 @@ def test_the_snapshot_cadence_doubles_when_costly_and_comes_back_when_cheap_with
         cadences.append(every)
     assert cadences == [2, 4, 2, 1, 1, 1]
     assert next_every(MAX_EVERY, 1.0, step) == MAX_EVERY
+
+
+def test_one_slow_snapshot_between_cheap_ones_keeps_the_cadence_two_in_a_row_double_it():
+    step = 0.1
+    assert next_every(1, 0.02, step, previous_cost=0.002) == 1  # a single stall
+    assert next_every(1, 0.02, step, previous_cost=0.03) == 2  # the load stays
+    assert next_every(4, 0.001, step, previous_cost=0.02) == 2  # back: the cheaper one decides here too
