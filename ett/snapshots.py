@@ -76,9 +76,7 @@ def next_every(every: int, cost: float, step_seconds: float, previous_cost: floa
     cadence would still take at most half of that (a passing stall, such as a background
     checkpoint write, then costs steps lost only while it lasts, and the cadence never swings).
     With the snapshot before it (`previous_cost`), the cheaper of the two decides: one slow write
-    (a stall beside the persistent tier's write) does not double the cadence, two in a row do:
-    a demo that lost 5 steps at its hang (once in 19 runs; it resumed from the persistent tier)
-    is what a rank snapshotting every 8th step would show."""
+    (a stall beside the persistent tier's write) does not double the cadence, two in a row do."""
     if previous_cost is not None:
         cost = min(cost, previous_cost)
     if cost > MAX_SHARE * step_seconds * every and every < MAX_EVERY:
