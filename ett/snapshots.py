@@ -165,7 +165,11 @@ class LocalSnapshots:
         everyone: list[list[int] | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
         common = set(mine).intersection(*(set(steps or []) for steps in everyone))
-        return max(common) if common else None
+        newest = max(common) if common else None
+        if dist.get_rank(group) == 0:  # why a restart did or did not resume from this tier
+            logger.info("local snapshots: newest on every rank %s; each rank's: %s", newest,
+                        [steps[:KEEP] if steps else [] for steps in everyone])
+        return newest
 
     def load(self, step: int, state: dict[str, Any]) -> None:
         """Loads this rank's snapshot of `step` into `state`, in place."""

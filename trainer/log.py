@@ -21,10 +21,13 @@ class LogConfig:
 def setup_logging(cfg: LogConfig, rank: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("trainer")
-    root.handlers[:] = [handler]
-    root.propagate = False  # DCP's checkpoint process configures the root logger its own way
-    root.setLevel(cfg.level.upper() if rank == 0 else logging.WARNING)
+    # The ett library's lines too (the checkpoint it resumed from, the snapshot cadence): without
+    # a handler of their own only its warnings reached the log, through Python's last resort.
+    for name in ("trainer", "ett"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False  # DCP's checkpoint process configures the root logger its own way
+        logger.setLevel(cfg.level.upper() if rank == 0 else logging.WARNING)
     # Process-based checkpointing pickles DTensors to the checkpoint process, where torch warns
     # on every save that their mesh cannot find its groups for torch.compile, which we do not use.
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)

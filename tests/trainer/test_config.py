@@ -79,11 +79,12 @@ def test_the_learning_rate_warms_up_then_decays_to_its_minimum():
 @pytest.fixture
 def in_process_main():
     """main() configures the trainer's logging and its SIGTERM handler: put them back after."""
-    trainer_logger = logging.getLogger("trainer")
-    saved = trainer_logger.handlers[:], trainer_logger.propagate, trainer_logger.level
+    loggers = [logging.getLogger(name) for name in ("trainer", "ett")]
+    saved = [(logger.handlers[:], logger.propagate, logger.level) for logger in loggers]
     sigterm = signal.getsignal(signal.SIGTERM)
     yield main
-    trainer_logger.handlers[:], trainer_logger.propagate, trainer_logger.level = saved
+    for logger, (handlers, propagate, level) in zip(loggers, saved):
+        logger.handlers[:], logger.propagate, logger.level = handlers, propagate, level
     signal.signal(signal.SIGTERM, sigterm)
 
 
