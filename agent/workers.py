@@ -9,10 +9,10 @@ is the attempt's cause, reported the moment it is recorded (`reported_state`), b
 gone: the service stops the other nodes and plans the restart meanwhile. Likewise a success is
 reported once every local rank has exited cleanly, before torchrun's own wind-down. Once every
 local rank has exited after a failure or a stop, torchrun is not waited for (it takes seconds to
-wind down). A hang is torn down at once with SIGKILL: the group is broken and its last committed checkpoint is
-all that counts. A stop gets SIGTERM, then SIGKILL after a grace. Whatever happens, every process
-carrying the group's marker is SIGKILLed at the end (processes forked by the warm server do not
-carry it: they die with the runner that asked for them, agent.warm).
+wind down). A hang is torn down at once with SIGKILL: the group is broken and its last committed
+checkpoint is all that counts. A stop gets SIGTERM, then SIGKILL after a grace. Whatever happens,
+every process carrying the group's marker is SIGKILLed at the end (processes forked by the warm
+server do not carry it: they die with the runner that asked for them, agent.warm).
 """
 
 import enum
