@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 CONFIG_ERROR_EXIT_CODE = 3  # the service fails the job at once, as for a trainer's configuration error
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
 AttemptKey = tuple[str, int]
-RUNNING = {"state": "running", "cause": None, "detail": "", "exit_code": None}  # a report's fields while running
 
 
 class ReportBook:
@@ -53,7 +52,7 @@ class ReportBook:
     def to_send(self) -> list[dict[str, Any]]:
         """What a heartbeat carries: a held end still as `running`."""
         with self._lock:
-            return [report if key not in self._held else report | RUNNING
+            return [report if key not in self._held else attempt_report(*key, "running", None)
                     for key, report in self._reports.items()]
 
     def held(self) -> list[AttemptKey]:

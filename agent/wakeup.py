@@ -35,10 +35,6 @@ class Wakeup:
             except BlockingIOError:
                 pass
 
-    def close(self) -> None:
-        os.close(self._read_fd)
-        os.close(self._write_fd)
-
 
 def open_pidfd(pid: int) -> int | None:
     """A descriptor that becomes readable when process `pid` exits; None when it is gone already

@@ -5,9 +5,10 @@
 A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node) before its first
 line runs, and a restart ran two in a row: torchrun, then the ranks. The agent keeps this server
 ready with MODULE... imported; the guard (for torchrun) and each rank runner (for its rank), when
-the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead of starting
-an interpreter, and fall back to one when the server cannot serve (agent.warm_client). The server runs as the job's
-user, with the job's interpreter (agent.job_user), as the processes it stands in for would.
+the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead of starting an
+interpreter, and fall back to one when the server cannot serve (agent.warm_client). The server runs
+as the job's user, with the job's interpreter (agent.job_user), as the processes it stands in for
+would.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
 - the rank: a process group of its own, the runner's stdin/stdout/stderr (passed over the

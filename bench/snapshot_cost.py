@@ -37,8 +37,8 @@ def run(steps: int, snapshots: bool, nproc: int, every: int) -> tuple[float, flo
     gaps = [b["ts"] - a["ts"] for a, b in zip(steps_, steps_[1:])]
     # The cadence the fast tier ended on (rank 0 logs each change, ett/snapshots.py): 1 is every step.
     changes = [int(m) for m in re.findall(r"local snapshots every (\d+) steps", done.stdout + done.stderr)]
-    return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps), \
-        changes[-1] if changes else every or 1
+    cadence = changes[-1] if changes else every or 1
+    return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps), cadence
 
 
 def main() -> None:

@@ -2,9 +2,10 @@
 
 With a local folder, DCP writes each save there (node-local disk, no fsync: it is a cache), then
 each rank copies its own shard files `__<rank>_<i>.distcp` to the persistent folder with fsync,
-computing their CRC-32s on the way (without a local folder, each rank reads back its own files
-for them); once every rank's copy is durable, rank 0 copies DCP's `.metadata` and writes the marker. The persistent folder alone is the checkpoint of record: the
-service catalogs it and resume picks it.
+computing their CRC-32s on the way (without a local folder, each rank reads back its own files for
+them); once every rank's copy is durable, rank 0 copies DCP's `.metadata` and writes the marker.
+The persistent folder alone is the checkpoint of record: the service catalogs it and resume picks
+it.
 
 Resume reads each file of the chosen persistent checkpoint from this node's local folder when
 the local copy has the manifest's size and CRC-32, else from the persistent folder. Checking each

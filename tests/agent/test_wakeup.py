@@ -30,7 +30,6 @@ def test_wake_from_another_thread_ends_the_pause_and_is_used_up():
     started = time.monotonic()
     wakeup.wait(0.3, [])
     assert time.monotonic() - started >= 0.3
-    wakeup.close()
 
 
 def test_a_watched_process_exit_ends_the_pause():
