@@ -317,7 +317,7 @@ class Checkpointer:
         self.wait()
         self.pruner.shutdown()
         if self.snapshots is not None:
-            self.snapshots.wait()
+            self.snapshots.close()
         self.committer.shutdown()
         self.stager.close()
         if self.mode == AsyncCheckpointerType.PROCESS:

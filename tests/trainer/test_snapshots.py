@@ -15,7 +15,7 @@ FAST_TIER = ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_every", "1
 
 
 def snapshot_file(local, step: int, rank: int):
-    return local / "snapshots" / "w2" / f"step-{step:08d}" / f"rank-{rank}.pt"
+    return local / "snapshots" / "w2" / f"step-{step:08d}" / f"rank-{rank}.snap"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_a_node_that_lost_its_local_shards_makes_every_rank_use_the_persistent_t
     killed, local = killed_after_step_6
     copy = tmp_path / "local"
     shutil.copytree(local, copy)
-    for snapshot in (copy / "snapshots").rglob("rank-1.pt"):  # rank 1's node was replaced: its disk is gone
+    for snapshot in (copy / "snapshots").rglob("rank-1.snap"):  # rank 1's node was replaced: its disk is gone
         snapshot.unlink()
     run = resume(tmp_path, killed, copy)
     restored = [next(e for e in run.events(r) if e["kind"] == "restore_end") for r in (0, 1)]

@@ -1,0 +1,116 @@
+"""A local snapshot's file: one rank's state, its tensors' bytes written as they lie in memory.
+
+    MAGIC | header length (8 bytes, little-endian) | header (pickle) | the tensors' bytes
+
+The header is the state with each tensor replaced by a `Slot` naming its dtype and shape; the
+tensors follow in the order of their slots, each at an offset aligned to `ALIGN` bytes
+(`layout`). A snapshot is written every step it can afford (ett/snapshots.py), so its format is
+chosen for the CPU it takes: `torch.save` pickles each tensor and writes one zip record per
+storage: 6 ms of CPU for a cpu-demo rank's 1.6 MB. Here the copy that takes the snapshot puts
+every tensor in one buffer (`StagingBuffer`), written at once: 1 ms (BENCHMARKS.md, "Recovery",
+session of 2026-11-26).
+"""
+
+import pickle
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any, BinaryIO, NamedTuple
+
+import torch
+
+MAGIC = b"ETTSNAP1"
+ALIGN = 64  # bytes: every dtype's view of the buffer starts aligned
+
+
+class Slot(NamedTuple):
+    """Where a tensor was in the state: the next tensor in the file, of this dtype and shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def layout(slots: list[Slot]) -> tuple[list[int], int]:
+    """Each slot's offset in the buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for slot in slots:
+        offsets.append(end)
+        nbytes = torch.Size(slot.shape).numel() * slot.dtype.itemsize
+        end += -(-nbytes // ALIGN) * ALIGN
+    return offsets, end
+
+
+def _views(buffer: torch.Tensor, slots: list[Slot]) -> list[torch.Tensor]:
+    offsets, _ = layout(slots)
+    return [buffer[offset:offset + torch.Size(slot.shape).numel() * slot.dtype.itemsize].view(slot.dtype).view(slot.shape)
+            for offset, slot in zip(offsets, slots, strict=True)]  # fmt: skip
+
+
+class StagingBuffer:
+    """One CPU buffer for a snapshot's tensors, and a view of it for each; kept from snapshot to
+    snapshot while the tensors keep their dtypes and shapes (every step of a training loop), so
+    a copy is one `copy_` per tensor, into page-locked memory where a GPU is."""
+
+    def __init__(self) -> None:
+        self.slots: list[Slot] = []
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.views: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def copy(self, found: list[tuple[Slot, torch.Tensor]]) -> torch.Tensor:
+        """Copies each tensor of `found` in, at its slot's place; returns the buffer."""
+        slots = [slot for slot, _ in found]
+        if slots != self.slots:
+            _, size = layout(slots)
+            self.buffer = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self.slots, self.views = slots, _views(self.buffer, slots)
+        for view, (_, tensor) in zip(self.views, found, strict=True):
+            view.copy_(tensor)
+        return self.buffer
+
+
+def header(template: Any) -> bytes:
+    """The state's template (each tensor as its slot), pickled."""
+    return pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def write(file: BinaryIO, header: bytes, buffer: torch.Tensor) -> None:
+    """Writes a snapshot to an open file: its `header`, then the buffer holding the tensors its
+    slots name, as `layout` places them."""
+    file.write(MAGIC + len(header).to_bytes(8, "little") + header)
+    file.write(memoryview(buffer.numpy()))
+
+
+def _slots(value: Any, found: list[Slot]) -> list[Slot]:
+    if isinstance(value, Slot):
+        found.append(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _slots(item, found)
+    elif isinstance(value, list) or type(value) is tuple:
+        for item in value:
+            _slots(item, found)
+    return found
+
+
+def _filled(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    if isinstance(value, Slot):
+        return next(tensors)
+    if isinstance(value, dict):
+        return {key: _filled(item, tensors) for key, item in value.items()}
+    if isinstance(value, list) or type(value) is tuple:
+        return type(value)(_filled(item, tensors) for item in value)
+    return value
+
+
+def read(path: Path) -> Any:
+    """The state `write` wrote, each tensor in memory of its own. A file that is not a whole
+    snapshot raises ValueError."""
+    with open(path, "rb") as file:
+        if file.read(len(MAGIC)) != MAGIC:
+            raise ValueError(f"{path}: not an ETT snapshot")
+        template = pickle.loads(file.read(int.from_bytes(file.read(8), "little")))
+        slots = _slots(template, [])
+        buffer = torch.empty(layout(slots)[1], dtype=torch.uint8)
+        if file.readinto(memoryview(buffer.numpy())) != buffer.numel():
+            raise ValueError(f"{path}: cut short")
+    return _filled(template, (view.clone() for view in _views(buffer, slots)))
