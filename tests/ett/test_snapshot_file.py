@@ -1,5 +1,7 @@
 """The local snapshot's file (ett/snapshot_file.py) and what a snapshot captures (ett/snapshots.py)."""
 
+import time
+
 import pytest
 import torch
 
@@ -77,3 +79,22 @@ def test_a_snapshot_holds_the_state_as_it_was_when_taken(tmp_path):
     saved = snapshot_file.read(snapshots._file(1))
     assert saved["step"] == 1
     assert torch.equal(saved["state"]["weights"], torch.zeros(1000)) and saved["state"]["options"] == {"lr": 0.1}
+
+
+def test_a_write_that_waits_without_using_the_cpu_does_not_thin_the_snapshots(tmp_path, monkeypatch):
+    """On a busy node a write's wall time is stretched by the steps it competes with; what it
+    takes from them is its CPU time, and that is what the cadence weighs (ett/snapshots.py)."""
+    real_write = snapshot_file.write
+
+    def slow_write(file, header, buffer):
+        time.sleep(0.05)  # 50 ms of waiting: ten times the 5 ms budget of a 100 ms step
+        real_write(file, header, buffer)
+
+    monkeypatch.setattr(snapshot_file, "write", slow_write)
+    snapshots = LocalSnapshots(str(tmp_path), rank=0, world_size=1)  # adaptive cadence
+    for step in range(1, 9):
+        time.sleep(0.1)  # a 100 ms step
+        snapshots.maybe_save(step, {"weights": torch.zeros(10)})
+    snapshots.close()
+    assert snapshots.every == 1
+    assert snapshots.steps()[:2] == [8, 7]
