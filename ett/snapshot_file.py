@@ -12,8 +12,8 @@ session of 2026-11-26).
 """
 
 import pickle
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
@@ -29,19 +29,22 @@ class Slot(NamedTuple):
     shape: tuple[int, ...]
 
 
+def _nbytes(slot: Slot) -> int:
+    return torch.Size(slot.shape).numel() * slot.dtype.itemsize
+
+
 def layout(slots: list[Slot]) -> tuple[list[int], int]:
     """Each slot's offset in the buffer, and the buffer's size."""
     offsets, end = [], 0
     for slot in slots:
         offsets.append(end)
-        nbytes = torch.Size(slot.shape).numel() * slot.dtype.itemsize
-        end += -(-nbytes // ALIGN) * ALIGN
+        end += -(-_nbytes(slot) // ALIGN) * ALIGN
     return offsets, end
 
 
 def _views(buffer: torch.Tensor, slots: list[Slot]) -> list[torch.Tensor]:
     offsets, _ = layout(slots)
-    return [buffer[offset:offset + torch.Size(slot.shape).numel() * slot.dtype.itemsize].view(slot.dtype).view(slot.shape)
+    return [buffer[offset : offset + _nbytes(slot)].view(slot.dtype).view(slot.shape)
             for offset, slot in zip(offsets, slots, strict=True)]  # fmt: skip
 
 
