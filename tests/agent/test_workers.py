@@ -144,18 +144,18 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
 
 
 def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(supervisor):
-    # 10 s of marked work against an init timeout of 6 s: a live rank is not killed. The timeout
+    # 8 s of marked work against an init timeout of 6 s: a live rank is not killed. The timeout
     # also covers the ranks' start until their first mark: `ett.init()` imports torch, 3 s on a
     # 2-core Xeon alone and more with both ranks at it (4 s was once too short).
     command = launch_command(init_timeout_seconds=6)
-    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "10"]})
+    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "8"]})
     supervisor.launch(command)
     report = run_to_end(supervisor)
     assert report["state"] == "succeeded", report
 
 
 def test_the_same_work_unmarked_is_a_hang_and_null_turns_detection_off(supervisor):
-    silent = [sys.executable, str(ETT_RANK), "--busy-seconds", "10", "--silent"]
+    silent = [sys.executable, str(ETT_RANK), "--busy-seconds", "8", "--silent"]
     command = launch_command(init_timeout_seconds=6).model_copy(update={"entrypoint": silent})
     supervisor.launch(command)
     assert run_to_end(supervisor)["cause"] == "hang"
