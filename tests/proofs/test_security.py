@@ -144,7 +144,9 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(database_url
     with live_service(settings) as service:
         # Budgets in seconds: fuzzing and stateful testing repeat until theirs is spent (schemathesis
         # 4's --max-time), so a budget sets the test's length: 50 + 25 s made it the suite's longest.
-        runs = [("admin", "^/api/v1/(jobs|ett)", 20), ("agent", "^/api/v1/agents", 10)]
+        # Within 20 + 15 s every phase still passes every operation (2026-11-26, the 2-core Xeon;
+        # at 10 s the agents' fuzzing left one of its three operations out).
+        runs = [("admin", "^/api/v1/(jobs|ett)", 20), ("agent", "^/api/v1/agents", 15)]
         for role, include, seconds in runs:
             result = _schemathesis(service.url, service.token(role), include, seconds, tmp_path / f"{role}.xml")
             summary = result.stdout[-3000:]
