@@ -166,7 +166,6 @@ class LocalSnapshots:
         self.wait()
         self._writer.shutdown()
 
-
     def steps(self) -> list[int]:
         """The steps this rank holds a whole snapshot of, newest first."""
         found = []
