@@ -8,7 +8,7 @@ columns it covers. Rolled back is the engine's rule: a step numbered above its a
 `rolled_back_to` (service/ett/engine.py, `JobAccount.settle`).
 """
 
-from sqlalchemy import and_, case, false, func, select
+from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import Session
 
 from service.ett.engine import TIMING_SOURCE, JobAccount
@@ -19,21 +19,24 @@ from service.pages.timeline import Frame, SaveSpan, StepTime
 def step_time(session: Session, job_id: str, account: JobAccount, frame: Frame) -> StepTime:
     width = frame.column_seconds
     cuts = {n: a.rolled_back_to for n, a in account.attempts.items() if a.rolled_back_to is not None}
-    wasted = JobEvent.step > case(cuts, value=JobEvent.attempt) if cuts else false()
+    # Without a rollback there is no `wasted` column at all: a constant in GROUP BY is read by
+    # SQLite as a column position (`2nd GROUP BY term out of range`).
+    wasted = JobEvent.step > case(cuts, value=JobEvent.attempt) if cuts else None
+    kept = [wasted] if wasted is not None else []
     steps = and_(JobEvent.job_id == job_id, JobEvent.kind == "step", JobEvent.source == TIMING_SOURCE)
     column = func.floor((JobEvent.ts - frame.start) / width)
     short = session.execute(
-        select(JobEvent.attempt, wasted, column, func.sum(JobEvent.duration))
+        select(JobEvent.attempt, column, func.sum(JobEvent.duration), *kept)
         .where(steps, JobEvent.duration <= width)
-        .group_by(JobEvent.attempt, wasted, column)
+        .group_by(JobEvent.attempt, column, *kept)
     ).all()
     long = session.execute(
-        select(JobEvent.attempt, wasted, JobEvent.ts - JobEvent.duration, JobEvent.duration).where(
+        select(JobEvent.attempt, JobEvent.ts - JobEvent.duration, JobEvent.duration, *kept).where(
             steps, JobEvent.duration > width
         )
     ).all()
-    rows = [(a, bool(w), frame.start + c * width, s) for a, w, c, s in short]
-    return StepTime.from_rows(rows + [(a, bool(w), lo, d) for a, w, lo, d in long])
+    rows = [(a, any(w), frame.start + c * width, s) for a, c, s, *w in short]
+    return StepTime.from_rows(rows + [(a, any(w), lo, d) for a, lo, d, *w in long])
 
 
 def checkpoint_saves(session: Session, job_id: str) -> list[SaveSpan]:

@@ -1,5 +1,6 @@
 """A job with three attempts and two failures, replayed into a live service as an admin would."""
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from tests.service.ett.timelines import Timeline
@@ -32,6 +33,28 @@ def three_attempts(t0: float) -> Timeline:
     return tl
 
 
+def clean_success(t0: float) -> Timeline:
+    """One attempt, 30 steps and a save, then success: nothing rolled back."""
+    tl = Timeline(t0)
+    tl.start_attempt(0, allocated=0, init_end=3)
+    tl.steps(0, 1, 20, start=3, duration=1)  # ends 23
+    tl.checkpoint(0, 20, start=23, staged=23.5, committed=25)
+    tl.steps(0, 21, 30, start=23.5, duration=1)  # ends 33.5
+    tl.service("job_finished", 34, 0, state="succeeded")
+    return tl
+
+
+def failed_at_start(t0: float) -> Timeline:
+    """Each of two attempts fails before its first step (a missing script, say); the job then ends."""
+    tl = Timeline(t0)
+    for attempt, t in ((0, 0.0), (1, 5.0)):
+        tl.service("attempt_allocated", t, attempt, nodes=["n1"])
+        tl.add("workers_launched", t + 0.1, attempt, "node:n1")
+        tl.service("attempt_failed", t + 1, attempt, cause="exit", detail="rank 0 exit code 2")
+    tl.service("job_finished", 7, 1, state="failed")
+    return tl
+
+
 @dataclass
 class ReplayedJob:
     id: str
@@ -40,11 +63,13 @@ class ReplayedJob:
     user_token: str
 
 
-def replayed_job(service: LiveService, t0: float, name: str = "moe-pages") -> ReplayedJob:
+def replayed_job(
+    service: LiveService, t0: float, name: str = "moe-pages", timeline: Callable[[float], Timeline] = three_attempts
+) -> ReplayedJob:
     admin_token, user_token = service.token("admin"), service.token("user", "alice")
     # More nodes than any test registers: the scheduler leaves the job to the replayed events.
     job = submit(service.client(user_token), name=name, nodes=8)
-    events = [asdict(e) for e in three_attempts(t0).events]
+    events = [asdict(e) for e in timeline(t0).events]
     response = service.client(admin_token).post(f"/api/v1/jobs/{job['id']}/events", json={"events": events})
     assert response.status_code == 200, response.text
     return ReplayedJob(job["id"], name, admin_token, user_token)

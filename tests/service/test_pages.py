@@ -17,7 +17,7 @@ from ett.cli.render import report_table
 from service.ett.engine import CATEGORIES
 from service.ett.memory import MemoryJob
 from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
-from tests.deploy.replayed import replayed_job
+from tests.deploy.replayed import clean_success, failed_at_start, replayed_job
 from tests.service.ett.timelines import Timeline
 from tests.service.factories import submit
 
@@ -113,6 +113,29 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
     assert page.status_code == 200 and "Not allocated yet" in page.text and not PageDom(page.text).lanes
 
 
+def test_every_page_answers_for_every_kind_of_job(service):
+    """A clean success, a failure at start, a rollback, a queued and a cancelled job: each job's page,
+    the list and the fleet answer 200 on both databases (a job without a rollback was a 500 on SQLite)."""
+    now = time.time()
+    success = replayed_job(service, now - 100, "clean", clean_success)
+    failed = replayed_job(service, now - 50, "failed-at-start", failed_at_start)
+    rollback = replayed_job(service, now - 200, "rollback")
+    alice = service.client(success.user_token)
+    queued = submit(alice, name="queued", nodes=8)
+    cancelled = submit(alice, name="cancelled", nodes=8)
+    assert alice.post(f"/api/v1/jobs/{cancelled['id']}/cancel").status_code == 200
+    lanes = {}
+    for job_id in (success.id, failed.id, rollback.id, queued["id"], cancelled["id"]):
+        page = alice.get(f"/jobs/{job_id}")
+        assert page.status_code == 200, (job_id, page.text[-500:])
+        lanes[job_id] = PageDom(page.text).lanes
+    assert {c for runs in lanes[success.id].values() for c in runs} >= {"init", "productive", "checkpoint_save"}
+    assert "wasted" not in lanes[success.id][0]
+    assert set(lanes[failed.id]) == {0, 1} and not lanes[queued["id"]] and not lanes[cancelled["id"]]
+    for page in ("/jobs", "/fleet?window=all", "/jobs?state=cancelled"):
+        assert alice.get(page).status_code == 200, page
+
+
 def test_fleet_page_shows_the_apis_figures_where_time_went_and_each_job(service):
     job = replayed_job(service, time.time() - 200)
     alice = service.client(job.user_token)
@@ -186,6 +209,10 @@ def chromium(*args: str, profile: Path) -> str:
 
 @SQLITE_ONLY
 def test_job_page_in_headless_chromium_draws_lanes_and_failure_marks(service, tmp_path):
+    # A clean success first: its page was a 500 on SQLite (no rollback to group the steps by).
+    clean = replayed_job(service, time.time() - 100, "clean", clean_success)
+    dom = chromium("--dump-dom", f"{service.url}/jobs/{clean.id}?token={clean.user_token}", profile=tmp_path)
+    assert set(PageDom(dom).lanes) == {0} and "productive" in PageDom(dom).lanes[0]
     job = replayed_job(service, time.time() - 200)
     # The browser signs in the way a person does: the token once in the address, then the cookie.
     url = f"{service.url}/jobs/{job.id}?token={job.user_token}"
