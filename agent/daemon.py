@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from agent.client import ServiceClient
 from agent.commands import IntervalCommand, LaunchCommand, command_adapter
 from agent.forward import ForwardConfig, Forwarder
-from agent.job_user import RunAs, resolve_job_user
+from agent.job_user import RunAs, make_passable, resolve_job_user
 from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
@@ -62,8 +62,8 @@ class Agent:
         self._forwarding_done = threading.Event()
 
     def run(self) -> None:
-        self.settings.spool_root.mkdir(parents=True, exist_ok=True)
-        self.settings.local_checkpoint_root.mkdir(parents=True, exist_ok=True)
+        make_passable(self.settings.spool_root)  # whatever the umask: the job's user goes through them
+        make_passable(self.settings.local_checkpoint_root)
         problem = self.run_as.problem([self.settings.spool_root.resolve(), self.settings.local_checkpoint_root])
         if problem is not None:
             raise SystemExit(f"ett agent: {problem}")

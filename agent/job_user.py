@@ -10,8 +10,10 @@ the agent's own): an interpreter under root's home folder is not. The agent chec
 start, as that user, and refuses to start with a one-line reason rather than fail every launch.
 """
 
+import grp
 import os
 import pwd
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -20,13 +22,44 @@ from typing import Any
 
 DEFAULT_JOB_USER = "nobody"  # exists on every Debian and Red Hat machine
 PREFLIGHT_TIMEOUT_SECONDS = 120.0
-# Run as the job's user: the runner imports, and each folder can be reached (its own folders in
-# there the agent makes and gives to the user).
+# Folders the agent makes above a job's own: the job's user passes through them but cannot list
+# them (no job learns the others' ids). Set after mkdir, so the agent's umask cannot close them.
+PASSABLE = 0o711
+# Run as the job's user: each folder can be reached (it prints the first one it cannot enter), then
+# the runner imports. The agent makes the job's own folders in there and gives them to the user.
+CLOSED_FOLDER_EXIT = 10
 PREFLIGHT_SCRIPT = (
-    "import os, sys, agent.rank_runner\n"
-    "bad = [f for f in sys.argv[1:] if not os.access(f, os.X_OK)]\n"
-    "sys.exit(f'cannot reach {bad[0]} (a folder above it is closed to it)' if bad else 0)\n"
+    "import os, sys\n"
+    "for folder in sys.argv[1:]:\n"
+    "    parts = os.path.abspath(folder).split(os.sep)\n"
+    "    for above in (os.sep.join(parts[:i]) for i in range(2, len(parts) + 1)):\n"
+    "        if not os.access(above, os.X_OK):\n"
+    f"            print(above); sys.exit({CLOSED_FOLDER_EXIT})\n"
+    "import agent.rank_runner\n"
 )
+
+
+def make_passable(folder: Path) -> None:
+    """Creates `folder` and each missing folder above it, every one of them PASSABLE."""
+    for path in reversed([p for p in (folder, *folder.parents) if not p.exists()]):
+        path.mkdir(exist_ok=True)
+        path.chmod(PASSABLE)
+
+
+def describe_folder(folder: str) -> str:
+    """`/x (drwx------ root:root)`: what an operator needs to see why a user cannot enter it."""
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        return f"{folder} ({exc.strerror})"
+    return f"{folder} ({stat.filemode(st.st_mode)} {_name(pwd.getpwuid, st.st_uid)}:{_name(grp.getgrgid, st.st_gid)})"
+
+
+def _name(lookup: Any, number: int) -> str:
+    try:
+        return lookup(number)[0]
+    except KeyError:
+        return str(number)
 
 
 class JobUserError(ValueError):
@@ -91,8 +124,9 @@ class RunAs:
         return {"USER": self.user.name, "LOGNAME": self.user.name, "HOME": self.user.home}
 
     def make_own(self, folder: Path | str) -> None:
-        """Creates `folder` (its parents stay the agent's) and gives it to the job's user."""
-        Path(folder).mkdir(parents=True, exist_ok=True)
+        """Creates `folder` (its parents stay the agent's, PASSABLE) and gives it to the job's user."""
+        make_passable(Path(folder).parent)
+        Path(folder).mkdir(exist_ok=True)
         if self.switches:
             assert self.user is not None
             os.chown(folder, self.user.uid, self.user.gid)
@@ -113,6 +147,11 @@ class RunAs:
             return f"job user {self.user.name} cannot run {self.python}: {exc.strerror}; {advice}"
         except subprocess.TimeoutExpired:
             return f"job user {self.user.name}: {self.python} did not start within {PREFLIGHT_TIMEOUT_SECONDS:g}s"
+        if done.returncode == CLOSED_FOLDER_EXIT:
+            closed = done.stdout.decode(errors="replace").strip()
+            return (f"job user {self.user.name} cannot enter {describe_folder(closed)}, on the way to its job "
+                    f"folders: let other users pass through it (chmod o+x {closed}) or give the agent a "
+                    "--data-dir (and ETT_AGENT_LOCAL_CHECKPOINT_DIR) outside it")
         if done.returncode != 0:
             lines = done.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {done.returncode}"]
             return f"job user {self.user.name} cannot run jobs with {self.python}: {lines[-1]}; {advice}"

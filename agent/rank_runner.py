@@ -19,6 +19,7 @@ from pathlib import Path
 
 from agent.procs import set_parent_death_signal
 from agent.jsonl import append_json_line
+from agent.launch_check import LAUNCH_ERROR_EXIT_CODE, launch_problem
 from agent.warm_client import WARM_SOCKET_ENV, start_process
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -42,12 +43,16 @@ def main(argv: list[str]) -> int:
     set_parent_death_signal()  # torchrun gone: we go, and our rank goes with us (below)
     if os.getppid() == 1:
         return 1  # torchrun died before the request above took hold
-    try:
-        # Not the rank's business: it is forked warm or started fresh here.
-        child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), process_group=0)
-    except OSError as exc:
-        append_json_line(args.ranks_file, {"rank": rank, "exit_code": 127, "error": str(exc)})
-        return 127
+    problem = launch_problem(rank_argv)
+    if problem is None:
+        try:
+            # Not the rank's business: it is forked warm or started fresh here.
+            child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), process_group=0)
+        except OSError as exc:
+            problem = f"{rank_argv[0]}: {exc.strerror or exc}"
+    if problem is not None:  # it would fail the same way on every try: not retried (agent.launch_check)
+        append_json_line(args.ranks_file, {"rank": rank, "exit_code": LAUNCH_ERROR_EXIT_CODE, "error": problem})
+        return LAUNCH_ERROR_EXIT_CODE
     append_json_line(args.ranks_file, {"rank": rank, "pid": child.pid, "runner_pid": os.getpid()})
 
     fault_code: int | None = None

@@ -57,10 +57,6 @@ class AttemptPaths:
     def ended_marker(self) -> Path:
         return self.root / "ended"
 
-    def create(self) -> None:
-        self.events_dir.mkdir(parents=True, exist_ok=True)
-        self.control_dir.mkdir(exist_ok=True)
-
 
 def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tuple[list[tuple[bytes, int]], int]:
     """Lines after `offset` that end in a newline, each with the offset just past it.

@@ -12,11 +12,11 @@ from agent.commands import IntervalCommand, LaunchCommand, StopCommand
 from agent.confine import launch_refusal
 from agent.job_user import RunAs
 from agent.launch import starts_warm
+from agent.launch_check import LAUNCH_ERROR_EXIT_CODE
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 
 log = logging.getLogger(__name__)
-CONFIG_ERROR_EXIT_CODE = 3  # the service fails the job at once, as for a trainer's configuration error
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
 AttemptKey = tuple[str, int]
 
@@ -152,7 +152,7 @@ class Supervisor:
         refusal = launch_refusal(command, self.checkpoint_root)
         if refusal is not None:
             log.warning("attempt %s/%d: %s", command.job_id, command.attempt, refusal)
-            self.refuse(command.job_id, command.attempt, refusal, exit_code=CONFIG_ERROR_EXIT_CODE)
+            self.refuse(command.job_id, command.attempt, refusal, exit_code=LAUNCH_ERROR_EXIT_CODE)
             return
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
         command = self._with_local_checkpoints(command)

@@ -77,9 +77,9 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
     code = record.get("exit_code")
     if code == 0:
         return None
+    if record.get("error"):  # the rank's program could not be started at all (agent.launch_check)
+        return GroupEnd(WorkerState.FAILED, "exit", f"rank {rank} cannot start: {record['error']}", code)
     note = " (injected fault)" if record.get("fault") else ""
-    if record.get("error"):  # the rank's program could not be started at all
-        note = f": {record['error']}"
     return GroupEnd(WorkerState.FAILED, "exit", f"rank {rank} exit code {code}{note}", code)
 
 
@@ -96,9 +96,8 @@ class WorkerGroup:
         self.state = WorkerState.LAUNCHING
         self.end: GroupEnd | None = None
         self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
-        paths.create()
         for folder in (paths.root, paths.events_dir, paths.control_dir):
-            run_as.make_own(folder)  # the ranks write their events and records there
+            run_as.make_own(folder)  # the ranks write their events and records there; the job's folder above, PASSABLE
         self.events = NodeEventLog(paths.events_dir / f"node-{node_name}.jsonl", node_name, command.attempt)
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}

@@ -1,6 +1,7 @@
 """`ett submit`, `ett jobs`, `ett cancel`, `ett report`, `ett fleet`: the user's side, over the REST API."""
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from ett.cli.render import fleet_table, report_table
+from ett.cli.render import fleet_table, progress_line, report_table
 from ett.cli.spec_file import SpecFileError, load_spec
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     report.add_argument("job_id")
     report.add_argument("--json", action="store_true", help="the raw report of GET /api/v1/jobs/{id}/ett")
     report.add_argument("--follow", action="store_true",
-                        help="print it again every --interval seconds until the job ends")
+                        help="print it again every --interval seconds until the job ends (into a pipe or "
+                             "file: the report, then one line per update, then the final report)")
     report.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow")
     report.set_defaults(run=run_report)
     fleet = client_parser("fleet", "print the fleet's ETT over a window (your jobs; every job for an admin)")
@@ -106,16 +108,25 @@ def run_cancel(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    while True:
+    # A terminal is read by a person: the whole report each time. A pipe or a file is kept: the
+    # report once, a line per update, the final report (--json: one compact report per line).
+    terse = args.follow and not sys.stdout.isatty()
+    for number in itertools.count():
         report = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/ett")
-        print(json.dumps(report, indent=2) if args.json else report_table(report), flush=True)
-        if not args.follow or report["state"] in TERMINAL:
+        done = not args.follow or report["state"] in TERMINAL
+        if args.json:
+            print(json.dumps(report) if terse else json.dumps(report, indent=2), flush=True)
+        elif terse and number and not done:
+            print(progress_line(report), flush=True)
+        else:
+            print(("\n" if number and not terse else "") + report_table(report), flush=True)
+        if done:
             return 0
         try:
             time.sleep(args.interval)
         except KeyboardInterrupt:
             return 130
-        print(flush=True)
+    return 0
 
 
 def _moment(text: str | None, flag: str) -> str | None:

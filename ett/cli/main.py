@@ -1,6 +1,7 @@
 """`ett`: one entry point, one module per group of subcommands."""
 
 import argparse
+import os
 import sys
 
 from agent import cli as agent_cmd
@@ -17,7 +18,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    try:
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # `ett jobs | head`: the reader has what it wanted. Nothing more to say, and nothing for
+        # Python's flush at exit to fail on either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # as a command killed by SIGPIPE, the shell's convention
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         lines.append(
             f"  attempt {failure['attempt']}: {failure['cause']:9} time to recover "
             f"{_seconds(failure['time_to_recover_seconds'])}  lost steps {failure['lost_steps']}"
+            + (f"  {failure['detail']}" if failure.get("detail") else "")
         )
     if max_failures is not None and len(failures) > max_failures:
         lines.append(f"  ... and {len(failures) - max_failures} more")
@@ -41,6 +42,14 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         f"recommended checkpoint interval {_seconds(report['recommended_checkpoint_interval_seconds'])}",
     ]
     return "\n".join(lines)
+
+
+def progress_line(report: dict[str, Any]) -> str:
+    """One line of a followed report: when, the state, ETT and what changes it."""
+    now = datetime.now(UTC).strftime("%H:%M:%S")
+    return (f"{now}  {report['state']}  ETT {report['ett_percent']:.1f}%  wall {_seconds(report['wall_seconds'])}  "
+            f"productive {_seconds(report['seconds']['productive'])}  failures {len(report['failures'])}  "
+            f"restarts {report['restarts']}")
 
 
 def _utc(unix: float | None) -> str:

@@ -1,13 +1,15 @@
 """A job spec file (.toml or .json) read and checked as `ett submit` does: each mistake is one
 line, `FILE:LINE: field: what is wrong`, with the line found in the file (docs/jobspec.md)."""
 
+import difflib
 import json
 import re
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 KEY_PART = re.compile(r'\s*("[^"]*"|\'[^\']*\'|[A-Za-z0-9_-]+)\s*(\.|$)')
 TOML_POSITION = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
@@ -63,12 +65,41 @@ def json_line(text: str, loc: tuple) -> int | None:
     return None
 
 
-def _mistakes(exc: ValidationError) -> dict[tuple, list[str]]:
+def _classes(annotation: Any) -> Iterator[Any]:
+    """An annotation and every type inside it (Optional, list, Annotated...)."""
+    yield annotation
+    for arg in get_args(annotation):
+        yield from _classes(arg)
+
+
+def fields_beside(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the section that holds `loc`: what a misspelt key there could have meant."""
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue  # an item of a list: the list's own model comes next
+        field = model.model_fields.get(part)
+        nested = [t for t in _classes(field.annotation) if isinstance(t, type) and issubclass(t, BaseModel)] if field else []
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def unknown_field(model: type[BaseModel], loc: tuple) -> str:
+    """"not a field; did you mean 'checkpoint'?" or the section's fields when none is close."""
+    known = fields_beside(model, loc)
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6) if loc else []
+    if close:
+        return f"not a field; did you mean {close[0]!r}?"
+    return f"not a field (the fields here: {', '.join(known)})" if known else "not a field"
+
+
+def _mistakes(exc: ValidationError, model: type[BaseModel]) -> dict[tuple, list[str]]:
     """The errors by field: union branches folded into their field, one message list per field."""
     by_field: dict[tuple, list[str]] = {}
     for error in exc.errors():
         loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and UNION_BRANCH.match(p)))
-        message = error["msg"]
+        message = unknown_field(model, loc) if error["type"] == "extra_forbidden" else error["msg"]
         nested = NESTED_FIELD.match(message)
         if nested:
             loc = tuple(int(p) if p.isdigit() else p for p in nested[1].split("."))
@@ -123,9 +154,11 @@ def load_spec(path: Path) -> dict[str, Any]:
         try:
             JobSpec.model_validate(spec)
         except ValidationError as exc:
-            mistakes = [(loc, _one_line(messages)) for loc, messages in _mistakes(exc).items()]
+            mistakes = [(loc, _one_line(messages)) for loc, messages in _mistakes(exc, JobSpec).items()]
     if mistakes:
-        lines = [f"{path}:{find_line(text, loc) or '?'}: {'.'.join(map(str, loc)) or '(top level)'}: {message}"
-                 for loc, message in mistakes]
+        located = sorted(((find_line(text, loc), loc, message) for loc, message in mistakes),
+                         key=lambda m: m[0] or len(text))  # in the file's order, as a person reads it
+        lines = [f"{path}:{line or '?'}: {'.'.join(map(str, loc)) or '(top level)'}: {message}"
+                 for line, loc, message in located]
         raise SpecFileError("\n".join(lines))
     return spec

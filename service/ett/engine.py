@@ -99,6 +99,7 @@ class AttemptSummary:
     first_seen_at: float | None = None  # stands in for allocated_at until that event arrives
     failed_at: float | None = None
     failure_cause: str | None = None
+    failure_detail: str | None = None  # the scheduler's one line: "rank 1 exit code 1", ...
     stopped_at: float | None = None
     last_init_end: float | None = None
     restore_started_at: float | None = None
@@ -211,7 +212,7 @@ class JobAccount:
             # peer's exit, service/jobs/scheduler.py) wins, so any order of arrival agrees.
             key = (e.ts, _cause_rank(e.data.get("cause")))
             if a.failed_at is None or key < (a.failed_at, _cause_rank(a.failure_cause)):
-                a.failed_at, a.failure_cause = e.ts, e.data.get("cause")
+                a.failed_at, a.failure_cause, a.failure_detail = e.ts, e.data.get("cause"), e.data.get("detail")
         elif e.kind == "attempt_stopped":
             a.stopped_at = _min(a.stopped_at, e.ts)
         elif e.kind == "job_finished" and (self.finished_at is None or e.ts < self.finished_at):

@@ -84,6 +84,7 @@ Seconds = dict[Literal[CATEGORIES], float]  # type: ignore[valid-type]
 class FailureOut(BaseModel):
     attempt: int
     cause: str | None
+    detail: str | None = None  # what the scheduler said of it: "rank 1 exit code 1", ...
     at: float
     time_to_recover_seconds: float | None
     lost_steps: int

@@ -2,10 +2,18 @@
 could not run at all (an agent started as root; the tests here are run as root on CI)."""
 
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from agent.job_user import PASSABLE, RunAs, make_passable, resolve_job_user
+from tests.support.job_user import closed_folder, job_python
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an agent started as root")
 
@@ -37,3 +45,41 @@ def test_an_interpreter_the_job_user_cannot_run_stops_the_agent_with_what_to_set
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"ett agent: job user nobody cannot run {closed}: Permission denied;")
     assert "ETT_AGENT_JOB_PYTHON" in last
+
+
+@pytest.fixture(scope="module")
+def open_root() -> Iterator[Path]:
+    """A folder other users may enter (pytest's are closed to them), with a job interpreter."""
+    root = Path(tempfile.mkdtemp(prefix="ett-job-user-"))
+    root.chmod(0o755)
+    job_python(root / "python")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_agents_folders_let_the_job_user_through_whatever_the_umask(open_root):
+    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user(None, allow_root=False))
+    attempt = open_root / "agent" / "spool" / "job-1" / "0"
+    umask = os.umask(0o077)  # README's "umask 077" before the agents start
+    try:
+        make_passable(open_root / "agent" / "spool")
+        run_as.make_own(attempt)
+    finally:
+        os.umask(umask)
+    for folder in (open_root / "agent", open_root / "agent" / "spool", attempt.parent):
+        assert stat.S_IMODE(folder.stat().st_mode) == PASSABLE, folder
+    assert attempt.stat().st_uid == run_as.user.uid
+    assert run_as.problem([attempt]) is None  # checked as nobody, by a real interpreter
+
+
+def test_a_folder_the_job_user_cannot_enter_is_named_with_its_mode_owner_and_the_fix(tmp_path, open_root):
+    data = tmp_path / "agent"  # pytest's folders are closed to other users, as /root is
+    closed = closed_folder(tmp_path)
+    assert closed is not None
+    result = start_agent(tmp_path, job_python=str(open_root / "python" / "bin" / "python"), data_dir=str(data))
+    assert result.returncode == 1
+    mode = stat.filemode(closed.stat().st_mode)
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ett agent: job user nobody cannot enter {closed} ({mode} root:root), on the way to its job folders: "
+        f"let other users pass through it (chmod o+x {closed}) or give the agent a --data-dir "
+        "(and ETT_AGENT_LOCAL_CHECKPOINT_DIR) outside it")

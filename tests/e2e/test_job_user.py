@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_own_scripts import run_with_a_kill
-from tests.support.cluster import cluster, example_job, trainer_job
+from tests.support.cluster import REPO, cluster, example_job, trainer_job
 from tests.support.job_user import job_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs agents started as root")]
@@ -70,6 +70,13 @@ def test_an_entrypoint_job_runs_as_nobody_and_resumes_and_a_closed_program_is_na
                                      max_restarts=0))
         assert failed["state"] == "failed"
         assert "Permission denied" in failed["attempts"][0]["detail"] and str(closed) in failed["attempts"][0]["detail"]
+
+        # A script that is not there: checked as the job's user before the rank starts, the job
+        # ends at once, not retried, naming the file (it was tried 3 times, its reason in torchrun.log).
+        typo = c.wait_job(c.submit(name="typo", nodes=1, procs_per_node=1, max_restarts=2,
+                                   entrypoint=["python", "examples/plain_dpp.py"]))
+        assert typo["state"] == "failed" and len(typo["attempts"]) == 1
+        assert typo["reason"].endswith(f"rank 0 cannot start: examples/plain_dpp.py (in {REPO}): No such file or directory")
 
 
 def test_a_trainer_job_forks_warm_as_nobody_and_resumes(open_root, python):

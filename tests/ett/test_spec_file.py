@@ -19,6 +19,12 @@ CASES = {
     "dotted.toml": ('name = "x"\n[trainer.overrides]\n"optim.lr" = 0.1\ntrain.steps = 60\n',
                     ['dotted.toml:4: trainer.overrides.train.steps: an override key with a dot must be quoted in TOML: '
                      'write "train.steps" = 60']),
+    "misspelt.toml": ('name = "x"\nmax_restart = 2\n\n[checkpoint]\ninterval = 5\n\n[[faults]]\nattempt = 0\n'
+                      'rank = 0\nat_step = 3\naction = "kill"\nsignal = "TERM"\n',
+                      ["misspelt.toml:2: max_restart: not a field; did you mean 'max_restarts'?",
+                       "misspelt.toml:5: checkpoint.interval: not a field; did you mean 'interval_steps'?",
+                       "misspelt.toml:12: faults.0.signal: not a field (the fields here: attempt, rank, at_step, "
+                       "action, code)"]),
     "interval.json": ('{\n  "name": "x",\n  "checkpoint": {\n    "interval_steps": "often"\n  }\n}\n',
                       ["interval.json:4: checkpoint.interval_steps: Input should be a valid integer, or 'auto'"]),
 }

@@ -2,6 +2,8 @@
 and a one-line error, not a traceback, from a server that is not ETT."""
 
 import http.server
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -36,7 +38,8 @@ def test_submit_list_cancel_and_report(service):
     assert row.endswith("waiting for 2 nodes with 1 free slot each: the fleet has 0 (0 agents registered); "
                         "start more agents (ett agent)")
 
-    # `ett report --follow` prints the report again until the job ends: here, until it is cancelled.
+    # `ett report --follow` follows the job until it ends: here, until it is cancelled. Into a pipe:
+    # the report, then a line per update, then the final report.
     follow = subprocess.Popen([sys.executable, "-m", "ett.cli.main", "report", job_id, "--follow", "--interval", "0.2"],
                               env={"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service.url, "ETT_TOKEN": token},
                               stdout=subprocess.PIPE, text=True)
@@ -44,8 +47,13 @@ def test_submit_list_cancel_and_report(service):
     assert follow.poll() is None
     cancelled = ett("cancel", job_id, service=service.url, token=token)
     out, _ = follow.communicate(timeout=30)
-    assert follow.returncode == 0 and out.count(f"job {job_id}") >= 2
+    assert follow.returncode == 0 and out.count(f"job {job_id}") == 2
     assert out[out.rindex(f"job {job_id}"):].startswith(f"job {job_id}  state cancelled")
+    lines = out.splitlines()
+    first_end = next(i for i, line in enumerate(lines) if line.startswith("recommended checkpoint interval"))
+    updates = lines[first_end + 1 : max(i for i, line in enumerate(lines) if line.startswith(f"job {job_id}"))]
+    assert len(updates) >= 3 and all(re.fullmatch(r"\d\d:\d\d:\d\d  queued  ETT 0\.0%  wall .*  restarts 0", line)
+                                     for line in updates), updates
     assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"{job_id} cancelled"
     report = ett("report", job_id, "--json", service=service.url, token=token)
     assert report.returncode == 0 and '"state": "cancelled"' in report.stdout
@@ -66,6 +74,22 @@ def test_fleet_prints_the_apis_figures(service):
     bad = ett("fleet", "--since", "yesterday", service=service.url, token=job.user_token)
     assert bad.returncode == 1 and bad.stderr.strip() == (
         "ett: --since 'yesterday': not a time (ISO 8601 like 2026-11-25T08:00, or unix seconds)")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_report_names_each_failure_and_a_closed_pipe_ends_the_command_quietly(service):
+    job = replayed_job(service, time.time() - 200)
+    report = ett("report", job.id, service=service.url, token=job.user_token)
+    assert report.returncode == 0, report.stderr
+    assert re.search(r"^  attempt 0: exit .* lost steps 20  rank 1 exit code 1$", report.stdout, re.M), report.stdout
+    # `ett jobs | head -0`: the reader is gone before the first line; no BrokenPipeError traceback.
+    read, write = os.pipe()
+    os.close(read)
+    env = {"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service.url, "ETT_TOKEN": job.user_token}
+    piped = subprocess.run([sys.executable, "-m", "ett.cli.main", "jobs"], env=env, stdout=write, stderr=subprocess.PIPE,
+                           text=True, timeout=60)  # fmt: skip
+    os.close(write)
+    assert piped.returncode == 141 and piped.stderr == ""
 
 
 def test_a_server_that_is_not_ett_gets_one_line_not_a_traceback():

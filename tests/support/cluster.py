@@ -39,15 +39,12 @@ class Cluster:
                     **settings: str) -> subprocess.Popen:
         """An agent process (`ett agent`, started in `cwd`); with `job_python`, one that runs jobs as
         its default job user with that interpreter (tests/support/job_user.py), else as the suite's own user."""
-        python = job_python or Path(sys.executable)
         env = {
             **os.environ, **({"ETT_AGENT_JOB_PYTHON": str(job_python)} if job_python else SUITE_USER_JOBS),
             "ETT_AGENT_SERVICE_URL": self.service.url, "ETT_AGENT_TOKEN_FILE": str(self._token_file(name)),
             "ETT_AGENT_NAME": name, "ETT_AGENT_SLOTS": str(slots), "ETT_AGENT_DATA_DIR": str(self.root / name),
             "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
             "ETT_AGENT_STOP_GRACE_SECONDS": "3",
-            # The example job files run `python examples/...`: the job's interpreter, from the repository's root.
-            "PATH": f"{python.parent}{os.pathsep}{os.environ.get('PATH', '')}",
             **{f"ETT_AGENT_{k.upper()}": v for k, v in settings.items()},
         }  # fmt: skip
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 (kept open for the process's life)
