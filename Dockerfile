@@ -9,10 +9,10 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY ett ett
+COPY ett_cli ett_cli
 COPY service service
 COPY agent agent
 COPY trainer trainer
-COPY migrations migrations
 RUN pip install '.[postgres]' && rm -rf /src
 
 # An unprivileged user; /run/ett is created here so a named volume mounted there is its to write.

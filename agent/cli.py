@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Adds `ett agent` to the `ett` command (ett/cli/main.py)."""
+    """Adds `ett agent` to the `ett` command (ett_cli/main.py)."""
     # No abbreviations: `--token` must not pass for `--token-file`.
     parser = sub.add_parser("agent", help="run the node agent (one per machine)", allow_abbrev=False)
     add_arguments(parser)

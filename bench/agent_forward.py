@@ -87,7 +87,7 @@ def main() -> None:
         port = free_port()
         log = root / "service.log"
         env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_PORT": str(port), "ETT_DATA_DIR": str(root)}
-        service = subprocess.Popen([sys.executable, "-m", "ett.cli.main", "service"], env=env,
+        service = subprocess.Popen([sys.executable, "-m", "ett_cli.main", "service"], env=env,
                                    stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:

@@ -1,7 +1,7 @@
 """Benchmark: event ingestion throughput and GET /ett latency (figures go in BENCHMARKS.md).
 
 For each backend (SQLite file, throwaway PostgreSQL) and each size (step events in the job):
-- the engine alone: the same events through service.ett.memory.MemoryJob (events/s);
+- the engine alone: the same events through service.accounting.memory.MemoryJob (events/s);
 - HTTP: one uvicorn process serving the app; one client posts pre-encoded batches to the admin
   replay endpoint, one after the other (events/s, client and server on the same machine);
 - GET /api/v1/jobs/{id}/ett latency (p50/p99 over sequential requests), against two baselines
@@ -37,8 +37,8 @@ from sqlalchemy import make_url, select
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.db import make_engine, make_session_factory  # noqa: E402
-from service.ett.engine import Event  # noqa: E402
-from service.ett.memory import MemoryJob  # noqa: E402
+from service.accounting.engine import Event  # noqa: E402
+from service.accounting.memory import MemoryJob  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import JobEvent, Role  # noqa: E402
 from service.security import create_token  # noqa: E402

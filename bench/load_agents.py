@@ -332,7 +332,7 @@ def main() -> None:
         port = free_port()
         env = os.environ | {"ETT_DATABASE_URL": database_url, "ETT_PORT": str(port), "ETT_DATA_DIR": root}
         log = open(args.service_log, "wb")
-        command = [sys.executable, "-m", "ett.cli.main", "service", "--workers", str(load.workers)]
+        command = [sys.executable, "-m", "ett_cli.main", "service", "--workers", str(load.workers)]
         service = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -31,9 +31,9 @@ from sqlalchemy import select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
 
-from ett.cli.render import CATEGORY_ORDER  # noqa: E402
-from service.ett.engine import Event  # noqa: E402
-from service.ett.memory import MemoryJob  # noqa: E402
+from ett_cli.render import CATEGORY_ORDER  # noqa: E402
+from service.accounting.engine import Event  # noqa: E402
+from service.accounting.memory import MemoryJob  # noqa: E402
 from service.models import JobEvent  # noqa: E402
 from tests.support.cluster import cluster, trainer_job  # noqa: E402
 

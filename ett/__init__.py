@@ -1,7 +1,7 @@
 """ETT for any training script: `import ett`, then `run = ett.init()` (docs/library.md).
 
 The library's names are loaded on first use (PEP 562): they bring in torch, which the `ett`
-command (ett/cli) and the service it starts do not need.
+command (ett_cli) and the service it starts do not need.
 """
 
 import importlib

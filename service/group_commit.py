@@ -1,7 +1,7 @@
 """Group commit, written once: requests wait on the event loop, a task takes them in groups and
 writes each group in one transaction on a worker thread; each request still gets its own answer.
 
-The heartbeats (service/agents/heartbeats.py) and the agents' event batches
+The heartbeats (service/jobs/heartbeats.py) and the agents' event batches
 (service/ingest/batches.py) only say what a group writes. A group whose write fails is written
 again one request at a time, so an error, and the nothing-stored of a refused request, stay with
 the request that caused them.

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
 from service.agents.commands import CommandBell, ring_on_commit
-from service.agents.heartbeats import HeartbeatWriter
+from service.jobs.heartbeats import HeartbeatWriter
 from service.api import include_api
 from service.api.health import router as health_router
 from service.asgi.access_log import QuietAgentCalls

@@ -8,9 +8,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-import migrations
-
-MIGRATIONS_DIR = Path(migrations.__file__).parent
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # Alembic's scripts: read by Alembic, not imported
 
 
 class DatabaseNotAtHead(RuntimeError):

@@ -231,11 +231,11 @@ class AgentCommand(Base):
     delivered_at: Mapped[datetime | None] = mapped_column(index=True)
 
 
-# ---- ETT: events, checkpoints and per-job accounting (service/ingest/store.py, service/ett/) ----
+# ---- ETT: events, checkpoints and per-job accounting (service/ingest/store.py, service/accounting/) ----
 # Times here are unix seconds on the service's clock (UTC), as in the events themselves.
 
 
-# The rows of rank 0's step events (TIMING_SOURCE in service/ett/engine.py), as a literal SQL
+# The rows of rank 0's step events (TIMING_SOURCE in service/accounting/engine.py), as a literal SQL
 # condition: a partial index serves only queries that state its condition in the same words.
 RANK0_STEPS = text("kind = 'step' AND source = 'rank:0'")
 
@@ -286,7 +286,7 @@ class Checkpoint(Base):
 
 
 class JobAccountRow(Base):
-    """A job's ETT accounting state (service.ett.engine.JobAccount), kept up to date by ingestion
+    """A job's ETT accounting state (service.accounting.engine.JobAccount), kept up to date by ingestion
     so a report reads one row. The columns beside it serve fleet-wide queries."""
 
     __tablename__ = "ett_accounts"

@@ -1,7 +1,8 @@
-"""The import graph: every module imports on its own, the service's layers import only downwards
-(routers -> domain -> storage), nothing imports in a circle, the service imports nothing of the
-agent, the trainer or the library but its light shared pieces (ett/events.py, ett/paths.py), and
-no import hides inside a function."""
+"""The import graph: every module imports on its own; the packages import only downwards (the
+command line -> the service, the agent, the trainer -> the library), and the service's layers too
+(routers -> domain -> storage); the service's wings (agents, jobs, ingest, ...) import each other
+one way only; nothing imports in a circle; the service takes of the library only its light
+shared pieces; no import hides inside a function."""
 
 import ast
 import subprocess
@@ -11,15 +12,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("service", "ett", "agent", "trainer")
+PACKAGES = ("service", "ett", "ett_cli", "agent", "trainer")
+# Each package imports only those of a lower tier: the library stands alone, the three programs
+# stand on it and never on each other, the command line on all of them.
+TIERS = {"ett": 0, "service": 1, "agent": 1, "trainer": 1, "ett_cli": 2}
+# What the service may take of the library: pieces without torch, shared with ranks and agents.
+LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol")
 
 # The service's layers, lowest first; a module sits in the first whose prefix it starts with.
 LAYERS = (
-    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.migrate",
+    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.migrat",
                                       "service.security", "service.group_commit", "service.schemas",
-                                      "service.ett.engine", "service.ett.report", "service.ett.fleet",
-                                      "service.ett.fold", "service.ett.memory", "service.ett.simulate")),
-    ("domain", ("service.agents", "service.ingest", "service.jobs", "service.ett", "service.slurm")),
+                                      "service.accounting.engine", "service.accounting.report", "service.accounting.fleet",
+                                      "service.accounting.fold", "service.accounting.memory", "service.accounting.simulate")),
+    ("domain", ("service.agents", "service.ingest", "service.jobs", "service.accounting", "service.slurm")),
     ("HTTP", ("service.api", "service.pages", "service.asgi")),
     ("assembly", ("service.main", "service")),
 )  # fmt: skip
@@ -81,12 +87,13 @@ def layer(name: str) -> int:
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
     # One interpreter per module would take a minute; instead one interpreter forgets every
     # project module between imports (third-party ones stay: circles are only among ours).
-    names = sorted(project_modules())
+    # Alembic's scripts run only inside Alembic.
+    names = sorted(name for name in project_modules() if not name.startswith("service.migrations"))
     script = """
 import importlib, sys, traceback
 failed = []
 for name in sys.argv[1:]:
-    for loaded in [m for m in sys.modules if m.split(".")[0] in ("service", "ett", "agent", "trainer", "migrations")]:
+    for loaded in [m for m in sys.modules if m.split(".")[0] in ("service", "ett", "ett_cli", "agent", "trainer")]:
         del sys.modules[loaded]
     try:
         importlib.import_module(name)
@@ -100,13 +107,50 @@ print("\\n".join(failed))
     assert result.stdout.strip() == "", f"modules that fail to import on their own:\n{result.stdout}"
 
 
+def test_each_package_imports_only_packages_below_it():
+    upward = sorted(f"{name} imports {target}" for name, targets in graph().items() for target in targets
+                    if target.split(".")[0] != name.split(".")[0]
+                    and TIERS[target.split(".")[0]] >= TIERS[name.split(".")[0]])  # fmt: skip
+    assert upward == []
+
+
+def test_the_library_imports_without_the_services_dependencies(tmp_path):
+    """`import ett` and its modules in an interpreter where fastapi, sqlalchemy and uvicorn cannot
+    be imported (a training node's environment need not have them)."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'uvicorn', 'starlette', 'alembic'):\n"
+        "            raise ImportError(f'{name} is not installed here')\n"
+        "sys.meta_path.insert(0, Block())\n")
+    library = sorted(name for name in project_modules() if name == "ett" or name.startswith("ett."))
+    code = "import importlib, sys\nfor name in sys.argv[1:]: importlib.import_module(name)\nprint('ok')"
+    result = subprocess.run([sys.executable, "-c", code, *library], capture_output=True, text=True, cwd=ROOT,
+                            env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_the_services_wings_import_each_other_one_way_only():
+    """agents, jobs, ingest, accounting, slurm, ...: an edge between two of them goes one way."""
+    wings: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        if name.startswith("service.") and name.count(".") >= 2:
+            wing = name.split(".")[1]
+            wings.setdefault(wing, set()).update(t.split(".")[1] for t in targets
+                                                 if t.startswith("service.") and t.count(".") >= 2)  # fmt: skip
+    both_ways = sorted(f"{a} <-> {b}" for a in wings for b in wings[a] if a < b and a in wings.get(b, ()))
+    assert both_ways == []
+
+
 def test_the_service_imports_only_downwards_and_nothing_of_the_other_parts():
     upward = []
     for name, targets in graph().items():
         if not name.startswith("service"):
             continue
         for target in targets:
-            if target in ("ett", "ett.events", "ett.paths"):  # light pieces shared by ranks, agents and the service
+            if target in LIGHT_LIBRARY:  # light pieces shared by ranks, agents and the service
                 continue
             assert target.split(".")[0] == "service", f"{name} imports {target}: the service stands on its own"
             if layer(target) > layer(name):
@@ -137,14 +181,14 @@ def test_no_circle_in_the_import_graph():
     assert circles == []
 
 
-@pytest.mark.parametrize("package", ["service", "agent", "ett"])
+@pytest.mark.parametrize("package", ["service", "agent", "ett", "trainer"])
 def test_no_import_hides_inside_a_function(package):
     # Imports inside functions dodge circles and hide what a module needs. The command line
-    # (ett/cli, agent/cli.py) is the exception: it defers each subcommand's imports, so that
+    # (ett_cli, agent/cli.py) is the exception: it defers each subcommand's imports, so that
     # `ett --help` or `ett agent` does not load the service, and `ett service` not the agent.
     nested = {}
     for name, path in project_modules().items():
-        if name.startswith(package) and not (name.startswith("ett.cli") or name == "agent.cli"):
+        if name.split(".")[0] == package and name != "agent.cli":
             lines = imports_of(path, name)[1]
             if lines:
                 nested[name] = lines

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from service.agents.heartbeats import answer_heartbeat
+from service.jobs.heartbeats import answer_heartbeat
 from service.agents.nodes import register_node
 from service.api.deps import AgentCallerDep, AgentDep
 from service.db import SessionDep

@@ -6,7 +6,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
-from service.ett.accounts import job_account, restored_steps
+from service.accounting.accounts import job_account, restored_steps
 from service.jobs import scheduler
 from service.jobs.catalog import (
     EntrypointRefused,
@@ -23,7 +23,7 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
 def job_out(job: Job, restored: dict[int, int]) -> JobOut:
-    """`restored`: the step each attempt restored (service.ett.accounts.restored_steps)."""
+    """`restored`: the step each attempt restored (service.accounting.accounts.restored_steps)."""
     attempts = [
         AttemptOut(
             number=a.number, state=a.state, allocated_at=a.allocated_at, ended_at=a.ended_at, cause=a.cause,

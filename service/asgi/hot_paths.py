@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.agents.heartbeats import answer_heartbeat
+from service.jobs.heartbeats import answer_heartbeat
 from service.api import PREFIX, agents, events
 from service.models import Role
 from service.schemas.agents import Heartbeat

@@ -1,4 +1,4 @@
-"""GET /metrics for Prometheus: the ETT figures (service/ett/metrics.py) and this process's own
+"""GET /metrics for Prometheus: the ETT figures (service/accounting/metrics.py) and this process's own
 request counts and latencies, labelled by route template."""
 
 import math
@@ -14,7 +14,7 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.ett.metrics import EttCollector
+from service.accounting.metrics import EttCollector
 
 
 def route_template(scope: Scope) -> str:

@@ -1,5 +1,5 @@
 """The agents' event batches, written in groups: all batches that arrive while one group is
-written go together in the next (group commit, as heartbeats are: service/agents/heartbeats.py), in one
+written go together in the next (group commit, as heartbeats are: service/jobs/heartbeats.py), in one
 transaction of a fixed number of statements: the nodes, the attempts given to them, and one
 ingestion (service/ingest/store.py) of all their events.
 

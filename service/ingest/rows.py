@@ -36,7 +36,7 @@ class Pending(NamedTuple):
     def key(self) -> tuple[int, str, int]:
         return (self.row.attempt, self.row.source, self.row.seq)
 
-    # What the fold reads (service/ett/fold.py).
+    # What the fold reads (service/accounting/fold.py).
     job_id = property(lambda self: self.row.job_id)
     kind = property(lambda self: self.row.kind)
     ts = property(lambda self: self.row.ts)

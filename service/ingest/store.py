@@ -9,7 +9,7 @@ temporary table (COPY, or executemany: no per-row work in Python beyond building
 moved into `events` by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job, attempt, source,
 seq) that returns the keys it stored. A repeat with the same content is ignored and one with
 other content rejects the batch; only the new events are folded into their job's `JobAccount`
-(service/ett/engine.py), rank 0's steps one attempt at a time, and their checkpoint events into
+(service/accounting/engine.py), rank 0's steps one attempt at a time, and their checkpoint events into
 the job's checkpoint records.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 from sqlalchemy import Row, bindparam, func, insert, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from service.ett.engine import CheckpointRecord, Event, JobAccount
-from service.ett.fold import fold, is_checkpoint
+from service.accounting.engine import CheckpointRecord, Event, JobAccount
+from service.accounting.fold import fold, is_checkpoint
 from service.ingest.rows import (
     EventRow,
     Pending,

@@ -11,8 +11,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ett.paths import inside
-from service.ett.accounts import job_account, job_report
-from service.ett.report import young_interval
+from service.accounting.accounts import job_account, job_report
+from service.accounting.report import young_interval
 from service.models import Checkpoint, Job
 from service.settings import Settings
 

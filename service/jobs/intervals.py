@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from service.agents import commands
-from service.ett.accounts import job_account
+from service.accounting.accounts import job_account
 from service.jobs.checkpoints import checkpoint_interval_steps
 from service.jobs.service_events import emit
 from service.models import Attempt, AttemptState, Job, JobState

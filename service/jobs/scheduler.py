@@ -65,7 +65,7 @@ def report_changes_nothing(share_state: AttemptState, attempt_state: AttemptStat
 
 def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt).
-    Heartbeats written in a batch (service/agents/heartbeats.py) load their shares at once and call this."""
+    Heartbeats written in a batch (service/jobs/heartbeats.py) load their shares at once and call this."""
     if share.state not in ACTIVE:
         return
     share.state = AttemptState(report.state)

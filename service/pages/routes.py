@@ -1,7 +1,7 @@
 """The pages: the jobs list and a job's page (ETT breakdown, failures, timeline of its attempts).
 
 Server-rendered with Jinja2, no script. Every figure comes from the same code as the API
-(`job_report` of service/ett/accounts.py), so a page and `GET /api/v1/jobs/{id}/ett` agree.
+(`job_report` of service/accounting/accounts.py), so a page and `GET /api/v1/jobs/{id}/ett` agree.
 """
 
 import time
@@ -14,13 +14,13 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from service.db import SessionDep
-from service.ett.accounts import (
+from service.accounting.accounts import (
     fleet_figures,
     fleet_mtbf_seconds,
     job_account,
     job_report,
 )
-from service.ett.engine import CATEGORIES
+from service.accounting.engine import CATEGORIES
 from service.jobs.catalog import visible_job, visible_jobs
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep

@@ -2,7 +2,7 @@
 runs of pixel columns, so a lane costs at most `columns` SVG elements whatever its step count.
 
 The lanes' bounds, their start-up (init, restore) and their tail (recovery or idle) are the
-report's own pieces (service/ett/report.py); only the inside of an attempt's training stretch is
+report's own pieces (service/accounting/report.py); only the inside of an attempt's training stretch is
 laid out here, from its step time (summed per column by the database: timeline_data.py)
 and its checkpoint saves. Each column of a lane takes the category that fills most of it, and
 neighbouring columns of one category become one run.
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from service.ett.engine import CATEGORIES, JobAccount
-from service.ett.report import (
+from service.accounting.engine import CATEGORIES, JobAccount
+from service.accounting.report import (
     Piece,
     attempt_pieces,
     attempt_spans,

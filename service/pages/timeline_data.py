@@ -5,13 +5,13 @@ lane was kept or rolled-back training. So the database sums rank 0's step durati
 (attempt, column of the step's end, kept or rolled back) and sends back a few thousand rows. A
 step longer than a column comes back alone, with its own start, so it is drawn across the
 columns it covers. Rolled back is the engine's rule: a step numbered above its attempt's
-`rolled_back_to` (service/ett/engine.py, `JobAccount.settle`).
+`rolled_back_to` (service/accounting/engine.py, `JobAccount.settle`).
 """
 
 from sqlalchemy import and_, case, func, select
 from sqlalchemy.orm import Session
 
-from service.ett.engine import TIMING_SOURCE, JobAccount
+from service.accounting.engine import TIMING_SOURCE, JobAccount
 from service.models import Checkpoint, JobEvent
 from service.pages.timeline import Frame, SaveSpan, StepTime
 

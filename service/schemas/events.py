@@ -11,7 +11,7 @@ from pydantic import (
     field_validator,
 )
 
-from service.ett.engine import AGENT_KINDS, CATEGORIES, EVENT_KINDS, SERVICE_KINDS
+from service.accounting.engine import AGENT_KINDS, CATEGORIES, EVENT_KINDS, SERVICE_KINDS
 from service.schemas import Strict
 
 EventKind = Literal[tuple(sorted(EVENT_KINDS))]  # type: ignore[valid-type]

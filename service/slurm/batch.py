@@ -24,7 +24,7 @@ def service_url(settings: Settings) -> str:
 def agent_command(settings: Settings) -> list[str]:
     if settings.slurm_agent_command:
         return shlex.split(settings.slurm_agent_command)
-    return [sys.executable, "-P", "-m", "ett.cli.main", "agent"]
+    return [sys.executable, "-P", "-m", "ett_cli.main", "agent"]
 
 
 def render_script(settings: Settings, folder: Path, procs_per_node: int) -> str:

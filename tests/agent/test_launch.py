@@ -79,7 +79,7 @@ def test_the_agent_token_comes_from_a_file_or_the_environment_never_a_flag(capsy
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     # `ps` would show a token on the command line to every user of the node: there is no such flag.
-    flag = subprocess.run([sys.executable, "-m", "ett.cli.main", "agent", "--token", "ett_secret"],
+    flag = subprocess.run([sys.executable, "-m", "ett_cli.main", "agent", "--token", "ett_secret"],
                           capture_output=True, text=True, timeout=60)
     assert flag.returncode == 2 and "unrecognized arguments: --token" in flag.stderr
     monkeypatch.delenv("ETT_AGENT_TOKEN", raising=False)

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tests.service.ett.timelines import Timeline
+from tests.service.accounting.timelines import Timeline
 from tests.service.factories import submit
 from tests.support.live import LiveService
 

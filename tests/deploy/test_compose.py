@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from agent.settings import AgentSettings
-from ett.cli.main import build_parser
+from ett_cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -132,9 +132,9 @@ def test_grafana_provisions_the_datasource_and_the_dashboard_it_mounts(compose):
 
 
 def test_the_image_copies_every_package_the_project_installs():
-    # The packages pyproject.toml installs (ett, service, agent, trainer, migrations): one left out of
+    # The packages pyproject.toml installs (ett, ett_cli, service, agent, trainer): one left out of
     # the image installs nothing and fails only when first imported in a container.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {name.rstrip("*") for name in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "Dockerfile").read_text(), re.M))
-    assert packages == copied == {"ett", "service", "agent", "trainer", "migrations"}
+    assert packages == copied == {"ett", "ett_cli", "service", "agent", "trainer"}

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from ett.cli.spec_file import SpecFileError, load_spec
+from ett_cli.spec_file import SpecFileError, load_spec
 
 CASES = {
     "syntax.toml": ('name = "x"\nnodes = 2\nentrypoint = ["python", "t.py"\n',
@@ -42,7 +42,7 @@ def test_each_mistake_is_one_line_with_file_line_and_field(tmp_path, name):
 def test_ett_submit_prints_them_without_a_traceback(tmp_path):
     text, expected = CASES["values.toml"]
     (tmp_path / "values.toml").write_text(text)
-    result = subprocess.run([sys.executable, "-m", "ett.cli.main", "submit", str(tmp_path / "values.toml"), "--token",
+    result = subprocess.run([sys.executable, "-m", "ett_cli.main", "submit", str(tmp_path / "values.toml"), "--token",
                              "t"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"ett: {tmp_path}/{line}" for line in expected]

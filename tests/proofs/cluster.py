@@ -76,7 +76,7 @@ class Cluster:
         env = os.environ | SERVICE_ENV | self.service_env | {
             "ETT_DATABASE_URL": self.database_url, "ETT_DATA_DIR": str(self.root / "service"),
             "ETT_PORT": str(self.port), "ETT_CHECKPOINT_ROOT": str(self.checkpoint_root)}  # fmt: skip
-        argv = [sys.executable, "-m", "ett.cli.main", "service", "--workers", str(self.workers)]
+        argv = [sys.executable, "-m", "ett_cli.main", "service", "--workers", str(self.workers)]
         self.service = self._spawn(argv, env, "service.log")
         wait_for(self._ready, 60, "the service to answer /readyz", interval=0.2)
 

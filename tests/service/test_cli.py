@@ -5,7 +5,7 @@ import sys
 
 
 def ett(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ett.cli.main", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ett_cli.main", *args], env=env, capture_output=True,
                           text=True, timeout=60)
 
 
@@ -25,7 +25,7 @@ def test_bad_setting_is_named(tmp_path):
 
 def test_a_token_made_from_another_folder_gets_one_line_naming_the_database(tmp_path):
     # The default ETT_DATA_DIR is ./data: from another folder than the service's there is no database.
-    result = subprocess.run([sys.executable, "-m", "ett.cli.main", "token", "create", "--role", "user"],
+    result = subprocess.run([sys.executable, "-m", "ett_cli.main", "token", "create", "--role", "user"],
                             env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     [line] = result.stderr.strip().splitlines()

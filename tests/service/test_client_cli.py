@@ -17,7 +17,7 @@ from tests.support.cluster import EXAMPLE_JOBS, wait_for
 
 def ett(*args: str, service: str, token: str | None) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service, **({"ETT_TOKEN": token} if token else {})}
-    return subprocess.run([sys.executable, "-m", "ett.cli.main", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ett_cli.main", *args], env=env, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
 
 
@@ -40,7 +40,7 @@ def test_submit_list_cancel_and_report(service):
 
     # `ett report --follow` follows the job until it ends: here, until it is cancelled. Into a pipe:
     # the report, then a line per update, then the final report.
-    follow = subprocess.Popen([sys.executable, "-m", "ett.cli.main", "report", job_id, "--follow", "--interval", "0.2"],
+    follow = subprocess.Popen([sys.executable, "-m", "ett_cli.main", "report", job_id, "--follow", "--interval", "0.2"],
                               env={"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service.url, "ETT_TOKEN": token},
                               stdout=subprocess.PIPE, text=True)
     time.sleep(2)
@@ -86,7 +86,7 @@ def test_report_names_each_failure_and_a_closed_pipe_ends_the_command_quietly(se
     read, write = os.pipe()
     os.close(read)
     env = {"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service.url, "ETT_TOKEN": job.user_token}
-    piped = subprocess.run([sys.executable, "-m", "ett.cli.main", "jobs"], env=env, stdout=write, stderr=subprocess.PIPE,
+    piped = subprocess.run([sys.executable, "-m", "ett_cli.main", "jobs"], env=env, stdout=write, stderr=subprocess.PIPE,
                            text=True, timeout=60)  # fmt: skip
     os.close(write)
     assert piped.returncode == 141 and piped.stderr == ""

@@ -9,10 +9,10 @@ from dataclasses import asdict
 import pytest
 from sqlalchemy import func, select
 
-from service.ett.memory import MemoryJob
+from service.accounting.memory import MemoryJob
 from service.models import Checkpoint, JobEvent
-from tests.service.ett.test_engine_timelines import crash_with_rollback
-from tests.service.ett.timelines import T0, Timeline
+from tests.service.accounting.test_engine_timelines import crash_with_rollback
+from tests.service.accounting.timelines import T0, Timeline
 from tests.service.factories import give_attempt, register_agent, submit
 
 # Jobs here need more nodes than the tests register, so the scheduler leaves them alone.

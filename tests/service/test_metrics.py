@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.service.ett.test_engine_timelines import crash_with_rollback
+from tests.service.accounting.test_engine_timelines import crash_with_rollback
 from tests.service.factories import submit
 from tests.support.live import live_service
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ett.cli.render import report_table
-from service.ett.engine import CATEGORIES
-from service.ett.memory import MemoryJob
+from ett_cli.render import report_table
+from service.accounting.engine import CATEGORIES
+from service.accounting.memory import MemoryJob
 from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
 from tests.deploy.replayed import clean_success, failed_at_start, replayed_job
-from tests.service.ett.timelines import Timeline
+from tests.service.accounting.timelines import Timeline
 from tests.service.factories import submit
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"

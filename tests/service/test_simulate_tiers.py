@@ -4,8 +4,8 @@ never are, and the side-by-side projection of a measured job."""
 
 import time
 
-from ett.cli.main import main
-from service.ett.simulate import llama3_405b, memory_report, recommended_tiers, tier_models
+from ett_cli.main import main
+from service.accounting.simulate import llama3_405b, memory_report, recommended_tiers, tier_models
 
 END = 1.9e9
 

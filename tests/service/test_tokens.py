@@ -18,7 +18,7 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 def ett(settings, *args: str) -> subprocess.CompletedProcess:
     env = os.environ | {"ETT_DATABASE_URL": settings.resolved_database_url}
-    return subprocess.run([sys.executable, "-m", "ett.cli.main", "token", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ett_cli.main", "token", *args], env=env, capture_output=True,
                           text=True, timeout=60)
 
 

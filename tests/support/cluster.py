@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from ett.cli.spec_file import load_spec
+from ett_cli.spec_file import load_spec
 from service.migrate import upgrade
 from service.settings import Settings
 from tests.support.job_user import SUITE_USER_JOBS

@@ -36,8 +36,8 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-from service.ett.engine import Event
-from service.ett.memory import MemoryJob
+from service.accounting.engine import Event
+from service.accounting.memory import MemoryJob
 
 # Failure causes: (cause, share, detection seconds). The shares are illustrative, in the spirit
 # of Llama 3's report (most interruptions are GPU or host faults that kill a rank, some lose a

@@ -7,9 +7,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from service.ett.engine import TIMING_SOURCE, CheckpointRecord, Event, JobAccount
-from service.ett.fold import fold
-from service.ett.report import build_report
+from service.accounting.engine import TIMING_SOURCE, CheckpointRecord, Event, JobAccount
+from service.accounting.fold import fold
+from service.accounting.report import build_report
 
 
 def _duration(e: Event) -> float:

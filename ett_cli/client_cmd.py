@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from ett.cli.render import fleet_table, progress_line, report_table
-from ett.cli.spec_file import SpecFileError, load_spec
+from ett_cli.render import fleet_table, progress_line, report_table
+from ett_cli.spec_file import SpecFileError, load_spec
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

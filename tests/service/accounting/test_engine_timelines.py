@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from service.ett.engine import CATEGORIES
-from service.ett.memory import MemoryJob
-from tests.service.ett.timelines import T0, Timeline
+from service.accounting.engine import CATEGORIES
+from service.accounting.memory import MemoryJob
+from tests.service.accounting.timelines import T0, Timeline
 
 MS = 1e-3
 

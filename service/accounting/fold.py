@@ -1,5 +1,5 @@
 """The fold of a job's new events into its account: one way, for the service's ingestion
-(service/ingest/store.py) and the in-memory job (service/ett/memory.py).
+(service/ingest/store.py) and the in-memory job (service/accounting/memory.py).
 
 Most events of a big job are other ranks' and the agents': all they change is their attempt's
 first and last times, so those are folded per attempt at once, as are rank 0's steps; the rest
@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
-from service.ett.engine import (
+from service.accounting.engine import (
     CHECKPOINT_KINDS,
     TIMING_SOURCE,
     CheckpointRecord,

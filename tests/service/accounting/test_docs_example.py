@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from service.ett.memory import MemoryJob
-from tests.service.ett.test_engine_timelines import crash_with_rollback
-from tests.service.ett.timelines import T0
+from service.accounting.memory import MemoryJob
+from tests.service.accounting.test_engine_timelines import crash_with_rollback
+from tests.service.accounting.timelines import T0
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "ett.md"
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from ett.cli.render import report_table
-from service.ett.simulate import (
+from ett_cli.render import report_table
+from service.accounting.simulate import (
     FleetModel,
     expected_ett,
     memory_report,
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
           f"MTBF {model.mtbf_seconds / 3600:.2f} h, seed {model.seed}: {len(events):,} events, a step event per "
           f"{model.steps_per_event} steps of {model.step_seconds:g} s ({steps:,} of them)")  # fmt: skip
     print(report_table(report, max_failures=None if args.all_failures else 5))
-    print(f"\nanalytical ETT {100 * expected_ett(model):.1f}% (renewal-reward, service/ett/simulate.py) at the "
+    print(f"\nanalytical ETT {100 * expected_ett(model):.1f}% (renewal-reward, service/accounting/simulate.py) at the "
           f"simulated interval {model.interval_seconds:g} s; Young's interval of the model "
           f"{young_interval_seconds(model):.0f} s")
     if args.sweep:

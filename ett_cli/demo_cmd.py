@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from ett.cli.render import report_table
+from ett_cli.render import report_table
 
 DEMO_STEPS = 60
 # Ctrl-C, `kill`, the terminal closed: each stops the demo's service and agents as well.
@@ -67,12 +67,12 @@ def _free_port() -> int:
 
 def _ett(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "ett.cli.main", *args], env=env, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "ett_cli.main", *args], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _token(role: str, subject: str, env: dict[str, str]) -> str:
-    result = subprocess.run([sys.executable, "-m", "ett.cli.main", "token", "create", "--role", role,
+    result = subprocess.run([sys.executable, "-m", "ett_cli.main", "token", "create", "--role", role,
                              "--subject", subject], env=env, capture_output=True, text=True, check=True)
     return result.stdout.strip()
 
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_demo(args: argparse.Namespace, root: Path, env: dict[str, str], url: str, started: float) -> dict[str, Any]:
     """Service, agents, the job and its report; on a terminal, stays up until interrupted."""
-    subprocess.run([sys.executable, "-m", "ett.cli.main", "service", "migrate"], env=env, check=True,
+    subprocess.run([sys.executable, "-m", "ett_cli.main", "service", "migrate"], env=env, check=True,
                    capture_output=True)
     with _processes() as procs:
         service_log = root / "service.log"

@@ -5,7 +5,7 @@ import os
 import sys
 
 from agent import cli as agent_cmd
-from ett.cli import client_cmd, demo_cmd, service_cmd, simulate_cmd, token_cmd
+from ett_cli import client_cmd, demo_cmd, service_cmd, simulate_cmd, token_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:

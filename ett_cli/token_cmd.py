@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ett.cli.service_cmd import load_settings
+from ett_cli.service_cmd import load_settings
 
 DURATION = re.compile(r"^(\d+)([mhd])$")
 UNITS = {"m": "minutes", "h": "hours", "d": "days"}

@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Query, status
 
 from service.api.deps import UserDep, VisibleJobDep
 from service.db import SessionDep
-from service.ett.accounts import fleet_figures, job_report
+from service.accounting.accounts import fleet_figures, job_report
 from service.schemas.events import EttReport, FleetReport
 
 router = APIRouter(tags=["ett"])

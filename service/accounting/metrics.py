@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.ett.accounts import fleet_mtbf_seconds
-from service.ett.engine import CATEGORIES, JobAccount
-from service.ett.report import build_report
+from service.accounting.accounts import fleet_mtbf_seconds
+from service.accounting.engine import CATEGORIES, JobAccount
+from service.accounting.report import build_report
 from service.models import Checkpoint, Job, JobAccountRow, JobState
 from service.settings import Settings
 

@@ -6,9 +6,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.ett.engine import JobAccount
-from service.ett.fleet import FleetJob, fleet_report
-from service.ett.report import build_report
+from service.accounting.engine import JobAccount
+from service.accounting.fleet import FleetJob, fleet_report
+from service.accounting.report import build_report
 from service.models import Job, JobAccountRow, Role, Token
 
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from service.ett.engine import CATEGORIES, AttemptSummary, JobAccount
+from service.accounting.engine import CATEGORIES, AttemptSummary, JobAccount
 
 
 @dataclass(frozen=True)

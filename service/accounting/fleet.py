@@ -12,8 +12,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from service.ett.engine import CATEGORIES, JobAccount
-from service.ett.report import attempt_pieces, attempt_spans, failures_of, window_of
+from service.accounting.engine import CATEGORIES, JobAccount
+from service.accounting.report import attempt_pieces, attempt_spans, failures_of, window_of
 
 
 @dataclass(frozen=True)

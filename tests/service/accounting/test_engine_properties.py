@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.ett.engine import CATEGORIES
-from service.ett.fleet import FleetJob, fleet_report
-from service.ett.memory import MemoryJob
-from tests.service.ett.timelines import T0, Timeline
+from service.accounting.engine import CATEGORIES
+from service.accounting.fleet import FleetJob, fleet_report
+from service.accounting.memory import MemoryJob
+from tests.service.accounting.timelines import T0, Timeline
 
 TICK = 1 / 8
 PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -3,7 +3,7 @@
 from collections import defaultdict
 from typing import Any
 
-from service.ett.engine import Event
+from service.accounting.engine import Event
 
 T0 = 1_700_000_000.0
 
