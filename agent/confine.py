@@ -5,7 +5,7 @@ not the only line of defence."""
 import os
 from pathlib import Path
 
-from agent.commands import LaunchCommand
+from ett.protocol.messages import LaunchCommand
 from ett.paths import inside
 
 

@@ -21,7 +21,7 @@ import httpx
 from pydantic import ValidationError
 
 from agent.client import ServiceClient
-from agent.commands import IntervalCommand, LaunchCommand, command_adapter
+from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 from agent.forward import ForwardConfig, Forwarder
 from agent.job_user import RunAs, make_passable, resolve_job_user
 from agent.metrics import AgentStats, serve_metrics
@@ -190,7 +190,8 @@ class Agent:
     def _send_heartbeat(self, wait: float) -> int:
         """One heartbeat; the number of commands its answer carried (0 as well when it failed)."""
         attempts = self.supervisor.reports.to_send()
-        body = {"clock": time.time(), "attempts": attempts, "stats": self.stats.heartbeat_figures(),
+        body = {"clock": time.time(), "attempts": [report.model_dump() for report in attempts],
+                "stats": self.stats.heartbeat_figures(),
                 "leaving": self.leaving}
         try:
             answer = self.client.heartbeat(body, wait)

@@ -11,8 +11,8 @@ import os
 import signal
 from pathlib import Path
 
-from agent.commands import Fault
-from agent.rank_runner import fault_exit_file
+from ett.protocol.messages import Fault
+from ett.protocol import fault_exit_file
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class FaultInjector:
             elif fault.action == "hang":
                 os.kill(pid, signal.SIGSTOP)
             else:
-                fault_exit_file(self.control_dir, fault.rank).write_text(str(1 if fault.code is None else fault.code))
+                (self.control_dir / fault_exit_file(fault.rank)).write_text(str(1 if fault.code is None else fault.code))
                 os.kill(runner_pid, signal.SIGUSR1)
         except ProcessLookupError:
             log.warning("fault injection: rank %d already gone", fault.rank)

@@ -35,6 +35,7 @@ import httpx
 from agent.metrics import AgentStats
 from agent.jsonl import append_json_line
 from agent.spool import AttemptPaths, disk_bytes, parse_event, read_complete_lines, release_prefix
+from ett.protocol import EVENTS_DIR, SPOOL_SUFFIX
 
 log = logging.getLogger(__name__)
 REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")
@@ -154,7 +155,7 @@ class Forwarder:
         return limit / 2 + random.uniform(0, limit / 2)  # jitter: agents do not retry in step
 
     def _spool_files(self) -> list[Path]:
-        return sorted(self.spool_root.glob("*/*/events/*.jsonl"))
+        return sorted(self.spool_root.glob(f"*/*/{EVENTS_DIR}/*{SPOOL_SUFFIX}"))
 
     def _read_spools(self) -> bool:
         """Reads on into `pending` (up to a few batches); True when there was something new."""

@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.commands import CheckpointSpec, LaunchCommand, TrainerSpec
+from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 from agent.job_user import RunAs
 from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
 from agent.warm_client import WARM_SOCKET_ENV, python_module
+from ett.protocol import JobEnv
 
 
 def override_value(value: Any) -> str:
@@ -70,16 +71,16 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
     environment"); `ett.init()` reads it. Unset values are left out."""
     ckpt = command.checkpoint
     env = {
-        "ETT_JOB_ID": command.job_id,
-        "ETT_ATTEMPT": str(command.attempt),
-        "ETT_EVENT_DIR": str(paths.events_dir),
-        "ETT_CHECKPOINT_DIR": ckpt.dir,
-        "ETT_CHECKPOINT_LOCAL_DIR": ckpt.local_dir,
-        "ETT_RESUME_FROM": ckpt.resume_from,
-        "ETT_CHECKPOINT_INTERVAL_STEPS": str(ckpt.interval_steps),
-        "ETT_CHECKPOINT_KEEP": str(ckpt.keep),
-        "ETT_CHECKPOINT_INTERVAL_FILE": str(paths.interval_file),
-        "ETT_CHECKPOINT_SNAPSHOTS": "1" if ckpt.snapshots and ckpt.local_dir else None,
+        JobEnv.JOB_ID: command.job_id,
+        JobEnv.ATTEMPT: str(command.attempt),
+        JobEnv.EVENT_DIR: str(paths.events_dir),
+        JobEnv.CHECKPOINT_DIR: ckpt.dir,
+        JobEnv.CHECKPOINT_LOCAL_DIR: ckpt.local_dir,
+        JobEnv.RESUME_FROM: ckpt.resume_from,
+        JobEnv.CHECKPOINT_INTERVAL_STEPS: str(ckpt.interval_steps),
+        JobEnv.CHECKPOINT_KEEP: str(ckpt.keep),
+        JobEnv.CHECKPOINT_INTERVAL_FILE: str(paths.interval_file),
+        JobEnv.CHECKPOINT_SNAPSHOTS: "1" if ckpt.snapshots and ckpt.local_dir else None,
     }
     return {name: value for name, value in env.items() if value is not None}
 

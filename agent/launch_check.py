@@ -3,7 +3,7 @@ Python interpreter is handed there to read. Run by the rank runner, so as the jo
 job's working folder and with its PATH (the job interpreter's folder first: agent.launch).
 
 A command that cannot start fails the same way on every try: the runner records it with
-LAUNCH_ERROR_EXIT_CODE, which the service treats as a configuration error and does not retry.
+EXIT_CONFIG_ERROR, which the service does not retry.
 Light on purpose: the rank runner starts fresh for every rank.
 """
 
@@ -11,7 +11,6 @@ import os
 import re
 import stat
 
-LAUNCH_ERROR_EXIT_CODE = 3  # the configuration error's code: the service ends the job at once
 PYTHON = re.compile(r"python[0-9.]*$")
 OPTIONS_WITH_A_VALUE = {"-W", "-X", "-Q"}  # `python -X importtime script.py`
 NO_SCRIPT = {"-m", "-c", "-"}  # a module, a string, standard input: nothing to look for

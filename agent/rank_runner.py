@@ -19,14 +19,11 @@ from pathlib import Path
 
 from agent.procs import set_parent_death_signal
 from agent.jsonl import append_json_line
-from agent.launch_check import LAUNCH_ERROR_EXIT_CODE, launch_problem
+from agent.launch_check import launch_problem
 from agent.warm_client import WARM_SOCKET_ENV, start_process
+from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-
-def fault_exit_file(control_dir: Path, rank: int) -> Path:
-    return control_dir / f"rank-{rank}.exit"
 
 
 def main(argv: list[str]) -> int:
@@ -51,8 +48,8 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             problem = f"{rank_argv[0]}: {exc.strerror or exc}"
     if problem is not None:  # it would fail the same way on every try: not retried (agent.launch_check)
-        append_json_line(args.ranks_file, {"rank": rank, "exit_code": LAUNCH_ERROR_EXIT_CODE, "error": problem})
-        return LAUNCH_ERROR_EXIT_CODE
+        append_json_line(args.ranks_file, {"rank": rank, "exit_code": EXIT_CONFIG_ERROR, "error": problem})
+        return EXIT_CONFIG_ERROR
     append_json_line(args.ranks_file, {"rank": rank, "pid": child.pid, "runner_pid": os.getpid()})
 
     fault_code: int | None = None
@@ -64,7 +61,7 @@ def main(argv: list[str]) -> int:
     def fault_exit(_signum: int, _frame: object) -> None:
         nonlocal fault_code
         try:
-            fault_code = int(fault_exit_file(args.control_dir, rank).read_text())
+            fault_code = int((args.control_dir / fault_exit_file(rank)).read_text())
         except (OSError, ValueError):
             fault_code = 1
         child.kill()

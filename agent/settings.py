@@ -4,7 +4,6 @@ The prefix is ETT_AGENT_ rather than ETT_ so an agent and a service can share a 
 shell) without one reading the other's ETT_DATA_DIR or ETT_PORT.
 """
 
-import re
 import socket
 import sys
 from pathlib import Path
@@ -12,7 +11,8 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+from ett.protocol.messages import NAME_PATTERN
+
 
 
 class AgentSettings(BaseSettings):

@@ -22,6 +22,7 @@ from typing import Any
 
 from agent.jsonl import append_json_line
 from ett.events import make_event
+from ett.protocol import CONTROL_DIR, ENDED_MARKER, EVENTS_DIR, INTERVAL_FILE, LOG_FILE, RANKS_FILE
 
 
 @dataclass(frozen=True)
@@ -34,28 +35,28 @@ class AttemptPaths:
 
     @property
     def events_dir(self) -> Path:
-        return self.root / "events"
+        return self.root / EVENTS_DIR
 
     @property
     def ranks_file(self) -> Path:
-        return self.root / "ranks.jsonl"
+        return self.root / RANKS_FILE
 
     @property
     def control_dir(self) -> Path:
-        return self.root / "control"
+        return self.root / CONTROL_DIR
 
     @property
     def interval_file(self) -> Path:
         """New checkpoint intervals for the ranks: a "<interval_steps> <from_step>" line per change (ETT_CHECKPOINT_INTERVAL_FILE)."""
-        return self.control_dir / "checkpoint-interval"
+        return self.control_dir / INTERVAL_FILE
 
     @property
     def log_file(self) -> Path:
-        return self.root / "torchrun.log"
+        return self.root / LOG_FILE
 
     @property
     def ended_marker(self) -> Path:
-        return self.root / "ended"
+        return self.root / ENDED_MARKER
 
 
 def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tuple[list[tuple[bytes, int]], int]:

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent.commands import IntervalCommand, LaunchCommand, StopCommand
+from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport, IntervalCommand, LaunchCommand, StopCommand
 from agent.confine import launch_refusal
 from agent.job_user import RunAs
 from agent.launch import starts_warm
-from agent.launch_check import LAUNCH_ERROR_EXIT_CODE
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
+from ett.protocol import EXIT_CONFIG_ERROR
 
 log = logging.getLogger(__name__)
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
@@ -35,21 +35,21 @@ class ReportBook:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._reports: dict[AttemptKey, dict[str, Any]] = {}
+        self._reports: dict[AttemptKey, AttemptReport] = {}
         self._held: dict[AttemptKey, float] = {}  # ended attempts not yet released, since when
 
-    def set(self, key: AttemptKey, report: dict[str, Any]) -> None:
+    def set(self, key: AttemptKey, report: AttemptReport) -> None:
         with self._lock:
             self._reports[key] = report
-            if report["state"] != "running":
+            if report.state != "running":
                 self._held.setdefault(key, time.monotonic())
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[AttemptReport]:
         """Every attempt's latest report, held or not."""
         with self._lock:
             return list(self._reports.values())
 
-    def to_send(self) -> list[dict[str, Any]]:
+    def to_send(self) -> list[AttemptReport]:
         """What a heartbeat carries: a held end still as `running`."""
         with self._lock:
             return [report if key not in self._held else attempt_report(*key, "running", None)
@@ -68,18 +68,16 @@ class ReportBook:
             for key in keys:
                 self._held.pop(key, None)
 
-    def acknowledge(self, sent: list[dict[str, Any]]) -> None:
+    def acknowledge(self, sent: list[AttemptReport]) -> None:
         with self._lock:
             for report in sent:
-                key = (report["job_id"], report["attempt"])
-                if report["state"] != "running" and self._reports.get(key) is report:
-                    del self._reports[key]
+                if report.state != "running" and self._reports.get(report.key) is report:
+                    del self._reports[report.key]
 
 
-def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) -> dict[str, Any]:
-    return {"job_id": job_id, "attempt": attempt, "state": state,
-            "cause": end.cause if end else None, "detail": end.detail[:512] if end else "",
-            "exit_code": end.exit_code if end else None}
+def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) -> AttemptReport:
+    return AttemptReport(job_id=job_id, attempt=attempt, state=state, cause=end.cause if end else None,
+                         detail=end.detail[:REPORT_DETAIL_CHARS] if end else "", exit_code=end.exit_code if end else None)
 
 
 class Supervisor:
@@ -152,7 +150,7 @@ class Supervisor:
         refusal = launch_refusal(command, self.checkpoint_root)
         if refusal is not None:
             log.warning("attempt %s/%d: %s", command.job_id, command.attempt, refusal)
-            self.refuse(command.job_id, command.attempt, refusal, exit_code=LAUNCH_ERROR_EXIT_CODE)
+            self.refuse(command.job_id, command.attempt, refusal, exit_code=EXIT_CONFIG_ERROR)
             return
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
         command = self._with_local_checkpoints(command)

@@ -27,7 +27,7 @@ from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import Any
 
-from agent.commands import LaunchCommand
+from ett.protocol.messages import LaunchCommand
 from agent.faults import FaultInjector
 from agent.hang import HangLimit
 from agent.job_user import RunAs
@@ -36,6 +36,7 @@ from agent.procs import GROUP_MARKER_ENV, signal_group, signal_marked
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
+from ett.protocol import PROGRESS_GLOB, RANK_SPOOL_GLOB, node_spool
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class WorkerGroup:
         self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
         for folder in (paths.root, paths.events_dir, paths.control_dir):
             run_as.make_own(folder)  # the ranks write their events and records there; the job's folder above, PASSABLE
-        self.events = NodeEventLog(paths.events_dir / f"node-{node_name}.jsonl", node_name, command.attempt)
+        self.events = NodeEventLog(paths.events_dir / node_spool(node_name), node_name, command.attempt)
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
         self.exited: dict[int, dict[str, Any]] = {}
@@ -222,7 +223,7 @@ class WorkerGroup:
             self._kill_at = now  # a failed or stopped group: nothing of torchrun's own teardown is needed
 
     def _read_progress(self, now: float) -> None:
-        for path in sorted(self.paths.events_dir.glob("rank-*.jsonl")):
+        for path in sorted(self.paths.events_dir.glob(RANK_SPOOL_GLOB)):
             records = self._spool.read(path)
             if records:
                 self._last_progress = now
@@ -242,7 +243,7 @@ class WorkerGroup:
         # is a step done; the next two say whether the rank's disk is full; the last whether it
         # writes a checkpoint in the background.
         writing = False
-        for path in self.paths.events_dir.glob("progress-rank-*"):
+        for path in self.paths.events_dir.glob(PROGRESS_GLOB):
             mark = read_progress_mark(path)
             if mark is None:
                 continue

@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 from ett.errors import UsageError
 
 if TYPE_CHECKING:
-    from ett.run import EXIT_STOPPED, Run, Step, Stopped, init
+    from ett.protocol import EXIT_STOPPED
+    from ett.run import Run, Step, Stopped, init
     from ett.state import ModelOptimizerState, RNGState
 
 __all__ = ["EXIT_STOPPED", "ModelOptimizerState", "RNGState", "Run", "Step", "Stopped", "UsageError", "init"]
-_WHERE = {"init": "ett.run", "Run": "ett.run", "Step": "ett.run", "Stopped": "ett.run", "EXIT_STOPPED": "ett.run",
+_WHERE = {"init": "ett.run", "Run": "ett.run", "Step": "ett.run", "Stopped": "ett.run", "EXIT_STOPPED": "ett.protocol",
           "ModelOptimizerState": "ett.state", "RNGState": "ett.state"}
 
 

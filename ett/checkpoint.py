@@ -45,6 +45,7 @@ from ett.folders import (
     step_of,
     write_marker,
 )
+from ett.protocol import JobEnv
 from ett.snapshots import LocalSnapshots
 from ett.state import ModelOptimizerState
 
@@ -68,11 +69,11 @@ class CheckpointConfig:
     # With local_dir: each rank also snapshots its own state there after every step (the fast
     # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
     # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
-    snapshots: bool = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_SNAPSHOTS") == "1")
+    snapshots: bool = field(default_factory=lambda: os.environ.get(JobEnv.CHECKPOINT_SNAPSHOTS) == "1")
     snapshot_every: int = 0  # 0: every step its cost allows (ett/snapshots.py); N: every N steps, fixed
     # A new interval handed to a running job (`interval_steps: "auto"`, retuned by the service):
     # "<interval_steps> <from_step>", looked at by every `due`. Empty: none.
-    interval_file: str = field(default_factory=lambda: os.environ.get("ETT_CHECKPOINT_INTERVAL_FILE", ""))
+    interval_file: str = field(default_factory=lambda: os.environ.get(JobEnv.CHECKPOINT_INTERVAL_FILE, ""))
 
     def due(self, step: int, last_step: int | None = None) -> bool:
         """Whether a save is due after `step`: at the interval, or at `last_step` (when known)."""

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ett.errors import UsageError
+from ett.protocol import JobEnv
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -38,14 +39,14 @@ class JobEnvironment:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "JobEnvironment":
         return cls(
-            job_id=environ.get("ETT_JOB_ID") or None,
-            attempt=_int(environ, "ETT_ATTEMPT", 0, 0),
-            event_dir=environ.get("ETT_EVENT_DIR") or None,
-            checkpoint_dir=environ.get("ETT_CHECKPOINT_DIR") or None,
-            checkpoint_local_dir=environ.get("ETT_CHECKPOINT_LOCAL_DIR") or None,
-            resume_from=environ.get("ETT_RESUME_FROM") or None,
-            interval_steps=_int(environ, "ETT_CHECKPOINT_INTERVAL_STEPS", None, 0),
-            keep=_int(environ, "ETT_CHECKPOINT_KEEP", None, 1),
+            job_id=environ.get(JobEnv.JOB_ID) or None,
+            attempt=_int(environ, JobEnv.ATTEMPT, 0, 0),
+            event_dir=environ.get(JobEnv.EVENT_DIR) or None,
+            checkpoint_dir=environ.get(JobEnv.CHECKPOINT_DIR) or None,
+            checkpoint_local_dir=environ.get(JobEnv.CHECKPOINT_LOCAL_DIR) or None,
+            resume_from=environ.get(JobEnv.RESUME_FROM) or None,
+            interval_steps=_int(environ, JobEnv.CHECKPOINT_INTERVAL_STEPS, None, 0),
+            keep=_int(environ, JobEnv.CHECKPOINT_KEEP, None, 1),
             rank=_int(environ, "RANK", 0, 0),
             local_rank=_int(environ, "LOCAL_RANK", 0, 0),
             world_size=_int(environ, "WORLD_SIZE", 1, 1),

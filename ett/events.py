@@ -27,10 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ett.protocol import JobEnv, progress_file, rank_spool
+
 _CLOSE = object()
-# The kinds a rank writes (docs/events.md); the agents and the service write the others.
-RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
-                        "ckpt_committed", "ckpt_failed", "train_end"})
 PROGRESS_WIDTH = 64  # fixed, so an overwrite never leaves digits of a longer mark behind
 # A full disk: lines wait in memory up to this many bytes (dropped and counted past it), and are
 # tried again every RETRY_SECONDS; closing waits at most CLOSE_RETRY_SECONDS for space.
@@ -51,8 +50,8 @@ class EventWriter:
     def __init__(self, spool_dir: str | None, rank: int, attempt: int):
         self.source = f"rank:{rank}"
         self.attempt = attempt
-        self.path = Path(spool_dir) / f"rank-{rank}.jsonl" if spool_dir else None
-        self.progress_path = Path(spool_dir) / f"progress-rank-{rank}" if spool_dir else None
+        self.path = Path(spool_dir) / rank_spool(rank) if spool_dir else None
+        self.progress_path = Path(spool_dir) / progress_file(rank) if spool_dir else None
         self._lock = threading.Lock()  # seq order must equal file order across emitting threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -66,7 +65,7 @@ class EventWriter:
 
     @classmethod
     def from_env(cls, rank: int) -> "EventWriter":
-        return cls(os.environ.get("ETT_EVENT_DIR"), rank, int(os.environ.get("ETT_ATTEMPT", "0")))
+        return cls(os.environ.get(JobEnv.EVENT_DIR), rank, int(os.environ.get(JobEnv.ATTEMPT, "0")))
 
     def emit(self, kind: str, step: int | None = None, **data) -> None:
         if self._thread is None:

@@ -31,12 +31,12 @@ import torch.distributed as dist
 from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.env import JobEnvironment
 from ett.errors import UsageError
-from ett.events import RANK_KINDS, EventWriter
+from ett.events import EventWriter
 from ett.folders import step_of
 from ett.paths import inside
+from ett.protocol import EXIT_STOPPED, RANK_KINDS
 
 logger = logging.getLogger("ett")
-EXIT_STOPPED = 4  # as the trainer's (trainer/errors.py): stopped by SIGTERM after a final checkpoint
 
 
 class Stopped(SystemExit):

@@ -19,11 +19,11 @@ from torch.distributed.tensor import DTensor
 from ett.checkpoint import Checkpointer
 from ett.errors import UsageError
 from ett.events import EventWriter
+from ett.protocol import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from ett.state import ModelOptimizerState, RNGState, TrainProgress
 from trainer.allocator import keep_freed_memory
 from trainer.config import JobConfig, parse_args
 from trainer.data import ByteBatchLoader, SourceCorpus
-from trainer.errors import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from trainer.log import LogConfig, setup_logging
 from trainer.metrics import MetricsLogger
 from trainer.model import Transformer

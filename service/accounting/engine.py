@@ -21,18 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-SERVICE_KINDS = frozenset(
-    {"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished", "checkpoint_interval"}
-)
-AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
-TRAINER_KINDS = frozenset(
-    {
-        "init_start", "init_end", "restore_start", "restore_end", "step",
-        "ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed", "train_end",
-    }
-)  # fmt: skip
-EVENT_KINDS = SERVICE_KINDS | AGENT_KINDS | TRAINER_KINDS
-CHECKPOINT_KINDS = frozenset({"ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed"})
+from ett.protocol import CHECKPOINT_KINDS
+
 CATEGORIES = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
 TIMING_SOURCE = "rank:0"  # timings come from rank 0; allocation, failure and finish from the service
 

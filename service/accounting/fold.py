@@ -10,8 +10,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
+from ett.protocol import CHECKPOINT_KINDS
 from service.accounting.engine import (
-    CHECKPOINT_KINDS,
     TIMING_SOURCE,
     CheckpointRecord,
     Event,

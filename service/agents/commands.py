@@ -9,7 +9,10 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import event, exists, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
 from service.models import AgentCommand, Node, utcnow
+
+AgentCommandModel = LaunchCommand | StopCommand | IntervalCommand
 
 
 class CommandBell:
@@ -65,8 +68,8 @@ def _with_pending(sessions: sessionmaker[Session], node_ids: list[int]) -> list[
         return list(session.scalars(query))
 
 
-def enqueue(session: Session, node: Node, payload: dict[str, Any]) -> None:
-    session.add(AgentCommand(node_id=node.id, payload=payload))
+def enqueue(session: Session, node: Node, command: AgentCommandModel) -> None:
+    session.add(AgentCommand(node_id=node.id, payload=command.model_dump(mode="json")))
     # Rung after the commit (ring_on_commit), when the command is visible to the waiting heartbeat.
     session.info.setdefault("nodes_to_wake", set()).add(node.id)
 

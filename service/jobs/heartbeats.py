@@ -28,7 +28,8 @@ from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
-from service.schemas.agents import AttemptReport, Heartbeat, HeartbeatReply
+from ett.protocol.messages import AttemptReport
+from service.schemas.agents import Heartbeat, HeartbeatReply
 from service.security import Caller
 from service.settings import Settings
 

@@ -16,6 +16,7 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from ett.protocol.messages import IntervalCommand
 from service.agents import commands
 from service.accounting.accounts import job_account
 from service.jobs.checkpoints import checkpoint_interval_steps
@@ -46,8 +47,8 @@ def retune_auto_intervals(session: Session, settings: Settings, now: float | Non
             continue  # no step of this attempt seen yet: nothing to time the switch by
         step_time = summary.step_seconds / summary.steps
         from_step = summary.last_step + max(MARGIN_STEPS, math.ceil(MARGIN_SECONDS / max(step_time, 1e-6)))
-        command = {"type": "checkpoint_interval", "job_id": job.id, "attempt": attempt.number,
-                   "interval_steps": interval, "from_step": from_step}
+        command = IntervalCommand(type="checkpoint_interval", job_id=job.id, attempt=attempt.number,
+                                  interval_steps=interval, from_step=from_step)
         for share in attempt.nodes:
             commands.enqueue(session, share.node, command)
         emit(session, job.id, attempt.number, "checkpoint_interval", now,

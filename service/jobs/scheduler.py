@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
+from ett.protocol import EXIT_CONFIG_ERROR
+from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
@@ -33,11 +35,9 @@ from service.models import (
     NodeState,
     SlurmState,
 )
-from service.schemas.agents import AttemptReport
 from service.settings import Settings
 
 # The trainer's exit code for a bad configuration: retrying cannot help (trainer/config.py).
-CONFIG_ERROR_EXIT_CODE = 3
 
 
 def _at(ts: float) -> datetime:
@@ -110,7 +110,7 @@ def fail_attempt(
     job = attempt.job
     if job.state != JobState.running:
         return
-    if exit_code == CONFIG_ERROR_EXIT_CODE:
+    if exit_code == EXIT_CONFIG_ERROR:
         finish_job(session, job, JobState.failed, f"configuration error (exit code {exit_code}), not retried: {detail}",
                    now)
     elif exit_code in job.spec.get("no_retry_exit_codes", ()):
@@ -128,7 +128,7 @@ def _names_the_root_cause(cause: str, recorded: str | None) -> bool:
 def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:
     for share in attempt.nodes:
         if share.state in ACTIVE:
-            stop = {"type": "stop", "job_id": attempt.job_id, "attempt": attempt.number, "reason": reason}
+            stop = StopCommand(type="stop", job_id=attempt.job_id, attempt=attempt.number, reason=reason)
             commands.enqueue(session, share.node, stop)
 
 

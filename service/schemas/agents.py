@@ -1,31 +1,21 @@
 """Agent registration and heartbeats (docs/architecture.md)."""
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, StringConstraints
 
+from ett.protocol.messages import NAME_PATTERN, AttemptReport
 from service.models import NodeState
 from service.schemas import Strict
 
-NodeName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+NodeName = Annotated[str, StringConstraints(pattern=NAME_PATTERN.pattern)]
 
 
 class AgentRegister(Strict):
     name: NodeName
     address: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     slots: Annotated[int, Field(ge=1, le=1024)]
-
-
-class AttemptReport(Strict):
-    job_id: Annotated[str, StringConstraints(min_length=1, max_length=32)]
-    attempt: Annotated[int, Field(ge=0)]
-    state: Literal["running", "succeeded", "failed", "stopped"]
-    # time_limit, preempted, terminated: the agent got SIGTERM from Slurm (its time limit, a
-    # preemption, anything else) or the node's shutdown; the ranks had the grace to checkpoint.
-    cause: Literal["exit", "signal", "hang", "time_limit", "preempted", "terminated"] | None = None
-    detail: Annotated[str, StringConstraints(max_length=512)] | None = None
-    exit_code: int | None = None
 
 
 class Heartbeat(Strict):

@@ -11,7 +11,8 @@ from pydantic import (
     field_validator,
 )
 
-from service.accounting.engine import AGENT_KINDS, CATEGORIES, EVENT_KINDS, SERVICE_KINDS
+from ett.protocol import AGENT_KINDS, EVENT_KINDS, SERVICE_KINDS
+from service.accounting.engine import CATEGORIES
 from service.schemas import Strict
 
 EventKind = Literal[tuple(sorted(EVENT_KINDS))]  # type: ignore[valid-type]

@@ -12,9 +12,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-KINDS = {"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished", "workers_launched",
-         "worker_exited", "hang_detected", "init_start", "init_end", "restore_start", "restore_end", "step",
-         "ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed", "train_end"}  # fmt: skip
+
+from ett.protocol import EVENT_KINDS
+
 
 
 class FakeService:
@@ -61,7 +61,7 @@ class FakeService:
 
     def _ingest(self, events: list[dict[str, Any]]) -> tuple[int, Any]:
         bad = [{"loc": ["body", "events", i, "kind"], "msg": f"unknown kind {e.get('kind')!r}", "type": "value_error"}
-               for i, e in enumerate(events) if e.get("kind") not in KINDS]
+               for i, e in enumerate(events) if e.get("kind") not in EVENT_KINDS]
         if bad:
             return 422, {"detail": bad}
         accepted = 0

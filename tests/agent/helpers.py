@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agent.commands import LaunchCommand, command_adapter
+from ett.protocol.messages import LaunchCommand, command_adapter
 from agent.supervisor import Supervisor
 
 FAKE_RANK = Path(__file__).parent / "scripts" / "fake_rank.py"
@@ -40,7 +40,7 @@ def run_to_end(supervisor: Supervisor, timeout: float = 120.0) -> dict[str, Any]
         supervisor.poll()
         time.sleep(0.05)
     [report] = supervisor.reports.snapshot()
-    return report
+    return report.model_dump()
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):

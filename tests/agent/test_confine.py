@@ -45,8 +45,8 @@ def test_a_refused_launch_runs_nothing_and_is_not_retried(tmp_path):
     supervisor.launch(command)
     assert not supervisor.groups  # no group, no torchrun
     [report] = supervisor.reports.snapshot()
-    assert (report["state"], report["cause"], report["exit_code"]) == ("failed", "exit", 3)
-    assert report["detail"].startswith("refused: checkpoint.dir /etc/ett-probe")
+    assert (report.state, report.cause, report.exit_code) == ("failed", "exit", 3)
+    assert report.detail.startswith("refused: checkpoint.dir /etc/ett-probe")
     assert pids_with_env("ETT_JOB_ID", command.job_id) == []
     assert not Path("/etc/ett-probe").exists()
     supervisor.reports.acknowledge(supervisor.reports.snapshot())

@@ -47,5 +47,7 @@ def test_the_guard_and_the_rank_runner_import_only_what_they_need():
     # other ranks are using: the agent's own modules, logging or torch would cost every restart.
     code = "import sys, agent.guard, agent.rank_runner; print(*sys.modules)"
     loaded = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    heavy = {"torch", "ett", "logging", "dataclasses", "agent.spool", "agent.warm", "agent.job_user"}
+    heavy = {"torch", "pydantic", "logging", "dataclasses", "agent.spool", "agent.warm", "agent.job_user"}
     assert not heavy & set(loaded)
+    # Of the library, only the protocol's names (exit codes, file names) and what its package needs.
+    assert {m for m in loaded if m.split(".")[0] == "ett"} == {"ett", "ett.errors", "ett.protocol"}

@@ -66,9 +66,9 @@ def test_a_failure_is_reported_at_once_and_the_next_launch_waits_for_the_group_t
     # Rank 0 ignores the SIGTERM torchrun sends it when rank 1 fails: the group lingers until the grace's SIGKILL.
     command = launch_command("--steps", "100000", "--fail-rank", "1", "--fail-at-step", "2", "--ignore-sigterm")
     supervisor.launch(command)
-    wait_for(lambda: supervisor.poll() or supervisor.reports.snapshot()[0]["state"] == "failed", 60, "the failure")
+    wait_for(lambda: supervisor.poll() or supervisor.reports.snapshot()[0].state == "failed", 60, "the failure")
     assert command.key in supervisor.groups, "reported while its rank 0 still runs"
-    assert supervisor.reports.snapshot()[0]["detail"] == "rank 1 exit code 1"
+    assert supervisor.reports.snapshot()[0].detail == "rank 1 exit code 1"
 
     restart = launch_command("--steps", "2", job_id=command.job_id, attempt=1)
     supervisor.launch(restart)
@@ -76,7 +76,7 @@ def test_a_failure_is_reported_at_once_and_the_next_launch_waits_for_the_group_t
     wait_for(lambda: supervisor.poll() or restart.key in supervisor.groups, 30, "the held launch to start")
     assert command.key not in supervisor.groups  # only once the failed group was gone
     wait_for(lambda: supervisor.poll() or not supervisor.groups, 60, "the restart to end")
-    assert {r["attempt"]: r["state"] for r in supervisor.reports.snapshot()} == {0: "failed", 1: "succeeded"}
+    assert {r.attempt: r.state for r in supervisor.reports.snapshot()} == {0: "failed", 1: "succeeded"}
 
 
 def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
@@ -208,7 +208,7 @@ def test_fault_injection_at_a_step(supervisor, action, rank, expected):
 
 
 def command_adapter_stop(command):
-    from agent.commands import command_adapter
+    from ett.protocol.messages import command_adapter
 
     return command_adapter.validate_python({"type": "stop", "job_id": command.job_id, "attempt": command.attempt,
                                             "reason": "cancelled"})
@@ -263,13 +263,13 @@ def test_a_success_is_reported_once_the_ranks_exit_while_torchrun_waits_for_the_
                                                master_port=port, job_id=job_id))
     try:
         first, second = nodes
-        wait_for(lambda: first.poll() or first.reports.snapshot()[0]["state"] != "running", 60, "node 0's ranks")
-        assert first.reports.snapshot()[0]["state"] == "succeeded"
+        wait_for(lambda: first.poll() or first.reports.snapshot()[0].state != "running", 60, "node 0's ranks")
+        assert first.reports.snapshot()[0].state == "succeeded"
         [group] = first.groups.values()
         assert not group.state.is_terminal, "reported only once torchrun had exited"
         for node in nodes:
             wait_for(lambda: node.poll() or not node.groups, 60, "the group to end")
-            assert node.reports.snapshot()[0]["state"] == "succeeded"
+            assert node.reports.snapshot()[0].state == "succeeded"
     finally:
         for node in nodes:
             node.shutdown()

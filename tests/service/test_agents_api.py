@@ -3,6 +3,7 @@
 import threading
 import time
 
+from ett.protocol.messages import StopCommand
 from service.agents import commands
 from service.models import Node
 from tests.service.factories import register_agent
@@ -41,7 +42,7 @@ def test_long_poll_returns_as_soon_as_a_command_is_queued(service):
         time.sleep(0.5)
         with service.app.state.sessions() as session:
             node = session.query(Node).one()
-            commands.enqueue(session, node, {"type": "stop", "job_id": "j", "attempt": 0, "reason": "test"})
+            commands.enqueue(session, node, StopCommand(type="stop", job_id="j", attempt=0, reason="test"))
             session.commit()  # the commit rings the node's bell
 
     threading.Thread(target=queue_later).start()
@@ -66,8 +67,8 @@ def test_long_poll_wakes_for_a_command_committed_without_this_apps_bell(service)
     def queue_later() -> None:
         time.sleep(0.5)
         with other_process() as session:
-            commands.enqueue(session, session.query(Node).one(), {"type": "stop", "job_id": "j", "attempt": 0,
-                                                                  "reason": "test"})  # fmt: skip
+            commands.enqueue(session, session.query(Node).one(),
+                             StopCommand(type="stop", job_id="j", attempt=0, reason="test"))
             session.commit()
 
     threading.Thread(target=queue_later).start()

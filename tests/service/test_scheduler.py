@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from agent.commands import command_adapter
+from ett.protocol.messages import command_adapter
 from service.agents import commands
 from service.db import make_engine, make_session_factory
 from service.jobs import scheduler

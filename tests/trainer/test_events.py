@@ -7,16 +7,14 @@ import time
 import pytest
 
 from ett.events import EventWriter, read_progress_mark
+from ett.protocol import RANK_KINDS
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, read_events, run_trainer
-
-TRAINER_KINDS = {"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
-                 "ckpt_committed", "ckpt_failed", "train_end"}
 
 
 def assert_schema_v1(events: list[dict], rank: int, attempt: int) -> None:
     for event in events:
         assert set(event) == {"kind", "ts", "attempt", "source", "seq", "step", "data"}, event
-        assert event["kind"] in TRAINER_KINDS
+        assert event["kind"] in RANK_KINDS
         assert isinstance(event["ts"], float) and isinstance(event["data"], dict)
         assert event["step"] is None or (isinstance(event["step"], int) and event["step"] >= 0)
         assert event["attempt"] == attempt and event["source"] == f"rank:{rank}"

@@ -1,16 +1,21 @@
-"""The commands a heartbeat answer carries (docs/architecture.md, "Heartbeat").
+"""The messages between the service and its agents, typed once for both sides (docs/architecture.md,
+"Heartbeat"): the commands a heartbeat's answer carries, which the service builds and the agent
+reads, and the attempt reports a heartbeat carries, which the agent builds and the service reads.
 
-Unknown fields are ignored rather than refused: a newer service may add fields an older agent
-does not need, and a refused command would leave an attempt waiting for nothing.
+A command's unknown fields are ignored rather than refused: a newer service may add fields an
+older agent does not need, and a refused command would leave an attempt waiting for nothing. A
+report is read strictly: the service is the one that must not guess.
 """
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from agent.settings import NAME_PATTERN
-
-JobId = Annotated[str, Field(pattern=NAME_PATTERN.pattern)]  # used in paths: no "/" or ".."
+# Node names and job ids: used in paths, so no "/" and no "..".
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+JobId = Annotated[str, Field(pattern=NAME_PATTERN.pattern)]
+REPORT_DETAIL_CHARS = 512
 
 
 class Incoming(BaseModel):
@@ -92,3 +97,22 @@ class IntervalCommand(AttemptCommand):
 
 Command = Annotated[LaunchCommand | StopCommand | IntervalCommand, Field(discriminator="type")]
 command_adapter: TypeAdapter[LaunchCommand | StopCommand | IntervalCommand] = TypeAdapter(Command)
+
+
+class AttemptReport(BaseModel):
+    """One attempt on one node, as a heartbeat reports it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    job_id: Annotated[str, StringConstraints(min_length=1, max_length=32)]
+    attempt: Annotated[int, Field(ge=0)]
+    state: Literal["running", "succeeded", "failed", "stopped"]
+    # time_limit, preempted, terminated: the agent got SIGTERM from Slurm (its time limit, a
+    # preemption, anything else) or the node's shutdown; the ranks had the grace to checkpoint.
+    cause: Literal["exit", "signal", "hang", "time_limit", "preempted", "terminated"] | None = None
+    detail: Annotated[str, StringConstraints(max_length=REPORT_DETAIL_CHARS)] | None = None
+    exit_code: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.attempt)

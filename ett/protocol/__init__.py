@@ -1,0 +1,71 @@
+"""What crosses a process boundary between the ranks, the agents and the service, named once:
+event kinds, exit codes, the files of an attempt's folder and the job's environment. The typed
+messages (the launch command, the attempt report) are in ett/protocol/messages.py.
+
+Standard library only: the rank runner, started fresh for every rank, imports this.
+"""
+
+# -- event kinds (docs/events.md) -------------------------------------------------------------
+# Written by a rank (the library, the trainer): timings, saves and restores.
+RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
+                        "ckpt_committed", "ckpt_failed", "train_end"})  # fmt: skip
+# Written by a node's agent: its ranks' start, exit and hang.
+AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
+# Written by the service: allocation, failure, stop and finish of attempts and jobs.
+SERVICE_KINDS = frozenset({"attempt_allocated", "attempt_failed", "attempt_stopped", "job_finished",
+                           "checkpoint_interval"})  # fmt: skip
+EVENT_KINDS = RANK_KINDS | AGENT_KINDS | SERVICE_KINDS
+CHECKPOINT_KINDS = frozenset({"ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed"})
+
+# -- exit codes of a rank (docs/trainer.md, docs/library.md) ----------------------------------
+EXIT_OK = 0
+EXIT_FAILED = 1  # an exception: a failure, retried by the service
+# A configuration that cannot work (a bad preset or value, a launch the agent refused, a program
+# or script that cannot start): retrying cannot help, and the service never does.
+EXIT_CONFIG_ERROR = 3
+EXIT_STOPPED = 4  # SIGTERM: stopped after the current step and a final checkpoint
+
+# -- an attempt's folder on its node: DATA_DIR/spool/JOB/ATTEMPT/ (docs/agent.md) -------------
+EVENTS_DIR = "events"  # the spools the agent forwards: every `*.jsonl` in it
+CONTROL_DIR = "control"  # what the agent tells the ranks
+RANKS_FILE = "ranks.jsonl"  # the rank runners' records: started, exited
+LOG_FILE = "torchrun.log"
+ENDED_MARKER = "ended"
+INTERVAL_FILE = "checkpoint-interval"  # in CONTROL_DIR: "<interval_steps> <from_step>" per change
+SPOOL_SUFFIX = ".jsonl"
+RANK_SPOOL_GLOB = "rank-*.jsonl"
+PROGRESS_GLOB = "progress-rank-*"
+
+
+def rank_spool(rank: int) -> str:
+    """A rank's events, in EVENTS_DIR."""
+    return f"rank-{rank}{SPOOL_SUFFIX}"
+
+
+def node_spool(node: str) -> str:
+    """The agent's events about the attempt on its node, in EVENTS_DIR."""
+    return f"node-{node}{SPOOL_SUFFIX}"
+
+
+def progress_file(rank: int) -> str:
+    """A rank's progress mark, overwritten in place in EVENTS_DIR (ett/events.py)."""
+    return f"progress-rank-{rank}"
+
+
+def fault_exit_file(rank: int) -> str:
+    """The exit code an injected `exit` fault ends the rank with, in CONTROL_DIR."""
+    return f"rank-{rank}.exit"
+
+
+# -- the job's environment, set by the agent for every rank (docs/library.md) -----------------
+class JobEnv:
+    JOB_ID = "ETT_JOB_ID"
+    ATTEMPT = "ETT_ATTEMPT"
+    EVENT_DIR = "ETT_EVENT_DIR"
+    CHECKPOINT_DIR = "ETT_CHECKPOINT_DIR"
+    CHECKPOINT_LOCAL_DIR = "ETT_CHECKPOINT_LOCAL_DIR"
+    RESUME_FROM = "ETT_RESUME_FROM"
+    CHECKPOINT_INTERVAL_STEPS = "ETT_CHECKPOINT_INTERVAL_STEPS"
+    CHECKPOINT_KEEP = "ETT_CHECKPOINT_KEEP"
+    CHECKPOINT_INTERVAL_FILE = "ETT_CHECKPOINT_INTERVAL_FILE"
+    CHECKPOINT_SNAPSHOTS = "ETT_CHECKPOINT_SNAPSHOTS"
