@@ -7,18 +7,19 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
-    DateTime,
     Enum,
     ForeignKey,
     Index,
     Integer,
     MetaData,
     String,
-    TypeDecorator,
     UniqueConstraint,
     text,
 )  # fmt: skip
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
+
+from service.column_types import JobSpecJSON, UTCDateTime
+from service.schemas.job_spec import JobSpec
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -33,26 +34,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-class UTCDateTime(TypeDecorator[datetime]):
-    """Stores UTC and always hands back an aware datetime (SQLite forgets the zone)."""
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            raise ValueError("naive datetime given; use UTC-aware datetimes")
-        return value.astimezone(UTC) if value is not None else None
-
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
-
-
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime}
+    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime, JobSpec: JobSpecJSON}
 
 
 class Role(enum.StrEnum):
@@ -134,7 +118,7 @@ class Job(Base):
     name: Mapped[str] = mapped_column(String(128), index=True)
     owner: Mapped[str] = mapped_column(String(128), index=True)
     state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.queued, index=True)
-    spec: Mapped[dict[str, Any]]
+    spec: Mapped[JobSpec]
     submitted_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
     restarts: Mapped[int] = mapped_column(default=0)
@@ -147,6 +131,11 @@ class Job(Base):
     slurm_allocations: Mapped[list["SlurmAllocation"]] = relationship(
         back_populates="job", order_by="SlurmAllocation.number", cascade="all, delete-orphan"
     )
+
+    @validates("spec")
+    def _typed(self, _key: str, spec: JobSpec | dict[str, Any]) -> JobSpec:
+        """A spec given as a dict (a test, a tool) is checked and typed as it is set."""
+        return spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
 
 
 class Attempt(Base):

@@ -21,7 +21,8 @@ LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol", "ett.protocol
 
 # The service's layers, lowest first; a module sits in the first whose prefix it starts with.
 LAYERS = (
-    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.migrat",
+    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.column_types",
+                                      "service.migrat",
                                       "service.security", "service.group_commit", "service.schemas",
                                       "service.accounting.engine", "service.accounting.report", "service.accounting.fleet",
                                       "service.accounting.fold", "service.accounting.memory", "service.accounting.simulate")),

@@ -36,7 +36,7 @@ def job_out(job: Job, restored: dict[int, int]) -> JobOut:
     slurm = newest and SlurmOut(job_id=newest.slurm_job_id, allocation=newest.number, state=newest.slurm_state,
                                 reason=newest.slurm_reason, nodes=newest.slurm_nodes)
     return JobOut(
-        id=job.id, name=job.name, owner=job.owner, state=job.state, spec=JobSpec.model_validate(job.spec),
+        id=job.id, name=job.name, owner=job.owner, state=job.state, spec=job.spec,
         submitted_at=job.submitted_at, finished_at=job.finished_at, restarts=job.restarts, reason=job.reason,
         attempts=attempts, slurm=slurm,
     )
@@ -45,7 +45,7 @@ def job_out(job: Job, restored: dict[int, int]) -> JobOut:
 @router.post("", status_code=status.HTTP_201_CREATED)
 def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobCreated:
     try:
-        job = create_job(session, request.app.state.settings, spec.model_dump(mode="json"), caller)
+        job = create_job(session, request.app.state.settings, spec, caller)
     except EntrypointRefused as refused:
         raise HTTPException(status.HTTP_403_FORBIDDEN, str(refused)) from None
     except CheckpointDirRefused as refused:

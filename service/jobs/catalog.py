@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from service.agents.nodes import fleet_capacity
 from service.jobs.checkpoints import confined_checkpoint_dir
 from service.models import Job, JobState, Role, Token
+from service.schemas.job_spec import JobSpec
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,19 +41,19 @@ def check_entrypoint(settings: Settings, entrypoint: list[str] | None, caller: T
                                 f"starts as none of ETT_ALLOWED_ENTRYPOINTS ({listed})")
 
 
-def create_job(session: Session, settings: Settings, spec: dict, caller: Token) -> Job:
+def create_job(session: Session, settings: Settings, spec: JobSpec, caller: Token) -> Job:
     """A new queued job of the caller (the spec already validated); the caller commits and wakes
     the scheduler. Raises EntrypointRefused, CheckpointDirRefused for a checkpoint folder
     outside the owner's area, or SlurmOff."""
-    check_entrypoint(settings, spec["entrypoint"], caller)
-    if spec.get("slurm") is not None and not settings.slurm:
+    check_entrypoint(settings, spec.entrypoint, caller)
+    if spec.slurm is not None and not settings.slurm:
         raise SlurmOff("this service does not run jobs on Slurm (its operator sets ETT_SLURM=true); remove the "
                        "slurm section to run on the registered agents")
     owner = caller.subject
-    if spec["checkpoint"]["dir"] is not None:
-        confined = confined_checkpoint_dir(settings, owner, spec["checkpoint"]["dir"])
-        spec = {**spec, "checkpoint": {**spec["checkpoint"], "dir": confined}}
-    job = Job(id=uuid.uuid4().hex, name=spec["name"], owner=owner, spec=spec)
+    if spec.checkpoint.dir is not None:
+        confined = confined_checkpoint_dir(settings, owner, spec.checkpoint.dir)
+        spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": confined})})
+    job = Job(id=uuid.uuid4().hex, name=spec.name, owner=owner, spec=spec)
     session.add(job)
     return job
 
@@ -60,9 +61,9 @@ def create_job(session: Session, settings: Settings, spec: dict, caller: Token) 
 def fleet_warnings(session: Session, settings: Settings, job: Job) -> list[str]:
     """What the submitter should know now: a job larger than the registered fleet is accepted, and
     waits until enough agents register. A Slurm job brings its own agents."""
-    if job.spec.get("slurm") is not None:
+    if job.spec.slurm is not None:
         return []
-    nodes, slots = job.spec["nodes"], job.spec["procs_per_node"]
+    nodes, slots = job.spec.nodes, job.spec.procs_per_node
     fresh = datetime.now(UTC) - timedelta(seconds=settings.heartbeat_timeout_seconds)
     registered, fitting = fleet_capacity(session, slots, fresh)
     if fitting >= nodes:

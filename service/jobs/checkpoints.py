@@ -46,7 +46,7 @@ def confined_checkpoint_dir(settings: Settings, owner: str, requested: str) -> s
 
 
 def job_checkpoint_dir(settings: Settings, job: Job) -> str:
-    return job.spec["checkpoint"]["dir"] or str(owner_area(settings, job.owner) / job.id)
+    return job.spec.checkpoint.dir or str(owner_area(settings, job.owner) / job.id)
 
 
 def newest_checkpoint(session: Session, job_id: str) -> str | None:
@@ -64,7 +64,7 @@ def checkpoint_interval_steps(session: Session, job: Job, settings: Settings) ->
     """The job's interval, or for "auto" Young's interval (sqrt(2 x save blocking x MTBF)) in
     steps, from this job's measured costs and failure rate (else the fleet's, else the assumed
     MTBF); DEFAULT_INTERVAL_STEPS until a save and a step have been measured."""
-    interval = job.spec["checkpoint"]["interval_steps"]
+    interval = job.spec.checkpoint.interval_steps
     if interval != "auto":
         return int(interval)
     account = job_account(session, job.id)

@@ -37,7 +37,7 @@ def retune_auto_intervals(session: Session, settings: Settings, now: float | Non
     ).all()  # fmt: skip
     for attempt in running:
         job = attempt.job
-        if job.spec["checkpoint"]["interval_steps"] != "auto" or attempt.interval_steps is None:
+        if job.spec.checkpoint.interval_steps != "auto" or attempt.interval_steps is None:
             continue
         interval = checkpoint_interval_steps(session, job, settings)
         if abs(interval - attempt.interval_steps) <= CHANGE_RATIO * attempt.interval_steps:

@@ -1,7 +1,7 @@
 """What each node of a new attempt is told to launch: its share of the ranks, the job's program,
 checkpoint folders and interval, timeouts and the faults meant for its ranks."""
 
-from ett.protocol.messages import CheckpointSpec, LaunchCommand
+from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec
 from service.jobs.checkpoints import job_checkpoint_dir, owner_area
 from service.models import Attempt, AttemptNode, Job
 from service.settings import Settings
@@ -9,18 +9,18 @@ from service.settings import Settings
 
 def launch_command(settings: Settings, job: Job, attempt: Attempt, share: AttemptNode, interval: int) -> LaunchCommand:
     spec = job.spec
-    per_node = spec["procs_per_node"]
+    per_node = spec.procs_per_node
     first, last = share.node_rank * per_node, (share.node_rank + 1) * per_node
     checkpoint = CheckpointSpec(
-        interval_steps=interval, keep=spec["checkpoint"]["keep"], dir=job_checkpoint_dir(settings, job),
-        snapshots=spec["checkpoint"].get("snapshots", False), area=str(owner_area(settings, job.owner)),
-        resume_from=attempt.resume_from,
+        interval_steps=interval, keep=spec.checkpoint.keep, dir=job_checkpoint_dir(settings, job),
+        snapshots=spec.checkpoint.snapshots, area=str(owner_area(settings, job.owner)), resume_from=attempt.resume_from,
     )  # fmt: skip
     return LaunchCommand(
         type="launch", job_id=job.id, attempt=attempt.number,
-        node_rank=share.node_rank, nnodes=spec["nodes"], nproc_per_node=per_node,
+        node_rank=share.node_rank, nnodes=spec.nodes, nproc_per_node=per_node,
         master_addr=attempt.master_addr, master_port=attempt.master_port,
-        trainer=spec["trainer"], entrypoint=spec["entrypoint"], env=spec["env"], checkpoint=checkpoint,
-        hang_timeout_seconds=spec["hang_timeout_seconds"], init_timeout_seconds=settings.init_timeout_seconds,
-        faults=[f for f in spec["faults"] if f["attempt"] == attempt.number and first <= f["rank"] < last],
+        trainer=TrainerSpec(**spec.trainer.model_dump()), entrypoint=spec.entrypoint, env=spec.env,
+        checkpoint=checkpoint, hang_timeout_seconds=spec.hang_timeout_seconds,
+        init_timeout_seconds=settings.init_timeout_seconds,
+        faults=[Fault(**f.model_dump()) for f in spec.faults if f.attempt == attempt.number and first <= f.rank < last],
     )  # fmt: skip

@@ -113,10 +113,10 @@ def fail_attempt(
     if exit_code == EXIT_CONFIG_ERROR:
         finish_job(session, job, JobState.failed, f"configuration error (exit code {exit_code}), not retried: {detail}",
                    now)
-    elif exit_code in job.spec.get("no_retry_exit_codes", ()):
+    elif exit_code in job.spec.no_retry_exit_codes:
         finish_job(session, job, JobState.failed, f"exit code {exit_code} is in the job's no_retry_exit_codes, not "
                    f"retried: {detail}", now)
-    elif job.restarts >= job.spec["max_restarts"]:
+    elif job.restarts >= job.spec.max_restarts:
         finish_job(session, job, JobState.failed, f"failed after {job.restarts} restarts: {detail}", now)
 
 
@@ -233,21 +233,21 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
             ))  # fmt: skip
         spec = job.spec
         # A Slurm job runs on its allocation's agents alone, and they on nothing else.
-        serves = job.id if spec.get("slurm") is not None else None
+        serves = job.id if spec.slurm is not None else None
         if serves and not (job.slurm_allocations and job.slurm_allocations[-1].state == SlurmState.running):
             continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
-        fitting = [node for node in idle if node.job_id == serves and node.slots >= spec["procs_per_node"]]
-        if len(fitting) < spec["nodes"]:  # gang: all nodes or none; smaller jobs behind may still fit
+        fitting = [node for node in idle if node.job_id == serves and node.slots >= spec.procs_per_node]
+        if len(fitting) < spec.nodes:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
-                slots = spec["procs_per_node"]
+                slots = spec.procs_per_node
                 if slots not in capacity:
                     capacity[slots] = fleet_capacity(session, slots, fresh)
                 registered, able = capacity[slots]
-                reason = waiting_reason(spec["nodes"], spec["procs_per_node"], len(fitting), registered, able)
+                reason = waiting_reason(spec.nodes, spec.procs_per_node, len(fitting), registered, able)
                 if job.reason != reason:  # written when it changes, not every tick
                     job.reason = reason
             continue
-        nodes = _prefer_previous_nodes(job, fitting)[: spec["nodes"]]
+        nodes = _prefer_previous_nodes(job, fitting)[: spec.nodes]
         _start_attempt(session, settings, job, nodes, now)
         idle = [node for node in idle if node not in nodes]
 

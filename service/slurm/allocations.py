@@ -183,7 +183,7 @@ class SlurmBridge:
         for job_id in waiting:
             with self.sessions() as session:
                 job = session.scalar(select(Job).where(Job.id == job_id).with_for_update(skip_locked=True))
-                if job is None or job.spec.get("slurm") is None or not self._needs_allocation(job, now):
+                if job is None or job.spec.slurm is None or not self._needs_allocation(job, now):
                     continue
                 try:
                     self._submit(session, job, now)
@@ -218,7 +218,7 @@ class SlurmBridge:
         with os.fdopen(fd, "w") as out:
             out.write(secret + "\n")
         script = folder / SCRIPT_FILE
-        script.write_text(render_script(self.settings, folder, job.spec["procs_per_node"]))
+        script.write_text(render_script(self.settings, folder, job.spec.procs_per_node))
         bad = sorted({name for earlier in job.slurm_allocations for name in earlier.bad_nodes})
         try:
             slurm_job_id = self.slurm.submit(str(script), sbatch_options(job.spec, job.id, folder, bad))

@@ -11,6 +11,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from service.schemas.job_spec import JobSpec
 from service.settings import Settings
 
 TOKEN_FILE = "agent.token"
@@ -50,15 +51,16 @@ exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote(per_node
 """
 
 
-def sbatch_options(spec: dict, job_id: str, folder: Path, exclude: list[str]) -> list[str]:
+def sbatch_options(spec: JobSpec, job_id: str, folder: Path, exclude: list[str]) -> list[str]:
     """sbatch's options for the job's spec: its nodes, its slurm section, no requeue by Slurm
     (the service decides what comes next), the output beside the script."""
-    slurm = spec["slurm"]
-    options = [f"--job-name=ett-{spec['name']}-{job_id[:8]}", f"--nodes={spec['nodes']}", "--ntasks-per-node=1",
+    slurm = spec.slurm
+    assert slurm is not None  # only a Slurm job gets an allocation
+    options = [f"--job-name=ett-{spec.name}-{job_id[:8]}", f"--nodes={spec.nodes}", "--ntasks-per-node=1",
                "--no-requeue", f"--output={folder / 'slurm-%j.out'}", f"--chdir={folder}"]
-    for field, option in (("partition", "--partition"), ("account", "--account"), ("time_limit", "--time")):
-        if slurm.get(field):
-            options.append(f"{option}={slurm[field]}")
+    for value, option in ((slurm.partition, "--partition"), (slurm.account, "--account"), (slurm.time_limit, "--time")):
+        if value:
+            options.append(f"{option}={value}")
     if exclude:
         options.append(f"--exclude={','.join(exclude)}")
-    return options + list(slurm.get("options", ()))
+    return options + list(slurm.options)

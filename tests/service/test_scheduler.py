@@ -127,7 +127,7 @@ def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, setti
     assert len(job.attempts) == 2 and job.restarts == 1
     relaunch_a, relaunch_b = taken(session, a)[0], taken(session, b)[0]
     assert (relaunch_a["attempt"], relaunch_a["node_rank"], relaunch_b["node_rank"]) == (1, 0, 1)
-    assert relaunch_b["faults"] == [job.spec["faults"][0]] and relaunch_a["faults"] == []
+    assert relaunch_b["faults"] == [job.spec.faults[0].model_dump()] and relaunch_a["faults"] == []
 
 
 def test_the_killed_rank_names_the_cause_when_its_peer_reports_first(session, settings):

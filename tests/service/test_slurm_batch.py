@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.settings import Settings
+from service.schemas.job_spec import JobSpec
 from service.slurm.batch import render_script, sbatch_options
 from tests.service.factories import job_spec
 
@@ -14,7 +15,7 @@ from tests.service.factories import job_spec
 def test_sbatch_options_carry_the_slurm_section_and_leave_out_bad_nodes(tmp_path):
     spec = job_spec(nodes=4, slurm={"partition": "gpu", "account": "llm", "time_limit": "2-00:00:00",
                                     "options": ["--gpus-per-node=8", "--exclusive"]})  # fmt: skip
-    options = sbatch_options(spec, "0123456789abcdef", tmp_path, ["n3", "n7"])
+    options = sbatch_options(JobSpec.model_validate(spec), "0123456789abcdef", tmp_path, ["n3", "n7"])
     assert "--nodes=4" in options and "--ntasks-per-node=1" in options and "--no-requeue" in options
     assert ["--partition=gpu", "--account=llm", "--time=2-00:00:00", "--exclude=n3,n7"] == [
         o for o in options if o.startswith(("--partition", "--account", "--time", "--exclude"))]

@@ -1,0 +1,111 @@
+"""The job spec (docs/jobspec.md): what a user submits, checked once at submit, and what the
+service reads back from a job's row (service/models.py stores it as this model).
+"""
+
+from typing import Annotated, Literal, Self
+
+from pydantic import (
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from service.schemas import Strict
+
+JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+OverrideValue = str | int | float | bool
+
+
+class TrainerSpec(Strict):
+    preset: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "cpu-demo"
+    overrides: dict[Annotated[str, StringConstraints(pattern=r"^[a-z_]+(\.[a-z_]+)+$")], OverrideValue] = {}
+
+
+class CheckpointSpec(Strict):
+    interval_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = 50
+    keep: Annotated[int, Field(ge=1, le=1000)] = 3
+    dir: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")] | None = None
+    # Each rank also snapshots its own state on its node's local disk after every step (the fast
+    # tier): a restart on the same nodes loses at most a step (docs/trainer.md, "Local snapshots").
+    snapshots: bool = False
+
+
+class FaultSpec(Strict):
+    attempt: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0)]
+    at_step: Annotated[int, Field(ge=1)]
+    action: Literal["kill", "hang", "exit"]
+    code: Annotated[int, Field(ge=1, le=255)] | None = None
+
+    @model_validator(mode="after")
+    def _code_only_for_exit(self) -> Self:
+        if (self.action == "exit") != (self.code is not None):
+            raise ValueError("code is required for action 'exit' and only for it")
+        return self
+
+
+# sbatch options ETT sets itself, or that the fields above set: refused in `slurm.options`.
+SBATCH_OWN_OPTIONS = frozenset({
+    "nodes", "ntasks", "ntasks-per-node", "job-name", "output", "error", "array", "wrap", "requeue",
+    "no-requeue", "exclude", "export", "chdir", "parsable", "partition", "account", "time", "hold",
+})  # fmt: skip
+SLURM_TIME = r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2})$"
+SlurmName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._,-]+$")]
+
+
+class SlurmSpec(Strict):
+    """Run the job in its own Slurm allocation (docs/slurm.md)."""
+
+    partition: SlurmName | None = None
+    account: SlurmName | None = None
+    # Slurm's forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+    time_limit: Annotated[str, StringConstraints(pattern=SLURM_TIME)] | None = None
+    # More sbatch options, each one long option: "--gpus-per-node=8", "--exclusive", "--qos=high"
+    options: Annotated[list[Annotated[str, StringConstraints(max_length=512)]], Field(max_length=64)] = []
+
+    @field_validator("options")
+    @classmethod
+    def _long_options_of_our_own(cls, options: list[str]) -> list[str]:
+        for index, option in enumerate(options):
+            name = option.removeprefix("--").split("=", 1)[0]
+            if not option.startswith("--") or not name or any(c.isspace() for c in option):
+                raise ValueError(f"options.{index}: {option!r} is not one long sbatch option (--name or --name=value)")
+            if name in SBATCH_OWN_OPTIONS:
+                raise ValueError(f"options.{index}: --{name} is set by ETT (or by a field of the slurm section)")
+        return options
+
+
+class JobSpec(Strict):
+    name: JobName
+    nodes: Annotated[int, Field(ge=1, le=4096)] = 1
+    procs_per_node: Annotated[int, Field(ge=1, le=64)] = 1
+    trainer: TrainerSpec = TrainerSpec()
+    entrypoint: Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1)] | None = None
+    max_restarts: Annotated[int, Field(ge=0, le=1000)] = 3
+    # Exit codes that mean retrying cannot help: an attempt ending with one fails the job at once.
+    # 3 (ETT's configuration error: the trainer's, an agent's refused launch) always is one.
+    no_retry_exit_codes: Annotated[list[Annotated[int, Field(ge=1, le=255)]], Field(max_length=255)] = []
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    # null (TOML, which has no null: "off"): no hang detection, neither the init timeout nor this one
+    hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120
+    faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
+    env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
+    # Set: the job runs in an allocation of its own on a Slurm cluster, not on the hand-run agents.
+    slurm: SlurmSpec | None = None
+
+    @field_validator("hang_timeout_seconds", mode="before")
+    @classmethod
+    def _off_is_null(cls, value: object) -> object:
+        return None if value == "off" else value
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_target_real_ranks(cls, faults: list[FaultSpec], info: ValidationInfo) -> list[FaultSpec]:
+        world = info.data.get("nodes", 1) * info.data.get("procs_per_node", 1)
+        for index, fault in enumerate(faults):
+            if fault.rank >= world:
+                raise ValueError(f"faults.{index}.rank: rank {fault.rank} does not exist in a job of {world} ranks")
+        return faults
