@@ -5,8 +5,8 @@ not the only line of defence."""
 import os
 from pathlib import Path
 
-from ett.protocol.messages import LaunchCommand
 from ett.paths import inside
+from ett.protocol.messages import LaunchCommand
 
 
 def launch_refusal(command: LaunchCommand, checkpoint_root: Path | None) -> str | None:

@@ -21,7 +21,6 @@ import httpx
 from pydantic import ValidationError
 
 from agent.client import ServiceClient
-from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 from agent.forward import ForwardConfig, Forwarder
 from agent.job_user import RunAs, make_passable, resolve_job_user
 from agent.metrics import AgentStats, serve_metrics
@@ -30,6 +29,7 @@ from agent.slurm import slurm_job_id, termination
 from agent.supervisor import Supervisor
 from agent.wakeup import Wakeup
 from agent.warm import WarmServer, socket_path
+from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 
 log = logging.getLogger(__name__)
 

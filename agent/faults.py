@@ -11,8 +11,8 @@ import os
 import signal
 from pathlib import Path
 
-from ett.protocol.messages import Fault
 from ett.protocol import fault_exit_file
+from ett.protocol.messages import Fault
 
 log = logging.getLogger(__name__)
 

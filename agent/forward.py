@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
-from agent.metrics import AgentStats
 from agent.jsonl import append_json_line
+from agent.metrics import AgentStats
 from agent.spool import AttemptPaths, disk_bytes, parse_event, read_complete_lines, release_prefix
 from ett.protocol import EVENTS_DIR, SPOOL_SUFFIX
 

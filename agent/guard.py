@@ -27,7 +27,6 @@ from collections.abc import Callable
 from agent.procs import GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
 from agent.warm_client import WARM_SOCKET_ENV, WarmProcess, start_process
 
-
 WAIT_SECONDS = 60.0
 POLL_SECONDS = 0.005
 USAGE = "usage: python -m agent.guard AGENT_PID [--wait-for HOST:PORT] -- ARGV..."

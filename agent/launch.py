@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 from agent.job_user import RunAs
 from agent.procs import GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
 from agent.warm_client import WARM_SOCKET_ENV, python_module
 from ett.protocol import JobEnv
+from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 
 
 def override_value(value: Any) -> str:

@@ -17,9 +17,9 @@ import signal
 import sys
 from pathlib import Path
 
-from agent.procs import set_parent_death_signal
 from agent.jsonl import append_json_line
 from agent.launch_check import launch_problem
+from agent.procs import set_parent_death_signal
 from agent.warm_client import WARM_SOCKET_ENV, start_process
 from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file
 

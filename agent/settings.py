@@ -14,7 +14,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from ett.protocol.messages import NAME_PATTERN
 
 
-
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ETT_AGENT_", extra="forbid")
 

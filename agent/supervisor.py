@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport, IntervalCommand, LaunchCommand, StopCommand
 from agent.confine import launch_refusal
 from agent.job_user import RunAs
 from agent.launch import starts_warm
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 from ett.protocol import EXIT_CONFIG_ERROR
+from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport, IntervalCommand, LaunchCommand, StopCommand
 
 log = logging.getLogger(__name__)
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports

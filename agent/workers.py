@@ -27,7 +27,6 @@ from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import Any
 
-from ett.protocol.messages import LaunchCommand
 from agent.faults import FaultInjector
 from agent.hang import HangLimit
 from agent.job_user import RunAs
@@ -37,6 +36,7 @@ from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
 from ett.protocol import PROGRESS_GLOB, RANK_SPOOL_GLOB, node_spool
+from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ from sqlalchemy import make_url, select
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.db import make_engine, make_session_factory  # noqa: E402
 from service.accounting.engine import Event  # noqa: E402
 from service.accounting.memory import MemoryJob  # noqa: E402
+from service.db import make_engine, make_session_factory  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import JobEvent, Role  # noqa: E402
 from service.security import create_token  # noqa: E402

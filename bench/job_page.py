@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.ingest.store import ingest  # noqa: E402
+from service.context import context_of  # noqa: E402
 from service.main import create_app  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import Role  # noqa: E402
@@ -86,7 +87,7 @@ def run(n_steps: int, repeat: int) -> None:
         upgrade(url)
         app = create_app(Settings(database_url=url, data_dir=Path(folder) / "data"))
         with TestClient(app) as client:
-            with app.state.sessions() as session:
+            with context_of(app).sessions() as session:
                 user = create_token(session, Role.user, "bench")
                 session.commit()
             client.headers["Authorization"] = f"Bearer {user}"
@@ -94,7 +95,7 @@ def run(n_steps: int, repeat: int) -> None:
             job_id = client.post("/api/v1/jobs", json=spec).json()["id"]
             events = timeline(n_steps, time.time() - n_steps * 0.2)
             for i in range(0, len(events), 20_000):
-                with app.state.sessions() as session:
+                with context_of(app).sessions() as session:
                     ingest(session, [(job_id, EventIn.model_validate(e)) for e in events[i : i + 20_000]])
                     session.commit()
             api_wall, api_cpu, _ = timed(client, f"/api/v1/jobs/{job_id}/ett", repeat)

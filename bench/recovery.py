@@ -79,7 +79,7 @@ def run_ett(args, root: Path) -> tuple[dict, list[Event]]:
         job = c.wait_job(c.submit(**spec), timeout=1800)
         if job["state"] != "succeeded":
             raise SystemExit(f"ETT job {job['state']}: {job.get('reason')}\n{c.logs()}")
-        with c.service.app.state.sessions() as session:
+        with c.service.context.sessions() as session:
             rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job["id"])).all()
             events = [Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, dict(r.data)) for r in rows]
         return c.report(job["id"]), events

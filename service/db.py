@@ -1,9 +1,8 @@
 """Database engine and sessions; the one place that knows how to connect."""
 
-from collections.abc import Callable, Iterator
-from typing import Annotated, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
-from fastapi import Depends, Request
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -63,9 +62,3 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def get_db(request: Request) -> Iterator[Session]:
-    with request.app.state.sessions() as session:
-        yield session
-
-
-SessionDep = Annotated[Session, Depends(get_db)]

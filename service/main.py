@@ -12,21 +12,22 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
-from service.agents.commands import CommandBell, ring_on_commit
-from service.jobs.heartbeats import HeartbeatWriter
+from service.agents.commands import ring_on_commit
 from service.api import include_api
 from service.api.health import router as health_router
 from service.asgi.access_log import QuietAgentCalls
 from service.asgi.background import YoungCollector, run_scheduler, run_slurm_bridge
-from service.asgi.errors import ValidationProblem, validation_error
+from service.asgi.errors import ValidationProblem, refused_handler, validation_error
 from service.asgi.hot_paths import AgentHotPaths
 from service.asgi.limits import BodySizeLimit, RateLimit
 from service.asgi.metrics import install_metrics
+from service.context import ServiceContext
 from service.db import DB_THREADS, make_engine, make_session_factory
 from service.ingest.batches import EventBatchWriter
+from service.jobs.heartbeats import HeartbeatWriter
 from service.migrate import check_at_head
+from service.outcomes import Refused
 from service.pages import install_pages
-from service.security import CallerCache
 from service.settings import Settings, get_settings
 
 
@@ -34,6 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     engine = make_engine(settings.resolved_database_url)
+    context = ServiceContext(settings, engine, make_session_factory(engine))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,17 +46,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # with 2,048 agents beside the batches (BENCHMARKS.md, "Load").
         sys.setswitchinterval(0.001)
         loop = asyncio.get_running_loop()
-        app.state.bell.bind(loop)
+        context.bell.bind(loop)
         wake = asyncio.Event()
-        app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
+        context.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
         stop = asyncio.Event()
-        task = asyncio.create_task(run_scheduler(app, wake, stop))
-        slurm = asyncio.create_task(run_slurm_bridge(app, stop)) if settings.slurm else None
-        app.state.heartbeats = HeartbeatWriter(app.state.sessions, settings)
-        writer = asyncio.create_task(app.state.heartbeats.run())
-        app.state.event_batches = EventBatchWriter(app.state.sessions, settings)
-        events_writer = asyncio.create_task(app.state.event_batches.run())
-        watcher = asyncio.create_task(app.state.bell.watch(app.state.sessions))
+        task = asyncio.create_task(run_scheduler(context, wake, stop))
+        slurm = asyncio.create_task(run_slurm_bridge(context, stop)) if settings.slurm else None
+        context.heartbeats = HeartbeatWriter(context.sessions, settings)
+        writer = asyncio.create_task(context.heartbeats.run())
+        context.event_batches = EventBatchWriter(context.sessions, settings)
+        events_writer = asyncio.create_task(context.event_batches.run())
+        watcher = asyncio.create_task(context.bell.watch(context.sessions))
         collector = asyncio.create_task(YoungCollector().run())
         yield
         stop.set()
@@ -70,14 +72,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="ETT", version="1", lifespan=lifespan, docs_url="/docs",
                   responses={422: {"model": ValidationProblem, "description": "a field of the request is wrong"}})
-    app.state.settings = settings
-    app.state.engine = engine
-    app.state.sessions = make_session_factory(engine)
-    app.state.bell = CommandBell()
-    app.state.callers = CallerCache()
-    app.state.wake_scheduler = lambda: None  # replaced once the event loop runs
-    ring_on_commit(app.state.sessions, app.state.bell)
+    app.state.context = context
+    ring_on_commit(context.sessions, context.bell)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Refused, refused_handler)
     access_log = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, QuietAgentCalls) for f in access_log.filters):
         access_log.addFilter(QuietAgentCalls())  # before the pages' token redaction: less work

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from fastapi import HTTPException, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.models import Role, Token
+from service.outcomes import Unauthorized
 
 TOKEN_PREFIX = "ett_"
 
@@ -21,12 +21,8 @@ def hash_token(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def unauthorized() -> HTTPException:
-    return HTTPException(
-        status.HTTP_401_UNAUTHORIZED,
-        "a valid bearer token is required (create one with `ett token create`)",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+def unauthorized() -> Unauthorized:
+    return Unauthorized("a valid bearer token is required (create one with `ett token create`)")
 
 
 def create_token(

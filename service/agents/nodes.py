@@ -2,12 +2,12 @@
 
 from datetime import datetime
 
-from fastapi import HTTPException, status
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from service.agents.commands import WAITING_FOR_NODE
 from service.models import Node, NodeState, Token, utcnow
+from service.outcomes import Forbidden, NotFound, Refused
 from service.security import Caller, unauthorized
 
 
@@ -20,7 +20,7 @@ def register_node(session: Session, name: str, address: str, slots: int, token: 
         node = Node(name=name, address=address, slots=slots, token_id=token.id, job_id=token.job_id)
         session.add(node)
     elif node.token_id != token.id:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"agent {name} was registered with another token")
+        raise Forbidden(f"agent {name} was registered with another token")
     else:
         node.address, node.slots = address, slots
         if node.state in (NodeState.lost, NodeState.leaving):
@@ -49,7 +49,7 @@ def waiting_reason(nodes: int, slots: int, free: int, registered: int, fitting: 
     return f"waiting for {nodes} node{'s' if nodes > 1 else ''} with {each}: {free} free now, {fitting} in the fleet"
 
 
-def claimed_node(session: Session, row: Row | None, name: str, caller: Caller) -> Row | Node | HTTPException:
+def claimed_node(session: Session, row: Row | None, name: str, caller: Caller) -> Row | Node | Refused:
     """The node a request of a group claims, checked against `row`, the node's row as the group's
     one query read it (with its token's `revoked`; None if the query did not find it): `row` when
     the caller's token registered the node and is not revoked. Otherwise the answer the request
@@ -59,7 +59,7 @@ def claimed_node(session: Session, row: Row | None, name: str, caller: Caller) -
         return row
     try:
         return own_node(session, name, caller)[0]
-    except HTTPException as refused:
+    except Refused as refused:
         return refused
 
 
@@ -74,7 +74,7 @@ def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:
         raise unauthorized()
     node = row.Node
     if node is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no agent {name}: register it first")
+        raise NotFound(f"no agent {name}: register it first")
     if node.token_id != caller.token_id:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"agent {name} was registered with another token")
+        raise Forbidden(f"agent {name} was registered with another token")
     return node, bool(row[2])

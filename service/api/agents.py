@@ -2,12 +2,12 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
-from service.jobs.heartbeats import answer_heartbeat
 from service.agents.nodes import register_node
 from service.api.deps import AgentCallerDep, AgentDep
-from service.db import SessionDep
+from service.api.long_poll import answer_heartbeat
+from service.context import ContextDep, SessionDep
 from service.models import Node
 from service.schemas.agents import AgentRegister, Heartbeat, HeartbeatReply, NodeOut
 
@@ -28,9 +28,9 @@ def register(body: AgentRegister, session: SessionDep, caller: AgentDep) -> Node
 @router.post("/{name}/heartbeat")
 async def heartbeat(
     beat: Heartbeat,
-    request: Request,
+    context: ContextDep,
     caller: AgentCallerDep,
     name: str,
     wait: Annotated[float, Query(ge=0, description="seconds to hold the answer until a command exists")] = 0,
 ) -> HeartbeatReply:
-    return await answer_heartbeat(request.app.state, name, caller, beat, wait)
+    return await answer_heartbeat(context, name, caller, beat, wait)

@@ -3,14 +3,15 @@
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service.db import SessionDep
+from service.context import SessionDep, context_of
 from service.jobs.catalog import visible_job
 from service.models import Job, Role, Token
-from service.security import Caller, CallerCache, find_token, hash_token, unauthorized
+from service.outcomes import Forbidden, NotFound
+from service.security import Caller, find_token, hash_token, unauthorized
 
 _bearer = HTTPBearer(auto_error=False, description="A token from `ett token create`")
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
@@ -29,7 +30,7 @@ def current_token(session: SessionDep, credentials: BearerDep) -> Token:
 def check_role(role: Role, roles: tuple[Role, ...]) -> None:
     if role not in roles:
         allowed = " or ".join(r.value for r in roles)
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"this needs a {allowed} token")
+        raise Forbidden(f"this needs a {allowed} token")
 
 
 def require(*roles: Role) -> Callable[[Token], Token]:
@@ -48,12 +49,13 @@ async def current_agent(request: Request, credentials: BearerDep) -> Caller:
     if credentials is None:
         raise unauthorized()
     digest = hash_token(credentials.credentials)
-    cache: CallerCache = request.app.state.callers
+    context = context_of(request.app)
+    cache = context.callers
     caller = cache.get(digest)
     if caller is None:
 
         def lookup() -> Caller | None:
-            with request.app.state.sessions() as session:
+            with context.sessions() as session:
                 token = find_token(session, credentials.credentials)
                 return None if token is None else Caller(token.id, token.role, token.subject, token.expires_at)
 
@@ -75,7 +77,7 @@ def get_visible_job(session: SessionDep, job_id: str, caller: UserDep) -> Job:
     """The job named in the path, if the caller may see it (its owner or an admin)."""
     job = visible_job(session, job_id, caller)
     if job is None:  # someone else's job answers 404 like a missing one: ids are not disclosed
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+        raise NotFound(f"no job {job_id}")
     return job
 
 

@@ -4,7 +4,7 @@ from fastapi import APIRouter, HTTPException, status
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.db import SessionDep
+from service.context import SessionDep
 
 router = APIRouter(tags=["health"])
 

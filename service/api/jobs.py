@@ -2,20 +2,13 @@
 
 import time
 
-from fastapi import APIRouter, HTTPException, Query, Request, status
+from fastapi import APIRouter, Query, status
 
-from service.api.deps import UserDep, VisibleJobDep
-from service.db import SessionDep
 from service.accounting.accounts import job_account, restored_steps
+from service.api.deps import UserDep, VisibleJobDep
+from service.context import ContextDep, SessionDep
 from service.jobs import scheduler
-from service.jobs.catalog import (
-    EntrypointRefused,
-    SlurmOff,
-    create_job,
-    fleet_warnings,
-    visible_jobs,
-)
-from service.jobs.checkpoints import CheckpointDirRefused
+from service.jobs.catalog import create_job, fleet_warnings, visible_jobs
 from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec, SlurmOut
 
@@ -43,20 +36,11 @@ def job_out(job: Job, restored: dict[int, int]) -> JobOut:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, request: Request) -> JobCreated:
-    try:
-        job = create_job(session, request.app.state.settings, spec, caller)
-    except EntrypointRefused as refused:
-        raise HTTPException(status.HTTP_403_FORBIDDEN, str(refused)) from None
-    except CheckpointDirRefused as refused:
-        detail = [{"field": "checkpoint.dir", "msg": str(refused), "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
-    except SlurmOff as refused:
-        detail = [{"field": "slurm", "msg": str(refused), "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from None
-    warnings = fleet_warnings(session, request.app.state.settings, job)
+def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, context: ContextDep) -> JobCreated:
+    job = create_job(session, context.settings, spec, caller)  # a refusal: service/outcomes.py
+    warnings = fleet_warnings(session, context.settings, job)
     session.commit()
-    request.app.state.wake_scheduler()
+    context.wake_scheduler()
     return JobCreated(**job_out(job, {}).model_dump(), warnings=warnings)
 
 

@@ -4,11 +4,12 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, status
+from fastapi import APIRouter, Query
 
-from service.api.deps import UserDep, VisibleJobDep
-from service.db import SessionDep
 from service.accounting.accounts import fleet_figures, job_report
+from service.api.deps import UserDep, VisibleJobDep
+from service.context import SessionDep
+from service.outcomes import Unprocessable
 from service.schemas.events import EttReport, FleetReport
 
 router = APIRouter(tags=["ett"])
@@ -38,6 +39,5 @@ def get_fleet_ett(
     now = time.time()
     lo, hi = _unix(since), _unix(until)
     if lo is not None and hi is not None and hi <= lo:
-        detail = [{"field": "until", "msg": "until must be after since", "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+        raise Unprocessable("until", "until must be after since")
     return FleetReport.model_validate(fleet_figures(session, caller, now, lo, hi))

@@ -7,24 +7,23 @@ import gc
 import logging
 import time
 
-from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 
+from service.context import ServiceContext
 from service.jobs import scheduler
-from service.settings import Settings
 from service.slurm.allocations import SlurmBridge
 
 log = logging.getLogger("ett.service")
 
 
-async def run_scheduler(app: FastAPI, wake: asyncio.Event, stop: asyncio.Event) -> None:
+async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyncio.Event) -> None:
     """Ticks the scheduler when woken (a submit, an attempt report) or every period at the latest."""
-    settings: Settings = app.state.settings
+    settings = context.settings
 
     up_since = time.time()
 
     def tick_once() -> None:
-        with app.state.sessions() as session:
+        with context.sessions() as session:
             scheduler.tick(session, settings, up_since=up_since)
             session.commit()
 
@@ -38,17 +37,17 @@ async def run_scheduler(app: FastAPI, wake: asyncio.Event, stop: asyncio.Event) 
         wake.clear()
 
 
-async def run_slurm_bridge(app: FastAPI, stop: asyncio.Event) -> None:
+async def run_slurm_bridge(context: ServiceContext, stop: asyncio.Event) -> None:
     """A pass of the Slurm bridge every ETT_SLURM_POLL_SECONDS; the scheduler is woken after each,
     since a started allocation's agents or an ended one's attempt may need it."""
-    settings: Settings = app.state.settings
-    bridge = SlurmBridge(app.state.sessions, settings)
+    settings = context.settings
+    bridge = SlurmBridge(context.sessions, settings)
     while not stop.is_set():
         try:
             await run_in_threadpool(bridge.sync)
         except Exception:
             log.exception("Slurm pass failed; retrying next period")
-        app.state.wake_scheduler()
+        context.wake_scheduler()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), settings.slurm_poll_seconds)
 

@@ -1,9 +1,12 @@
-"""The 422 answer's shape: each problem names its field as a path into the JSON that was sent."""
+"""The one place a refusal becomes an HTTP answer: the domain's (service/outcomes.py) and a
+request that does not validate. A 422 names each field as a path into the JSON that was sent."""
 
 from fastapi import Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+from service.outcomes import Refused, problem
 
 
 def field_path(loc: tuple | list) -> str:
@@ -25,6 +28,15 @@ class ValidationProblem(BaseModel):
 
 
 async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = [{"field": field_path(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+    errors = [problem(field_path(e["loc"]), e["msg"], e["type"]) for e in exc.errors()]
     # The input is not echoed back: it may hold secrets (env values of a job spec).
     return JSONResponse({"detail": errors}, status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+def refused_answer(refused: Refused) -> JSONResponse:
+    return JSONResponse({"detail": refused.detail}, refused.status_code, headers=refused.headers)
+
+
+async def refused_handler(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Refused)
+    return refused_answer(exc)

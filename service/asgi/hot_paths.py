@@ -16,18 +16,18 @@ import math
 import re
 from urllib.parse import parse_qsl
 
-from fastapi import HTTPException
-from fastapi.exception_handlers import http_exception_handler
 from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.jobs.heartbeats import answer_heartbeat
 from service.api import PREFIX, agents, events
+from service.api.long_poll import answer_heartbeat
+from service.asgi.errors import refused_answer
+from service.context import context_of
 from service.models import Role
+from service.outcomes import Refused
 from service.schemas.agents import Heartbeat
 from service.schemas.events import AgentEventBatch
 from service.security import Caller, CallerCache, hash_token
@@ -56,8 +56,8 @@ class AgentHotPaths:
         match = match_hot(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if match is None:
             return await self.app(scope, receive, send)
-        state = scope["app"].state
-        caller = _seen_agent(scope, state.callers)
+        context = context_of(scope["app"])
+        caller = _seen_agent(scope, context.callers)
         wait = _wait(scope["query_string"], match["kind"])
         if caller is None or wait is None:
             return await self.app(scope, receive, send)
@@ -72,11 +72,11 @@ class AgentHotPaths:
         scope["route"] = route  # the metrics' label, as the router would set it
         try:
             if isinstance(parsed, Heartbeat):
-                reply: BaseModel = await answer_heartbeat(state, match["name"], caller, parsed, wait)
+                reply: BaseModel = await answer_heartbeat(context, match["name"], caller, parsed, wait)
             else:
-                reply = await state.event_batches.store(match["name"], caller, parsed.events)
-        except HTTPException as refused:
-            response = await http_exception_handler(Request(scope), refused)
+                reply = await context.event_batches.store(match["name"], caller, parsed.events)
+        except Refused as refused:  # as the routes answer it (service/asgi/errors.py)
+            response = refused_answer(refused)
         else:
             response = Response(reply.model_dump_json(), media_type="application/json")
         await response(scope, receive, send)

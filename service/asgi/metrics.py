@@ -15,6 +15,7 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.accounting.metrics import EttCollector
+from service.context import context_of
 
 
 def route_template(scope: Scope) -> str:
@@ -60,7 +61,8 @@ class RequestMetrics:
 def install_metrics(app: FastAPI, registry: CollectorRegistry | None = None) -> CollectorRegistry:
     """Adds GET /metrics and the request middleware; a fresh registry unless one is given."""
     registry = registry if registry is not None else CollectorRegistry()
-    registry.register(EttCollector(app.state.sessions, app.state.settings))
+    context = context_of(app)
+    registry.register(EttCollector(context.sessions, context.settings))
     requests = Counter(
         "ett_http_requests", "HTTP requests served by this process.", ["method", "route", "status"], registry=registry
     )
@@ -74,5 +76,5 @@ def install_metrics(app: FastAPI, registry: CollectorRegistry | None = None) -> 
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.state.metrics_registry = registry
+    context.metrics_registry = registry
     return registry

@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass
 
 import anyio
-from fastapi import HTTPException, status
 from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -23,6 +22,7 @@ from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.ingest.store import EventRejected, ingest
 from service.models import Attempt, AttemptNode, Job, Node, Token
+from service.outcomes import Forbidden, Refused, Unprocessable
 from service.schemas.events import AgentEventIn, IngestOut
 from service.security import Caller
 from service.settings import Settings
@@ -41,10 +41,9 @@ def _refused(item: "Posted", error: Exception) -> Exception:
     return error
 
 
-def unprocessable(rejected: EventRejected) -> HTTPException:
+def unprocessable(rejected: EventRejected) -> Unprocessable:
     """The answer to a batch that one event makes unacceptable: 422 naming the event and field."""
-    detail = [{"field": rejected.field, "msg": rejected.msg, "type": "value_error"}]
-    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+    return Unprocessable(rejected.field, rejected.msg)
 
 
 @dataclass
@@ -115,14 +114,14 @@ class EventBatchWriter:
         nodes: dict[int, NodeLike] = {}
         for i, item in enumerate(group):
             node = claimed_node(session, found.get(item.name), item.name, item.caller)
-            if isinstance(node, HTTPException):
+            if isinstance(node, Refused):
                 outcomes[i] = node
             else:
                 nodes[i] = node
         return nodes
 
     @staticmethod
-    def _not_given(session: Session, group: list[Posted], nodes: dict[int, NodeLike]) -> dict[int, HTTPException]:
+    def _not_given(session: Session, group: list[Posted], nodes: dict[int, NodeLike]) -> dict[int, Refused]:
         """The 403 of each batch with an event of an attempt the scheduler did not give its node.
         Events of unknown jobs are left to ingestion, which refuses them with 422 naming the field."""
         jobs = list({e.job_id for i in nodes for e in group[i].events})
@@ -140,10 +139,8 @@ class EventBatchWriter:
                 known = set(session.scalars(_KNOWN_JOBS, {"jobs": jobs}))
             for k, e in enumerate(events):
                 if e.job_id in known and (node.id, e.job_id, e.attempt) not in given:
-                    refused[i] = HTTPException(
-                        status.HTTP_403_FORBIDDEN, f"events.{k}: attempt {e.attempt} of job {e.job_id} was not "
-                        f"given to agent {node.name}; it may report only its own attempts",
-                    )  # fmt: skip
+                    refused[i] = Forbidden(f"events.{k}: attempt {e.attempt} of job {e.job_id} was not given to "
+                                           f"agent {node.name}; it may report only its own attempts")
                     break
         return refused
 
@@ -161,11 +158,10 @@ _GIVEN = (
 )  # fmt: skip
 
 
-def _foreign_source(node: NodeLike, events: list[AgentEventIn]) -> HTTPException | None:
+def _foreign_source(node: NodeLike, events: list[AgentEventIn]) -> Unprocessable | None:
     """The 422 of a batch with an event from neither the node's ranks nor the node itself."""
     for i, e in enumerate(events):
         if not (e.source.startswith("rank:") or e.source == f"node:{node.name}"):
-            detail = [{"field": f"events.{i}.source", "msg": f"agent {node.name} may send only its ranks' "
-                       f"events and node:{node.name}'s, not {e.source}'s", "type": "value_error"}]  # fmt: skip
-            return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
+            return Unprocessable(f"events.{i}.source", f"agent {node.name} may send only its ranks' events and "
+                                 f"node:{node.name}'s, not {e.source}'s")
     return None

@@ -12,18 +12,22 @@ from sqlalchemy.orm import Session
 from service.agents.nodes import fleet_capacity
 from service.jobs.checkpoints import confined_checkpoint_dir
 from service.models import Job, JobState, Role, Token
+from service.outcomes import Forbidden, Unprocessable
 from service.schemas.job_spec import JobSpec
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-class EntrypointRefused(PermissionError):
+class EntrypointRefused(Forbidden):
     """A job's entrypoint that the operator's policy does not allow; the message names the rule."""
 
 
-class SlurmOff(ValueError):
+class SlurmOff(Unprocessable):
     """A job with a `slurm` section sent to a service that does not submit to Slurm."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("slurm", message)
 
 
 def check_entrypoint(settings: Settings, entrypoint: list[str] | None, caller: Token) -> None:

@@ -14,6 +14,7 @@ from ett.paths import inside
 from service.accounting.accounts import job_account, job_report
 from service.accounting.report import young_interval
 from service.models import Checkpoint, Job
+from service.outcomes import Unprocessable
 from service.settings import Settings
 
 # Used for `interval_steps: "auto"` until the job has measured what a step and a save cost.
@@ -23,8 +24,11 @@ DEFAULT_INTERVAL_STEPS = 50
 SAFE_FOLDER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
 
 
-class CheckpointDirRefused(ValueError):
+class CheckpointDirRefused(Unprocessable):
     """A job's `checkpoint.dir` outside its owner's area; the message says where it resolved."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("checkpoint.dir", message)
 
 
 def owner_area(settings: Settings, owner: str) -> Path:

@@ -10,26 +10,23 @@ error stays with the heartbeat that caused it.
 """
 
 import asyncio
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any
 
 import anyio
-from fastapi import HTTPException
-from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session, joinedload, sessionmaker
-from starlette.datastructures import State
 
+from ett.protocol.messages import AttemptReport
 from service.agents import commands
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
-from ett.protocol.messages import AttemptReport
-from service.schemas.agents import Heartbeat, HeartbeatReply
+from service.outcomes import Refused
+from service.schemas.agents import Heartbeat
 from service.security import Caller
 from service.settings import Settings
 
@@ -151,7 +148,7 @@ class HeartbeatWriter:
             outcomes: list[Outcome | None] = [None] * len(batch)
             for i, item in enumerate(batch):
                 node = claimed_node(session, nodes.get(item.name), item.name, item.caller)
-                if isinstance(node, HTTPException):
+                if isinstance(node, Refused):
                     outcomes[i] = node
                     continue
                 if isinstance(node, Node):  # its row is held (skip_locked): the held lane writes it
@@ -198,37 +195,3 @@ class HeartbeatWriter:
         for share_id, item, report in changing:
             share = loaded[share_id]
             scheduler.apply_report(session, share.node, share, report, item.received)
-
-
-async def answer_heartbeat(state: State, name: str, caller: Caller, beat: Heartbeat, wait: float) -> HeartbeatReply:
-    """A heartbeat's answer, after its checks: recorded with the others, then held up to `wait`
-    seconds until a command for the node exists (long-poll). The route of service/api/agents.py
-    and the fast lane of service/asgi/hot_paths.py both answer with it."""
-    received = time.time()
-    settings: Settings = state.settings
-    bell: commands.CommandBell = state.bell
-    wait = min(wait, settings.max_heartbeat_wait_seconds)
-
-    def take(node_id: int) -> list[dict]:
-        with state.sessions() as session:
-            # A read first: most polls find nothing, and need not queue for SQLite's write lock.
-            if not commands.has_pending(session, node_id):
-                return []
-            taken = commands.take_pending(session, node_id)
-            session.commit()
-            return taken
-
-    # Written with the other heartbeats that arrive meanwhile (HeartbeatWriter), commands included.
-    writer: HeartbeatWriter = state.heartbeats
-    node_id, pending = await writer.record(name, caller, beat, received)
-    # Only an attempt that ended may need the scheduler now (a restart, a finish): a busy node
-    # lists its running attempt in every heartbeat, and waking on each would run it non-stop.
-    if any(report.state != "running" for report in beat.attempts):
-        state.wake_scheduler()
-    deadline = time.monotonic() + wait
-    while not pending and time.monotonic() < deadline:
-        # No thread, no connection and no query while waiting: the bell rings when a command
-        # for the node is queued, by this service process or (found within a second) another.
-        if await bell.wait(node_id, deadline - time.monotonic()):
-            pending = await run_in_threadpool(take, node_id)
-    return HeartbeatReply(commands=pending, server_time=time.time())

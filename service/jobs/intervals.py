@@ -17,8 +17,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from ett.protocol.messages import IntervalCommand
-from service.agents import commands
 from service.accounting.accounts import job_account
+from service.agents import commands
 from service.jobs.checkpoints import checkpoint_interval_steps
 from service.jobs.service_events import emit
 from service.models import Attempt, AttemptState, Job, JobState

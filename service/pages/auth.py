@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 from fastapi import Depends, Request
 from fastapi.responses import RedirectResponse
 
-from service.db import SessionDep
+from service.context import SessionDep
 from service.models import Role, Token
 from service.security import find_token
 

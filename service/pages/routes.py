@@ -13,7 +13,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from service.db import SessionDep
 from service.accounting.accounts import (
     fleet_figures,
     fleet_mtbf_seconds,
@@ -21,6 +20,7 @@ from service.accounting.accounts import (
     job_report,
 )
 from service.accounting.engine import CATEGORIES
+from service.context import SessionDep
 from service.jobs.catalog import visible_job, visible_jobs
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep

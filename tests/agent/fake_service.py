@@ -12,9 +12,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-
 from ett.protocol import EVENT_KINDS
-
 
 
 class FakeService:

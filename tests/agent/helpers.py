@@ -8,8 +8,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ett.protocol.messages import LaunchCommand, command_adapter
 from agent.supervisor import Supervisor
+from ett.protocol.messages import LaunchCommand, command_adapter
 
 FAKE_RANK = Path(__file__).parent / "scripts" / "fake_rank.py"
 ETT_RANK = Path(__file__).parent / "scripts" / "ett_rank.py"  # the same, written with the ett library

@@ -36,12 +36,12 @@ def agent(service, tmp_path):
 
 
 def node(service):
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         return session.scalar(select(Node).where(Node.name == "node-a"))
 
 
 def stored_events(service, job_id):
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         return session.scalars(select(JobEvent).where(JobEvent.job_id == job_id)).all()
 
 

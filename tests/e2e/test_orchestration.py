@@ -79,7 +79,7 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         spare_ranks = {f"rank:{2 * second['nodes'].index('node-c') + i}" for i in (0, 1)}
         sources = {e.source: e.data["source"] for e in events(c, job_id, "restore_end") if e.attempt == 1}
         assert len(sources) == 4 and all((v == "persistent") == (k in spare_ranks) for k, v in sources.items()), sources
-        with c.service.app.state.sessions() as session:
+        with c.service.context.sessions() as session:
             assert session.scalar(select(Node.state).where(Node.name == victim)) == NodeState.lost
         assert pids_with_env("ETT_JOB_ID", job_id) == []
 

@@ -29,7 +29,7 @@ def _event(job_id: str, attempt: int = 0, seq: int = 0) -> dict:
 def test_tokens_are_stored_as_digests_and_compared_in_constant_time(service, database_url, monkeypatch):
     secret = service.token("user", "alice")
     digest = hashlib.sha256(secret.encode()).hexdigest()
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         [row] = session.scalars(select(Token)).all()
     assert row.token_hash == digest and secret not in repr(vars(row))
     # The secret is nowhere in the database's files (with its write-ahead log), only its digest.
@@ -39,7 +39,7 @@ def test_tokens_are_stored_as_digests_and_compared_in_constant_time(service, dat
 
     statements: list[str] = []
     compared: list[tuple] = []
-    sa.event.listen(service.app.state.engine, "before_cursor_execute",
+    sa.event.listen(service.context.engine, "before_cursor_execute",
                     lambda conn, cursor, sql, params, context, many: statements.append(f"{sql} {params}"))  # fmt: skip
     real_compare = hmac.compare_digest
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real_compare(a, b))

@@ -43,7 +43,7 @@ def give_attempt(service, job_id: str, node_name: str, attempt: int = 0) -> None
 
     from service.models import Attempt, AttemptNode, Node
 
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         node = session.scalar(select(Node).where(Node.name == node_name))
         row = Attempt(job_id=job_id, number=attempt, master_addr=node.address, master_port=29500)
         row.nodes.append(AttemptNode(node=node, node_rank=0))

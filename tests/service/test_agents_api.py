@@ -25,12 +25,12 @@ def test_heartbeat_records_clock_offset_and_flags_large_skew(service):
     register_agent(agent)
     reply = agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time() - 30, "stats": {"processes": 2}})
     assert reply.status_code == 200 and reply.json()["commands"] == []
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         node = session.query(Node).one()
         assert 29 < node.clock_offset_seconds < 32 and node.clock_skew_flagged
         assert node.stats == {"processes": 2}
     agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time()})
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         assert not session.query(Node).one().clock_skew_flagged
 
 
@@ -40,7 +40,7 @@ def test_long_poll_returns_as_soon_as_a_command_is_queued(service):
 
     def queue_later() -> None:
         time.sleep(0.5)
-        with service.app.state.sessions() as session:
+        with service.context.sessions() as session:
             node = session.query(Node).one()
             commands.enqueue(session, node, StopCommand(type="stop", job_id="j", attempt=0, reason="test"))
             session.commit()  # the commit rings the node's bell
@@ -62,7 +62,7 @@ def test_long_poll_wakes_for_a_command_committed_without_this_apps_bell(service)
 
     agent = service.client(service.token("agent"))
     register_agent(agent)
-    other_process = make_session_factory(service.app.state.engine)
+    other_process = make_session_factory(service.context.engine)
 
     def queue_later() -> None:
         time.sleep(0.5)
@@ -89,7 +89,7 @@ def test_revoked_agent_token_is_refused_from_its_next_request(service):
     agent = service.client(service.token("agent"))
     register_agent(agent)
     assert agent.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time()}).status_code == 200
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         session.query(Token).update({"revoked": True})
         session.commit()
     # The service keeps the callers of tokens it has seen; revocation must still apply at once.
@@ -108,7 +108,7 @@ def test_heartbeats_written_together_each_get_their_own_answer(service):
     revoked = service.token("agent", "node-r")
     register_agent(service.client(revoked), "node-r")
     service.client(revoked).post("/api/v1/agents/node-r/heartbeat", json={"clock": time.time()})  # seen: cached
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         session.query(Token).filter(Token.subject == "node-r").update({"revoked": True})
         session.commit()
     calls = [(token, name, 200) for name, token in good.items()] + [
@@ -131,7 +131,7 @@ def test_heartbeats_written_together_each_get_their_own_answer(service):
     for thread in threads:
         thread.join()
     assert answers == {i: [expected] * 5 for i, (_, _, expected) in enumerate(calls)}
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         stats = {node.name: node.stats for node in session.query(Node)}
     assert stats == {f"node-{i}": {"processes": i} for i in range(8)} | {"node-r": {}}
 

@@ -42,7 +42,7 @@ def test_bad_and_revoked_tokens_are_401(service):
 
     good = service.token("user", "alice")
     assert service.client("ett_not-a-token").get("/api/v1/jobs").status_code == 401
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         session.query(Token).update({"revoked": True})
         session.commit()
     response = service.client(good).get("/api/v1/jobs")
@@ -53,6 +53,6 @@ def test_tokens_are_stored_hashed(service):
     from service.models import Token
 
     secret = service.token("admin")
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         stored = session.query(Token).one()
     assert secret not in stored.token_hash and len(stored.token_hash) == 64

@@ -54,7 +54,7 @@ def test_body_not_json_is_422(service):
 
 def test_body_over_the_limit_is_413_declared_or_streamed(service):
     client = service.client(service.token("user"))
-    limit = service.app.state.settings.max_request_bytes
+    limit = service.context.settings.max_request_bytes
     big = job_spec(env={"PAD": "x" * 4000 for _ in range(1)} | {f"V{i}": "x" * 4000 for i in range(limit // 4000)})
     response = client.post("/api/v1/jobs", json=big)
     assert response.status_code == 413 and "limit" in response.json()["detail"]

@@ -19,14 +19,14 @@ def alice(service):
 
 
 def test_a_folder_inside_the_owners_area_is_accepted_resolved(service, alice):
-    area = service.app.state.settings.resolved_checkpoint_root / "alice"
+    area = service.context.settings.resolved_checkpoint_root / "alice"
     response = submit_dir(alice, f"{area}/runs/../mine")
     assert response.status_code == 201, response.text
     assert response.json()["spec"]["checkpoint"]["dir"] == str(area / "mine")
 
 
 def test_folders_outside_the_owners_area_are_refused_naming_the_field(service, alice, tmp_path):
-    root = service.app.state.settings.resolved_checkpoint_root
+    root = service.context.settings.resolved_checkpoint_root
     (root / "alice").mkdir(parents=True, exist_ok=True)
     os.symlink("/etc", root / "alice" / "link-out")  # a link laid in the area, pointing out of it
     for folder in (f"{root}/alice/../bob/x",  # `..` out of the area

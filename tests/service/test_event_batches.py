@@ -5,11 +5,11 @@ group are stored (SQLite and PostgreSQL)."""
 import asyncio
 import time
 
-from fastapi import HTTPException
 from sqlalchemy import func, select
 
 from service.ingest.batches import EventBatchWriter
 from service.models import JobAccountRow, JobEvent
+from service.outcomes import Refused
 from service.schemas.events import AgentEventIn
 from service.security import Caller, find_token
 from tests.service.factories import give_attempt, register_agent, submit
@@ -18,7 +18,7 @@ from tests.service.test_ingest_bad_events import good
 
 def post_together(service, posts: list[tuple[str, Caller, list[dict]]]) -> list:
     """Hands the batches to a fresh writer at once, so that they are written as one group."""
-    writer = EventBatchWriter(service.app.state.sessions, service.app.state.settings)
+    writer = EventBatchWriter(service.context.sessions, service.context.settings)
 
     async def run() -> list:
         task = asyncio.create_task(writer.run())
@@ -36,7 +36,7 @@ def agent(service, name: str, job_id: str) -> Caller:
     secret = service.token("agent", name)
     register_agent(service.client(secret), name)
     give_attempt(service, job_id, name)
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         token = find_token(session, secret)
         return Caller(token.id, token.role, token.subject)
 
@@ -62,7 +62,7 @@ def test_a_group_answers_each_batch_and_stores_only_the_good_ones(service):
         ("node-a", b, events(job, 6)),  # node-b's token for node-a: 403
     ])  # fmt: skip
     assert [(r.accepted, r.duplicates) for r in answers[:3]] == [(2, 0), (3, 0), (1, 1)]
-    assert all(isinstance(r, HTTPException) for r in answers[3:])
+    assert all(isinstance(r, Refused) for r in answers[3:])
     assert [r.status_code for r in answers[3:]] == [422, 403, 403]
     assert answers[3].detail[0]["field"] == "events.1.source"
     # A batch that ingestion refuses breaks its group's transaction: the others are written again.
@@ -72,7 +72,7 @@ def test_a_group_answers_each_batch_and_stores_only_the_good_ones(service):
     ])  # fmt: skip
     assert (good_one.accepted, good_one.duplicates) == (1, 0)
     assert refused.status_code == 422 and refused.detail[0]["field"] == "events.1.seq"
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         per_job = dict(session.execute(select(JobEvent.job_id, func.count()).group_by(JobEvent.job_id)).all())
         counted = dict(session.execute(select(JobAccountRow.job_id, JobAccountRow.events)).all())
     assert per_job == counted == {job: 3, other: 4}  # nothing of the refused batch (seq 8)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from fastapi.testclient import TestClient
 
 from service.asgi.hot_paths import AgentHotPaths
+from service.context import context_of
 from service.main import create_app
 from service.models import Role
 from service.security import create_token
@@ -33,7 +34,7 @@ def test_a_seen_agent_is_answered_on_the_hot_path_and_the_rest_reaches_the_route
     routes = Routes()
     hot = AgentHotPaths(routes)
     with TestClient(app) as client:
-        with app.state.sessions() as session:
+        with context_of(app).sessions() as session:
             user, agent, stranger = (create_token(session, role, name) for role, name in
                                      ((Role.user, "alice"), (Role.agent, "node-a"), (Role.agent, "node-b")))  # fmt: skip
             session.commit()
@@ -44,7 +45,7 @@ def test_a_seen_agent_is_answered_on_the_hot_path_and_the_rest_reaches_the_route
         # Two nodes: the one registered node cannot take it, so the scheduler leaves it to the test.
         job = client.post("/api/v1/jobs", headers={"Authorization": f"Bearer {user}"},
                           json={"name": "j", "nodes": 2, "procs_per_node": 2, "entrypoint": ["true"]}).json()  # fmt: skip
-        give_attempt(SimpleNamespace(app=app), job["id"], "node-a")
+        give_attempt(SimpleNamespace(context=context_of(app)), job["id"], "node-a")
         assert client.post("/api/v1/agents/node-a/heartbeat", headers=bearer, json={"clock": time.time()}).status_code == 200
 
         def post(path: str, body: dict | bytes, token: str = agent, query: bytes = b"") -> tuple[int, dict | None]:

@@ -30,14 +30,14 @@ def replay(admin, job_id: str, events) -> dict:
 
 
 def stored_events(service, job_id: str) -> int:
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         return session.scalar(select(func.count()).where(JobEvent.job_id == job_id))
 
 
 def catalog(service, job_id: str) -> list[tuple]:
     """The job's checkpoint records, newest step first: (attempt, step, started_at, staged_at,
     committed_at, path, bytes)."""
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         return [tuple(row) for row in session.execute(
             select(Checkpoint.attempt, Checkpoint.step, Checkpoint.started_at, Checkpoint.staged_at,
                    Checkpoint.committed_at, Checkpoint.path, Checkpoint.bytes)
@@ -103,7 +103,7 @@ def test_nan_and_big_integers_in_data_are_stored_and_repeats_stay_repeats(servic
     for expected in ({"accepted": 2, "duplicates": 1}, {"accepted": 0, "duplicates": 3}):
         response = admin.post(url, content=body, headers=headers)
         assert response.status_code == 200 and response.json() == expected, response.text
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         stored = session.scalars(select(JobEvent.data).where(JobEvent.job_id == job["id"]).order_by(JobEvent.seq))
         assert list(stored) == [{"duration": 0.5, "loss": None}, {"duration": 0.5, "loss": None, "tokens": 2**70}]
 
@@ -125,7 +125,7 @@ def test_agent_events_are_moved_onto_the_service_clock(service):
     batch = [dict(e, ts=agent_now - 10 + (e["ts"] - T0)) for e in wire(tl.events, job["id"])]
     response = agent.post("/api/v1/agents/node-a/events", json={"events": batch})
     assert response.status_code == 200 and response.json() == {"accepted": 4, "duplicates": 0}, response.text
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job["id"]).order_by(JobEvent.ts)).all()
     offsets = {round(r.clock_offset_seconds) for r in rows}
     assert offsets == {40}

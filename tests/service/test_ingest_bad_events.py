@@ -41,7 +41,7 @@ CORPUS = [
 
 
 def stored(service) -> tuple[int, int, int]:
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         return tuple(session.scalar(select(func.count()).select_from(t)) for t in (JobEvent, Checkpoint, JobAccountRow))
 
 
@@ -79,7 +79,7 @@ def test_nan_and_a_body_over_the_limit(service):
     assert "NaN" in nan
     response = admin.post(url, content=nan, headers={"content-type": "application/json"})
     assert response.status_code == 422 and response.json()["detail"][0]["field"].startswith("events.0")
-    limit = service.app.state.settings.max_request_bytes
+    limit = service.context.settings.max_request_bytes
     huge = [good(i, data={"duration": 1.0, "pad": "x" * 8000}) for i in range(limit // 8000 + 1)]
     assert admin.post(url, json={"events": huge}).status_code == 413
     assert stored(service) == (0, 0, 0)

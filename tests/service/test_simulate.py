@@ -15,7 +15,14 @@ import time
 import pytest
 
 from ett_cli.main import main
-from service.accounting.simulate import expected_ett, llama3_405b, memory_report, simulate, sweep, young_interval_seconds
+from service.accounting.simulate import (
+    expected_ett,
+    llama3_405b,
+    memory_report,
+    simulate,
+    sweep,
+    young_interval_seconds,
+)
 
 END = 1.9e9  # any end time: the accounting does not depend on it
 

@@ -6,8 +6,8 @@ import subprocess
 import pytest
 from pydantic import ValidationError
 
-from service.settings import Settings
 from service.schemas.job_spec import JobSpec
+from service.settings import Settings
 from service.slurm.batch import render_script, sbatch_options
 from tests.service.factories import job_spec
 

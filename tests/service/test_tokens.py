@@ -52,7 +52,7 @@ def test_tokens_are_listed_without_secrets_revoked_by_id_and_refused_from_then_o
 
 
 def test_an_expired_token_is_refused_by_users_and_agents_paths_even_once_seen(service):
-    with service.app.state.sessions() as session:
+    with service.context.sessions() as session:
         past = create_token(session, Role.user, "carol", expires_at=datetime.now(UTC) - timedelta(seconds=1))
         agent = create_token(session, Role.agent, "node-x", expires_at=datetime.now(UTC) + timedelta(seconds=2))
         session.commit()

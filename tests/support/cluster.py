@@ -64,7 +64,7 @@ class Cluster:
     def _registered(self, name: str) -> bool:
         from service.models import Node
 
-        with self.service.app.state.sessions() as session:
+        with self.service.context.sessions() as session:
             return session.query(Node).filter_by(name=name).count() == 1
 
     def submit(self, **spec: Any) -> str:
@@ -89,7 +89,7 @@ class Cluster:
 def events(c: Cluster, job_id: str, kind: str) -> list:
     from service.models import JobEvent
 
-    with c.service.app.state.sessions() as session:
+    with c.service.context.sessions() as session:
         query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == kind).order_by(JobEvent.ts)
         return list(session.scalars(query))
 
@@ -99,7 +99,7 @@ def newest_committed_before_the_failure(c: Cluster, job_id: str) -> int:
     from service.models import Checkpoint
 
     failed_at = events(c, job_id, "attempt_failed")[0].ts
-    with c.service.app.state.sessions() as session:
+    with c.service.context.sessions() as session:
         committed = session.scalars(select(Checkpoint).where(
             Checkpoint.job_id == job_id, Checkpoint.attempt == 0, Checkpoint.committed_at <= failed_at)).all()
     return max(ckpt.step for ckpt in committed)

@@ -10,6 +10,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from service.context import ServiceContext, context_of
 from service.main import create_app
 from service.models import Role
 from service.security import create_token
@@ -22,8 +23,12 @@ class LiveService:
     url: str
     app: FastAPI
 
+    @property
+    def context(self) -> ServiceContext:
+        return context_of(self.app)
+
     def token(self, role: str, subject: str | None = None) -> str:
-        with self.app.state.sessions() as session:
+        with self.context.sessions() as session:
             secret = create_token(session, Role(role), subject or role)
             session.commit()
         return secret
