@@ -1,6 +1,7 @@
 """Shared fixtures: databases (SQLite and a real PostgreSQL), a live service, tokens."""
 
 import itertools
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +13,21 @@ from service.models import Base
 from service.settings import Settings
 from tests.support.live import LiveService, live_service
 from tests.support.postgres import postgres_server
+from tests.support.processes import TEST_MARK_ENV, kill_marked
 
 BACKENDS = ["sqlite", "postgresql"]
 _database_numbers = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _ends_the_processes_it_started(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Whatever a test started and left running (a test that failed or timed out before its own
+    clean-up: ranks, agents, torchrun) is killed when the test ends, so no test's processes burden
+    the next ones. They are found by a mark in their environment (tests/support/processes.py)."""
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(TEST_MARK_ENV, mark)
+    yield
+    kill_marked(mark)
 
 
 @pytest.fixture(scope="session")

@@ -43,27 +43,5 @@ def run_to_end(supervisor: Supervisor, timeout: float = 120.0) -> dict[str, Any]
     return report.model_dump()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(interval)
-    return result
-
-
-def pids_with_env(name: str, value: str) -> list[int]:
-    """Live (non-zombie) processes whose environment has name=value, read straight from /proc."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and f"{name}={value}".encode() in environ:
-            found.append(int(proc.name))
-    return found
-
-
 def read_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

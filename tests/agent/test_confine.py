@@ -8,7 +8,8 @@ from pathlib import Path
 
 from agent.confine import launch_refusal
 from agent.supervisor import Supervisor
-from tests.agent.helpers import launch_command, pids_with_env, run_to_end
+from tests.agent.helpers import launch_command, run_to_end
+from tests.support.processes import pids_with_env
 
 
 def command_with(area: Path, folder: Path, resume_from: Path | None = None):

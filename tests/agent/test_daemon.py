@@ -10,8 +10,10 @@ import pytest
 from sqlalchemy import select
 
 from service.models import JobEvent, Node
-from tests.agent.helpers import FAKE_RANK, pids_with_env, wait_for
+from tests.agent.helpers import FAKE_RANK
 from tests.support.job_user import SUITE_USER_JOBS
+from tests.support.processes import pids_with_env
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 

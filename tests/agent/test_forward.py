@@ -13,8 +13,10 @@ from agent.metrics import AgentStats
 from agent.settings import AgentSettings
 from agent.spool import AttemptPaths, disk_bytes
 from tests.agent.fake_service import FakeService
-from tests.agent.helpers import free_port, pids_with_env, wait_for
+from tests.agent.helpers import free_port
 from tests.proofs.cluster import cluster, fake_rank_job
+from tests.support.processes import pids_with_env
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -88,6 +90,31 @@ def test_while_the_service_is_down_nothing_moves_and_backoff_grows(fake_service,
     fake_service.start()
     assert forwarder.forward_once(flush=True)
     assert len(fake_service.events) == 3 and forwarder.stats.events_buffered == 0
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_an_error_or_busy_answer_is_not_taken_as_delivered(fake_service, tmp_path, monkeypatch, status):
+    """A 5xx (the service failing) or 429 (its rate limit) keeps every event: nothing is marked
+    forwarded, set aside or acknowledged, and all of them arrive once the service answers again."""
+    answers = {"refuse": True}
+    monkeypatch.setattr(fake_service, "_ingest", lambda events, real=fake_service._ingest: (
+        (status, {"detail": "try later"}) if answers["refuse"] else real(events)))
+    spool = tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl"
+    write_spool(spool, [spool_event(i) for i in range(5)])
+    forwarder = forwarder_for(fake_service, tmp_path)
+
+    for _ in range(3):
+        assert not forwarder.forward_once(flush=True)
+    assert fake_service.events == {} and forwarder.stats.events_forwarded == 0
+    assert forwarder.stats.dead_letters == 0 and not (tmp_path / "dead-letters.jsonl").exists()
+    assert not (tmp_path / "forward-offsets.json").exists() and forwarder.stats.events_buffered == 5
+
+    answers["refuse"] = False
+    assert forwarder.forward_once(flush=True)
+    assert sorted(key[3] for key in fake_service.events) == [0, 1, 2, 3, 4]
+    assert forwarder.stats.events_forwarded == 5 and forwarder.stats.events_repeated == 0
+    assert json.loads((tmp_path / "forward-offsets.json").read_text()) == {
+        "j/0/events/rank-0.jsonl": spool.stat().st_size}
 
 
 def test_an_ended_attempt_spool_is_deleted_once_forwarded(fake_service, tmp_path):

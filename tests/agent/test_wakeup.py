@@ -9,7 +9,8 @@ import time
 import pytest
 
 from agent.wakeup import Wakeup, exited, open_pidfd
-from tests.agent.helpers import launch_command, wait_for
+from tests.agent.helpers import launch_command
+from tests.support.waiting import wait_for
 
 LONG = 30.0  # a pause that ends much sooner did not wait for its period
 
@@ -47,7 +48,8 @@ def test_a_group_wakes_the_monitor_when_its_ranks_and_torchrun_exit_then_stops_w
     supervisor.launch(launch_command("--steps", "20", "--step-seconds", "0.1"))  # 2 s: watched before the end
     [group] = supervisor.groups.values()
     wakeup = Wakeup()
-    wait_for(lambda: supervisor.poll() or len(supervisor.exit_fds) == 3, 60, "torchrun's guard and both runners")
+    wait_for(lambda: len(supervisor.exit_fds) == 3, 60, "torchrun's guard and both runners",
+             while_waiting=supervisor.poll)
     while supervisor.groups:
         assert timed_wait(wakeup, supervisor.exit_fds) < LONG / 2, "an exit did not end the pause"
         supervisor.poll()

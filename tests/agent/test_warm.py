@@ -13,7 +13,7 @@ import pytest
 
 from agent.warm import WarmServer
 from agent.warm_client import WarmProcess, python_module
-from tests.agent.helpers import wait_for
+from tests.support.waiting import wait_for
 
 RANK_MODULE = textwrap.dedent("""
     import json, os, sys, time
@@ -64,6 +64,7 @@ def test_a_module_the_server_did_not_load_is_refused(warm, tmp_path):
 RUNNER = """
 import sys, time
 from agent.warm_client import WarmProcess
+from tests.support.waiting import wait_for
 rank = WarmProcess(sys.argv[1], [sys.executable, "-P", "-m", "warm_rank_module", sys.argv[2], "0", "60"])
 print(rank.pid, flush=True)
 time.sleep(60)

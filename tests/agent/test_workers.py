@@ -12,7 +12,9 @@ import pytest
 
 from agent.spool import AttemptPaths
 from agent.supervisor import Supervisor
-from tests.agent.helpers import ETT_RANK, free_port, launch_command, pids_with_env, read_events, run_to_end, wait_for
+from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
+from tests.support.processes import pids_with_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -66,16 +68,17 @@ def test_a_failure_is_reported_at_once_and_the_next_launch_waits_for_the_group_t
     # Rank 0 ignores the SIGTERM torchrun sends it when rank 1 fails: the group lingers until the grace's SIGKILL.
     command = launch_command("--steps", "100000", "--fail-rank", "1", "--fail-at-step", "2", "--ignore-sigterm")
     supervisor.launch(command)
-    wait_for(lambda: supervisor.poll() or supervisor.reports.snapshot()[0].state == "failed", 60, "the failure")
+    wait_for(lambda: supervisor.reports.snapshot()[0].state == "failed", 60, "the failure",
+             while_waiting=supervisor.poll)
     assert command.key in supervisor.groups, "reported while its rank 0 still runs"
     assert supervisor.reports.snapshot()[0].detail == "rank 1 exit code 1"
 
     restart = launch_command("--steps", "2", job_id=command.job_id, attempt=1)
     supervisor.launch(restart)
     assert restart.key not in supervisor.groups  # held back
-    wait_for(lambda: supervisor.poll() or restart.key in supervisor.groups, 30, "the held launch to start")
+    wait_for(lambda: restart.key in supervisor.groups, 30, "the held launch to start", while_waiting=supervisor.poll)
     assert command.key not in supervisor.groups  # only once the failed group was gone
-    wait_for(lambda: supervisor.poll() or not supervisor.groups, 60, "the restart to end")
+    wait_for(lambda: not supervisor.groups, 60, "the restart to end", while_waiting=supervisor.poll)
     assert {r.attempt: r.state for r in supervisor.reports.snapshot()} == {0: "failed", 1: "succeeded"}
 
 
@@ -171,7 +174,7 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
     command = launch_command("--steps", "100000", "--ignore-sigterm", "--spawn-child")
     supervisor.launch(command)
     group = supervisor.groups[command.key]
-    wait_for(lambda: supervisor.poll() or group.state == "running", 60, "ranks to start")
+    wait_for(lambda: group.state == "running", 60, "ranks to start", while_waiting=supervisor.poll)
     # guard, torchrun, 2 runners, 2 ranks, 2 grandchildren
     wait_for(lambda: len(pids_with_env("ETT_JOB_ID", command.job_id)) == 8, 30, "the grandchildren")
 
@@ -219,6 +222,7 @@ import sys, time
 from pathlib import Path
 from agent.supervisor import Supervisor
 from tests.agent.helpers import launch_command
+from tests.support.waiting import wait_for
 supervisor = Supervisor(Path(sys.argv[1]), "node-a", 1.0)
 command = launch_command("--steps", "100000", "--spawn-child", job_id=sys.argv[2])
 supervisor.launch(command)
@@ -247,9 +251,11 @@ def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):
     command = launch_command(init_timeout_seconds=60).model_copy(update={"entrypoint": silent})
     supervisor.launch(command)
     events_dir = AttemptPaths.of(supervisor.spool_root, command.job_id, 0).events_dir
-    wait_for(lambda: supervisor.poll() or len(list(events_dir.glob("progress-rank-*"))) == 2, 60, "both marks")
+    wait_for(lambda: len(list(events_dir.glob("progress-rank-*"))) == 2, 60, "both marks",
+             while_waiting=supervisor.poll)
     (events_dir / "progress-rank-1").write_text("0 0 5 2".rjust(64))  # as rank 1's writer on a full disk
-    wait_for(lambda: supervisor.poll() or supervisor.rank_events_unwritten_and_dropped() == (5, 2), 10, "the report")
+    wait_for(lambda: supervisor.rank_events_unwritten_and_dropped() == (5, 2), 10, "the report",
+             while_waiting=supervisor.poll)
     supervisor.stop(command_adapter_stop(command))
     run_to_end(supervisor)
 
@@ -263,12 +269,12 @@ def test_a_success_is_reported_once_the_ranks_exit_while_torchrun_waits_for_the_
                                                master_port=port, job_id=job_id))
     try:
         first, second = nodes
-        wait_for(lambda: first.poll() or first.reports.snapshot()[0].state != "running", 60, "node 0's ranks")
+        wait_for(lambda: first.reports.snapshot()[0].state != "running", 60, "node 0's ranks", while_waiting=first.poll)
         assert first.reports.snapshot()[0].state == "succeeded"
         [group] = first.groups.values()
         assert not group.state.is_terminal, "reported only once torchrun had exited"
         for node in nodes:
-            wait_for(lambda: node.poll() or not node.groups, 60, "the group to end")
+            wait_for(lambda: not node.groups, 60, "the group to end", while_waiting=node.poll)
             assert node.reports.snapshot()[0].state == "succeeded"
     finally:
         for node in nodes:

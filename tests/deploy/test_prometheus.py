@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.metrics import AgentStats, StatsCollector
 from tests.deploy.replayed import replayed_job
 from tests.support.postgres import free_port
+from tests.support.waiting import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
@@ -115,8 +116,8 @@ def prometheus(config: dict, folder: Path) -> Iterator[str]:
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: process.poll() is None and _answers(f"{url}/-/ready"), "Prometheus to be ready",
-                 log=folder / "prometheus.log")  # fmt: skip
+        wait_for(lambda: process.poll() is None and _answers(f"{url}/-/ready"), 30, "Prometheus to be ready",
+                 interval=0.2, explain=lambda: (folder / "prometheus.log").read_text())
         yield url
     finally:
         process.terminate()
@@ -135,16 +136,6 @@ def _answers(url: str) -> bool:
         return False
 
 
-def wait_for(ready, what: str, timeout: float = 30, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = ready()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}" + (f"; its log:\n{log.read_text()}" if log else ""))
-
-
 @SQLITE_ONLY
 def test_real_prometheus_reads_the_ett_ratio_the_api_reports(service, tmp_path):
     job = replayed_job(service, time.time() - 200)
@@ -161,13 +152,13 @@ def test_real_prometheus_reads_the_ett_ratio_the_api_reports(service, tmp_path):
             result = httpx.get(f"{url}/api/v1/query", params={"query": query}).json()["data"]["result"]
             return result and float(result[0]["value"][1])
 
-        assert wait_for(ratio, "the first scrape") == pytest.approx(api["ett_percent"] / 100, rel=1e-12)
+        assert wait_for(ratio, 30, "the first scrape", interval=0.2) == pytest.approx(api["ett_percent"] / 100, rel=1e-12)
 
         def evaluated_rules():
             groups = httpx.get(f"{url}/api/v1/rules").json()["data"]["groups"]
             rules = [r for g in groups for r in g["rules"]]
             return rules if all(r["health"] != "unknown" for r in rules) else None
 
-        rules = wait_for(evaluated_rules, "the alert rules' first evaluation")
+        rules = wait_for(evaluated_rules, 30, "the alert rules' first evaluation", interval=0.2)
         assert len(rules) == sum(len(g["rules"]) for g in yaml.safe_load(ALERTS.read_text())["groups"])
         assert {r["name"]: r["health"] for r in rules} == {r["name"]: "ok" for r in rules}

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.agent.helpers import pids_with_env
+from tests.support.processes import pids_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -7,15 +7,15 @@ import pytest
 from sqlalchemy import select
 
 from service.models import Node, NodeState
-from tests.agent.helpers import pids_with_env
 from tests.support.cluster import (
     assert_categories_sum_to_wall,
     cluster,
     events,
     newest_committed_before_the_failure,
     trainer_job,
-    wait_for,
 )
+from tests.support.processes import pids_with_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.agent.helpers import pids_with_env
 from tests.support.cluster import (
     REPO,
     Cluster,
@@ -25,6 +24,7 @@ from tests.support.cluster import (
     example_job,
     newest_committed_before_the_failure,
 )
+from tests.support.processes import pids_with_env
 
 pytestmark = pytest.mark.slow
 

@@ -6,13 +6,13 @@ write is made to fail with ENOSPC."""
 import errno
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 import ett.events
 from ett.events import EventWriter
+from tests.support.waiting import wait_for
 from tests.trainer.trainer_runs import read_events
 
 
@@ -68,22 +68,15 @@ def mark(folder: Path) -> list[int]:
     return [int(f) for f in path.read_bytes().split()] if path.exists() else [0]
 
 
-def wait_until(predicate, seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_full_disk_loses_no_event_once_space_returns(disk):
     writer = EventWriter(str(disk.folder), rank=0, attempt=0)
     writer.emit("init_start", pid=1)
-    wait_until(lambda: len(read_events(disk.folder / "rank-0.jsonl")) == 1)
+    wait_for(lambda: len(read_events(disk.folder / "rank-0.jsonl")) == 1, 10, "the writer")
     disk.fill()
     for step in range(1, 201):  # about 20 KiB of events, none of which fits
         writer.emit("step", step=step, duration=0.01, tokens=64, loss=1.0)
         writer.progress(step)
-    wait_until(lambda: mark(disk.folder)[0] == 200)
+    wait_for(lambda: mark(disk.folder)[0] == 200, 10, "the writer")
     step, beats, unwritten, dropped, _ = mark(disk.folder)
     assert unwritten > 0 and dropped == 0  # the agent reads this (agent/workers.py)
     assert len(read_events(disk.folder / "rank-0.jsonl")) < 201
@@ -100,12 +93,12 @@ def test_past_its_bound_a_rank_drops_events_and_counts_them(disk, monkeypatch):
     monkeypatch.setattr(ett.events, "MAX_UNWRITTEN_BYTES", 2000)
     writer = EventWriter(str(disk.folder), rank=0, attempt=0)
     writer.progress(1)
-    wait_until(lambda: mark(disk.folder)[0] == 1)
+    wait_for(lambda: mark(disk.folder)[0] == 1, 10, "the writer")
     disk.fill()
     for step in range(2, 102):
         writer.emit("step", step=step, duration=0.01)
     writer.progress(101)
-    wait_until(lambda: mark(disk.folder)[0] == 101)
+    wait_for(lambda: mark(disk.folder)[0] == 101, 10, "the writer")
     _, _, unwritten, dropped, _ = mark(disk.folder)
     assert unwritten + dropped == 100 and dropped > 0 and unwritten * 80 < 2000
     disk.free()

@@ -14,6 +14,7 @@ import ett
 from ett.folders import MARKER, verify
 from ett.integrations.huggingface import resume_checkpoint
 from tests.support.cluster import REPO
+from tests.support.postgres import free_port
 from tests.trainer.trainer_runs import read_events
 
 
@@ -91,3 +92,16 @@ def test_the_callback_marks_the_start_up_when_the_script_does_not(tmp_path, monk
         Trainer(model=model, args=args, train_dataset=example.SyntheticText(8), callbacks=[ETTCallback(run)]).train()
     kinds = [e["kind"] for e in read_events(tmp_path / "events" / "rank-0.jsonl")]
     assert kinds == ["init_start", "init_end", "step", "step", "train_end"]
+
+
+def test_the_commit_marker_waits_for_every_ranks_part(tmp_path):
+    """Rank 1 writes its part of the checkpoint a second after rank 0: the marker rank 0 writes
+    lists both, so a resume never takes a folder that lacks a rank's part for committed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETT_", "RANK", "WORLD_SIZE"))}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "tests.ett.hf_save_race", str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    folder = tmp_path / "checkpoint-5"
+    manifest = json.loads((folder / MARKER).read_text())
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(manifest["files"]) and verify(folder) is None

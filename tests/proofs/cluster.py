@@ -21,9 +21,9 @@ from service.db import make_engine, make_session_factory
 from service.migrate import upgrade
 from service.models import JobEvent, Node, Role
 from service.security import create_token
-from tests.support.cluster import wait_for
 from tests.support.job_user import SUITE_USER_JOBS
 from tests.support.postgres import free_port
+from tests.support.waiting import wait_for
 
 FAKE_RANK = Path(__file__).parents[1] / "agent" / "scripts" / "fake_rank.py"
 # Fast failure detection, so each proof takes seconds: agents heartbeat every second.

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.proofs.cluster import cluster, fake_rank_job
-from tests.support.cluster import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

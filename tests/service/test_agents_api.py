@@ -1,12 +1,19 @@
 """Agent registration and heartbeats, with commands handed back (long-polled)."""
 
+import asyncio
 import threading
 import time
 
-from ett.protocol.messages import StopCommand
+from sqlalchemy import select
+
+from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
-from service.models import Node
-from tests.service.factories import register_agent
+from service.jobs.heartbeats import HeartbeatWriter
+from service.models import Attempt, AttemptNode, Node
+from service.schemas.agents import Heartbeat
+from service.security import Caller, find_token
+from tests.service.factories import register_agent, submit
+from tests.support.waiting import wait_for
 
 
 def test_register_is_idempotent_per_token(service):
@@ -161,3 +168,47 @@ def test_a_node_reports_only_its_own_attempts(service):
     node_a.post("/api/v1/agents/node-a/heartbeat", json={"clock": time.time(), "attempts": [failed]})
     first = admin.get(f"/api/v1/jobs/{job['id']}").json()["attempts"][0]
     assert (first["state"], first["detail"]) == ("failed", "forged")
+
+
+def test_the_reports_of_two_nodes_in_one_batch_each_go_to_their_own_share(service):
+    """Heartbeats written together (one transaction, service/jobs/heartbeats.py): each node's
+    report of the same attempt changes that node's share, not its peer's."""
+    tokens = {name: service.token("agent", name) for name in ("node-a", "node-b")}
+    for name, token in tokens.items():
+        register_agent(service.client(token), name, slots=1)
+    job = submit(service.client(service.token("user", "alice")), nodes=2, procs_per_node=1)
+    admin = service.client(service.token("admin"))
+    wait_for(lambda: admin.get(f"/api/v1/jobs/{job['id']}").json()["attempts"], 30, "the job's allocation")
+    with service.context.sessions() as session:
+        callers = {name: Caller(t.id, t.role, t.subject) for name in tokens
+                   if (t := find_token(session, tokens[name])) is not None}  # fmt: skip
+
+    def report(state: str) -> dict:
+        return {"job_id": job["id"], "attempt": 0, "state": state, "cause": None, "detail": "", "exit_code": None}
+
+    def beat_together(states: dict[str, str]) -> None:
+        writer = HeartbeatWriter(service.context.sessions, service.context.settings)
+
+        async def run() -> None:
+            task = asyncio.create_task(writer.run())
+            try:
+                await asyncio.gather(*(writer.record(name, callers[name], Heartbeat(clock=time.time(),
+                                       attempts=[AttemptReport(**report(state))]), time.time())
+                                       for name, state in states.items()))  # fmt: skip
+            finally:
+                task.cancel()
+
+        asyncio.run(run())
+
+    def shares() -> dict[str, str]:
+        with service.context.sessions() as session:
+            rows = session.execute(select(Node.name, AttemptNode.state).join(AttemptNode.node)
+                                   .join(AttemptNode.attempt).where(Attempt.job_id == job["id"]))
+            return {name: state.value for name, state in rows}
+
+    beat_together({"node-a": "succeeded", "node-b": "running"})
+    assert shares() == {"node-a": "succeeded", "node-b": "running"}
+    assert admin.get(f"/api/v1/jobs/{job['id']}").json()["state"] == "running"
+    beat_together({"node-b": "succeeded", "node-a": "running"})  # an ended share is not taken back
+    assert shares() == {"node-a": "succeeded", "node-b": "succeeded"}
+    assert admin.get(f"/api/v1/jobs/{job['id']}").json()["state"] == "succeeded"

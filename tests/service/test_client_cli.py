@@ -12,7 +12,8 @@ import time
 import pytest
 
 from tests.deploy.replayed import replayed_job
-from tests.support.cluster import EXAMPLE_JOBS, wait_for
+from tests.support.cluster import EXAMPLE_JOBS
+from tests.support.waiting import wait_for
 
 
 def ett(*args: str, service: str, token: str | None) -> subprocess.CompletedProcess:

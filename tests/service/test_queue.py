@@ -6,7 +6,7 @@ import time
 import pytest
 
 from tests.service.factories import register_agent, submit
-from tests.support.cluster import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 

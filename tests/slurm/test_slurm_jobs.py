@@ -14,9 +14,9 @@ from sqlalchemy import select
 
 from service.models import Node, NodeState, SlurmAllocation, Token
 from tests.proofs.cluster import AGENT_ENV, cluster, fake_rank_job
-from tests.support.cluster import wait_for
 from tests.support.job_user import SUITE_USER_JOBS
 from tests.support.slurm import KILL_WAIT_SECONDS, slurm_cluster
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 PLAIN_DDP = Path(__file__).parents[2] / "examples" / "plain_ddp.py"

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from service.migrate import upgrade
 from service.settings import Settings
 from tests.support.job_user import SUITE_USER_JOBS
 from tests.support.live import LiveService, live_service
+from tests.support.waiting import wait_for
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 REPO = Path(__file__).resolve().parents[2]
@@ -108,15 +108,6 @@ def newest_committed_before_the_failure(c: Cluster, job_id: str) -> int:
 def assert_categories_sum_to_wall(report: dict) -> None:
     assert math.isclose(sum(report["seconds"].values()), report["wall_seconds"], abs_tol=1e-6)
     assert all(v >= 0 for v in report["seconds"].values())
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while not (result := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-    return result
 
 
 def example_job(file_name: str, **overrides: Any) -> dict[str, Any]:

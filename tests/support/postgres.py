@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.support.processes import TEST_MARK_ENV
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -32,7 +34,9 @@ def postgres_server(database: str = "ett") -> Iterator[str]:
     data, port = root / "data", free_port()
     if os.geteuid() == 0:
         shutil.chown(root, "postgres")
-    run = lambda argv: subprocess.run(_as_postgres(argv), check=True, capture_output=True)  # noqa: E731
+    # The server outlives the test that first asks for it: not one of that test's processes.
+    env = {k: v for k, v in os.environ.items() if k != TEST_MARK_ENV}
+    run = lambda argv: subprocess.run(_as_postgres(argv), check=True, capture_output=True, env=env)  # noqa: E731
     try:
         run(["initdb", "-D", str(data), "-U", "ett", "--auth=trust", "-E", "UTF8", "--no-sync"])
         # fsync off: a test database need not survive a power cut, and it is much faster. A new
@@ -45,5 +49,5 @@ def postgres_server(database: str = "ett") -> Iterator[str]:
              f"CREATE DATABASE {database}"])
         yield f"postgresql+psycopg://ett@127.0.0.1:{port}/{database}"
     finally:
-        subprocess.run(_as_postgres(["pg_ctl", "-D", str(data), "-m", "immediate", "stop"]), capture_output=True)
+        subprocess.run(_as_postgres(["pg_ctl", "-D", str(data), "-m", "immediate", "stop"]), capture_output=True, env=env)
         shutil.rmtree(root, ignore_errors=True)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster import wait_for
 from tests.support.postgres import free_port
+from tests.support.waiting import wait_for
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 NODES = ("n1", "n2")

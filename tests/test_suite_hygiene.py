@@ -1,0 +1,27 @@
+"""The suite itself: a test's leftover processes are ended when it ends (tests/conftest.py), as a
+test that fails or times out before its own clean-up would leave them. The two tests run in this
+order (one file runs on one worker, in order)."""
+
+import os
+import subprocess
+
+from tests.support.processes import TEST_MARK_ENV
+
+left: dict[str, int] = {}
+
+
+def test_a_test_that_leaves_a_process_running():
+    # A new session and process group, as torchrun's ranks or an agent have: a kill of the test's
+    # group would not reach it.
+    sleeper = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    left["pid"], left["mark"] = sleeper.pid, os.environ[TEST_MARK_ENV]
+
+
+def test_the_next_test_finds_it_gone():
+    pid = left["pid"]
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return  # reaped already
+    assert stat.rsplit(")", 1)[1].split()[0] == "Z", f"process {pid} of the previous test still runs"
+    assert os.environ[TEST_MARK_ENV] != left["mark"]  # each test has a mark of its own
