@@ -13,7 +13,7 @@ import pytest
 from agent.spool import AttemptPaths
 from agent.supervisor import Supervisor
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
-from tests.support.processes import pids_with_env
+from tests.support.processes import TEST_MARK_ENV, pids_with_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -135,6 +135,7 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
 
     env = json.loads(env_file.read_text())
     assert env.pop("ETT_WORKER_GROUP")  # the agent's own marker, for finding leftover processes
+    env.pop(TEST_MARK_ENV)  # the suite's own (tests/conftest.py)
     paths = AttemptPaths.of(supervisor.spool_root, command.job_id, 3)
     assert env == {
         "ETT_JOB_ID": command.job_id, "ETT_ATTEMPT": "3", "ETT_EVENT_DIR": str(paths.events_dir),

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
+from ett.protocol import EXIT_CONFIG_ERROR
 from tests.trainer.trainer_runs import REPO
 from trainer.config import PRESETS, parse_args
-from trainer.errors import EXIT_CONFIG_ERROR, ConfigError
+from trainer.errors import ConfigError
 from trainer.train import main
 
 

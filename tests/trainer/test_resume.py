@@ -6,8 +6,8 @@ import signal
 import pytest
 
 from ett.folders import MARKER, step_folders, verify
+from ett.protocol import EXIT_STOPPED
 from tests.trainer.trainer_runs import has_event, run_trainer
-from trainer.errors import EXIT_STOPPED
 
 pytestmark = pytest.mark.slow
 
