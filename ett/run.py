@@ -78,7 +78,8 @@ class Step:
 class Run:
     """One rank's view of one attempt of a job. Made by `ett.init()`; every rank makes its own."""
 
-    def __init__(self, env: JobEnvironment, checkpoint_dir: str | None = None, interval_steps: int = 0, keep: int = 3):
+    def __init__(self, env: JobEnvironment, checkpoint_dir: str | None = None, interval_steps: int = 0, keep: int = 3,
+                 stop_on_sigterm: bool | None = None):
         self.job_id: str | None = env.job_id
         self.attempt: int = env.attempt
         self.rank: int = env.rank
@@ -108,12 +109,13 @@ class Run:
         self._closed = False
         self._sigterm = False  # this rank got SIGTERM
         self._stop_agreed = False  # some rank did, and every rank knows (should_stop)
-        self._handles_sigterm = self._install_sigterm_handler()
+        wanted = bool(self.in_job and self.checkpoint_dir) if stop_on_sigterm is None else stop_on_sigterm
+        self._handles_sigterm = wanted and self._install_sigterm_handler()
 
     def _install_sigterm_handler(self) -> bool:
-        """Inside a job that checkpoints, SIGTERM only sets a flag: the step in progress finishes
-        and a final checkpoint is saved (should_stop). A script's own handler is left alone."""
-        if not (self.in_job and self.checkpoint_dir) or threading.current_thread() is not threading.main_thread():
+        """SIGTERM only sets a flag: the step in progress finishes and a final checkpoint is saved
+        (should_stop). A script's own handler is left alone."""
+        if threading.current_thread() is not threading.main_thread():
             return False
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return False
@@ -123,6 +125,18 @@ class Run:
 
         signal.signal(signal.SIGTERM, on_sigterm)
         return True
+
+    def configure_checkpoints(self, config: CheckpointConfig) -> None:
+        """For a script whose checkpoint settings come from its own command line (the built-in
+        trainer, whose flags the agent sets from the same job): these settings instead of the
+        ones read from the job's environment. Call it before restore and checkpoint."""
+        if self._checkpointer is not None:
+            raise UsageError("run.configure_checkpoints: call it before run.restore and run.checkpoint")
+        config.validate()
+        if config.dir:
+            _check_writable(config.dir)
+        self._config, self.checkpoint_dir = config, config.dir or None
+        self.interval_steps, self.keep = config.interval_steps, config.keep
 
     def _dcp_resume_from(self) -> str:
         """The service's choice when it is one of ours (a step folder; another library's
@@ -191,23 +205,40 @@ class Run:
                 data["loss"] = float(step.loss.detach() if hasattr(step.loss, "detach") else step.loss)
             self._events.emit("step", step=step.step, **data)
 
-    def checkpoint(self, step: int, state: dict[str, Any], force: bool = False) -> bool:
+    def checkpoint(self, step: int, state: dict[str, Any], force: bool = False, stop: bool | None = None,
+                   wait_for_staging: bool = True) -> bool:
         """Saves `state` when a save is due by the job's interval, or when forced. Returns once the
         state is copied (the write and the commit go on in the background); True when a save started.
         Once the job is told to stop (should_stop), saves this step, waits for the commit and
-        raises Stopped: the script exits with EXIT_STOPPED. Every rank calls it at every step."""
+        raises Stopped: the script exits with EXIT_STOPPED. Every rank calls it at every step.
+        `stop`: whether to stop, already agreed over the ranks by the caller (the trainer folds the
+        flag into its loss's all-reduce); None asks should_stop. `wait_for_staging=False` returns
+        while the state is still being copied: the caller must call run.wait_for_staging() before
+        it next changes the state (the trainer: before its optimizer step)."""
         if not self._config.dir:
             return False
         checkpointer, started = self._get_checkpointer(), False
-        stop = self.should_stop()
+        stop = self.should_stop() if stop is None else self._agree_stop(stop)
         if force or stop or self.checkpoint_due(step):
             started = checkpointer.save(step, state)
-            checkpointer.wait_for_staging()  # the caller may change the state as soon as we return
+            if wait_for_staging or stop:
+                checkpointer.wait_for_staging()
         checkpointer.snapshot(step, state)  # with a node-local folder: the fast tier, every step it can
         if stop:
             logger.warning("SIGTERM: stopped after step %d and its checkpoint", step)
             raise Stopped()
         return started
+
+    def wait_for_staging(self) -> None:
+        """Returns once a save started by run.checkpoint(..., wait_for_staging=False) has copied
+        the state: it may change again."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait_for_staging()
+
+    @property
+    def sigterm_received(self) -> bool:
+        """This rank got SIGTERM (other ranks may not have: should_stop agrees on it)."""
+        return self._sigterm
 
     def should_stop(self) -> bool:
         """True once any rank of the job got SIGTERM (Slurm's time limit or preemption, the
@@ -221,6 +252,10 @@ class Run:
             flag_1 = torch.tensor([int(flag)], device=device)
             dist.all_reduce(flag_1, op=dist.ReduceOp.MAX)
             flag = bool(flag_1.item())
+        return self._agree_stop(flag)
+
+    def _agree_stop(self, flag: bool) -> bool:
+        """Records whether every rank stops after this step (the same on all of them)."""
         self._stop_agreed = flag
         if flag and threading.current_thread() is threading.main_thread():
             # This rank now stops after a final checkpoint; a later SIGTERM (torchrun tearing the
@@ -280,8 +315,11 @@ class Run:
         return self._checkpointer
 
 
-def init(checkpoint_dir: str | os.PathLike | None = None, interval_steps: int = 0, keep: int = 3) -> Run:
+def init(checkpoint_dir: str | os.PathLike | None = None, interval_steps: int = 0, keep: int = 3,
+         stop_on_sigterm: bool | None = None) -> Run:
     """The Run of this rank. Inside an ETT job the job's settings win; the arguments are what the
     script uses elsewhere: the folder to save into and resume from, save every `interval_steps`
-    steps (0: only forced saves), keep the newest `keep`."""
-    return Run(JobEnvironment.from_environ(), checkpoint_dir, interval_steps, keep)
+    steps (0: only forced saves), keep the newest `keep`. `stop_on_sigterm`: SIGTERM asks for a
+    stop after the step in progress and a final checkpoint (should_stop); None: inside a job
+    that checkpoints (elsewhere SIGTERM ends the script as usual)."""
+    return Run(JobEnvironment.from_environ(), checkpoint_dir, interval_steps, keep, stop_on_sigterm)

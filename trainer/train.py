@@ -1,24 +1,26 @@
 """Train the MoE transformer: `torchrun --nproc-per-node N -m trainer.train --preset tiny [...]`.
 
-Exit codes (trainer/errors.py): 0 done, 3 configuration error, 4 stopped by SIGTERM after a
-final checkpoint; anything else is a failure. Events go to $ETT_EVENT_DIR/rank-{RANK}.jsonl.
+A user of `ett.Run` like any training script (docs/library.md): the run marks start-up, restores
+the newest good checkpoint, times each step, saves at the job's interval and stops after a final
+checkpoint on SIGTERM. What is the trainer's own is here and beside it: the model, expert
+parallelism and ZeRO, the data, the metrics line. Exit codes (ett.protocol): 0 done, 3
+configuration error, 4 stopped by SIGTERM after a final checkpoint; anything else is a failure.
 """
 
 import logging
 import os
-import signal
 import sys
-import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ett.checkpoint import Checkpointer
+import ett
 from ett.errors import UsageError
-from ett.events import EventWriter
 from ett.protocol import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_STOPPED
 from ett.state import ModelOptimizerState, RNGState, TrainProgress
 from trainer.allocator import keep_freed_memory
@@ -30,17 +32,6 @@ from trainer.model import Transformer
 from trainer.parallel import build_mesh, build_optimizer, parallelize
 
 logger = logging.getLogger("trainer.train")
-
-
-class StopOnSigterm:
-    """SIGTERM (a stop or a preemption notice) only sets a flag: the step in progress finishes."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
 
 
 def init_distributed() -> torch.device:
@@ -84,12 +75,25 @@ def mean_loss_and_stop(loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
     return both[0].item() / dist.get_world_size(), both[1].item() > 0
 
 
-def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
+@dataclass
+class Training:
+    """What start-up builds: the sharded model and its optimizer, the data, the state a
+    checkpoint holds, the metrics line."""
+
+    device: torch.device
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    data: ByteBatchLoader
+    progress: TrainProgress
+    state: dict[str, Any]
+    metrics: MetricsLogger
+
+
+def build(cfg: JobConfig) -> Training:
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setup_logging(cfg.log, rank)
-
-    # Init: every rank draws the same full weights, then keeps its shards.
+    # Every rank draws the same full weights, then keeps its shards.
     torch.manual_seed(cfg.train.seed)
     with device:
         model = Transformer(cfg.model, cfg.moe)
@@ -97,66 +101,69 @@ def train(cfg: JobConfig, events: EventWriter, sigterm: StopOnSigterm) -> int:
     model = parallelize(model, build_mesh(cfg.parallel, world_size, device.type), cfg.parallel)
     betas = (cfg.train.beta1, cfg.train.beta2)
     optimizer = build_optimizer(model, cfg.parallel, cfg.train.lr, cfg.train.weight_decay, betas)
-    data = ByteBatchLoader(SourceCorpus(cfg.data.root), cfg.train.batch_size, cfg.train.seq_len, rank, world_size, cfg.data.seed)
+    data = ByteBatchLoader(SourceCorpus(cfg.data.root), cfg.train.batch_size, cfg.train.seq_len, rank, world_size,
+                           cfg.data.seed)  # fmt: skip
     progress = TrainProgress()
     state = {"app": ModelOptimizerState(model, optimizer), "data": data, "rng": RNGState(rank), "progress": progress}
-    checkpointer = Checkpointer(cfg.checkpoint, events)
     metrics = MetricsLogger(cfg.log, model, cfg.train.seq_len, world_size, device)
     logger.info("%d ranks on %s; %.2fM parameters (%.2fM active)", world_size, device,
                 model.num_params() / 1e6, model.num_params(active_only=True) / 1e6)
-    events.emit("init_end")
+    return Training(device, model, optimizer, data, progress, state, metrics)
 
+
+def train(cfg: JobConfig, run: ett.Run, t: Training) -> int:
     # Restore: model, optimizer, data position, RNG states and step of the newest good checkpoint.
-    progress.step = checkpointer.restore(state)
-
-    stopped = False
+    t.progress.step = run.restore(t.state)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * world_size
-    for step in range(progress.step + 1, cfg.train.steps + 1):
-        start = time.perf_counter()
-        inputs_BT, targets_BT = (t.to(device) for t in data.next_batch())
-        lr = cfg.train.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-
-        logits_BTV, aux_loss = model(inputs_BT)
-        loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
-        (loss + aux_loss).backward()
-        grad_norm = clip_grad_norm_(model, cfg.train.grad_clip)
-        checkpointer.wait_for_staging()  # a save's copy of the parameters overlaps forward and backward
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean_loss, stopped = mean_loss_and_stop(loss, sigterm.requested)
-        progress.step = step
-
-        events.progress(step)  # every rank: its agent watches it for hangs and faults
-        if rank == 0:  # right at the step's end: the agent injects faults on it
-            events.emit("step", step=step, duration=time.perf_counter() - start, tokens=tokens_per_step, loss=mean_loss)
-            metrics.record(step, tokens_per_step, mean_loss, lr, grad_norm.item())
-        if cfg.checkpoint.due(step, cfg.train.steps) or (stopped and cfg.checkpoint.dir):
-            checkpointer.save(step, state)
-        checkpointer.snapshot(step, state)  # the fast tier: this rank's shard on node-local disk
-        if stopped:
-            logger.warning("SIGTERM: stopped after step %d", step)
-            break
-
-    checkpointer.close()  # the last save is committed before we exit
-    events.emit("train_end", step=progress.step)
+    stopped = False
+    try:
+        for step in range(t.progress.step + 1, cfg.train.steps + 1):
+            with run.step(step, tokens=tokens_per_step) as s:
+                inputs_BT, targets_BT = (x.to(t.device) for x in t.data.next_batch())
+                lr = cfg.train.lr_at(step)
+                for group in t.optimizer.param_groups:
+                    group["lr"] = lr
+                logits_BTV, aux_loss = t.model(inputs_BT)
+                loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+                (loss + aux_loss).backward()
+                grad_norm = clip_grad_norm_(t.model, cfg.train.grad_clip)
+                run.wait_for_staging()  # a save's copy of the parameters overlaps forward and backward
+                t.optimizer.step()
+                t.optimizer.zero_grad(set_to_none=True)
+                s.loss, stopped = mean_loss_and_stop(loss, run.sigterm_received)
+                t.progress.step = step
+            if rank == 0:
+                t.metrics.record(step, tokens_per_step, s.loss, lr, grad_norm.item())
+            # The stop is agreed in the loss's all-reduce: the run saves this step and raises Stopped.
+            run.checkpoint(step, t.state, force=step == cfg.train.steps, stop=stopped, wait_for_staging=False)
+            if stopped:
+                break  # no checkpoint folder: nothing to save, and the ranks stop all the same
+    except ett.Stopped:
+        pass
+    if stopped:
+        logger.warning("SIGTERM: stopped after step %d", t.progress.step)
+    run.close()  # the last save is committed, then the end of training is marked
     dist.barrier()
     dist.destroy_process_group()
     return EXIT_STOPPED if stopped else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    sigterm = StopOnSigterm()
-    events = EventWriter.from_env(int(os.environ.get("RANK", "0")))
-    events.emit("init_start", pid=os.getpid())
     setup_logging(LogConfig(), int(os.environ.get("RANK", "0")))
     try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
-        if not torch.cuda.is_available():  # a CPU run (see init_distributed); CUDA has its caching allocator
-            keep_freed_memory()
-        return train(cfg, events, sigterm)
+        # SIGTERM (a stop or a preemption notice) only sets a flag: the step in progress finishes.
+        with ett.init(stop_on_sigterm=True) as run:
+            with run.initializing():
+                cfg = parse_args(sys.argv[1:] if argv is None else argv)
+                cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+                run.configure_checkpoints(cfg.checkpoint)
+                if not torch.cuda.is_available():  # a CPU run (see init_distributed); CUDA has its caching allocator
+                    keep_freed_memory()
+                training = build(cfg)
+            return train(cfg, run, training)
+    except ett.Stopped:  # the run, closing after train() agreed on a stop
+        return EXIT_STOPPED
     except UsageError as error:  # ConfigError, or a checkpoint this run cannot load
         logger.error("configuration error: %s", error)
         return EXIT_CONFIG_ERROR
@@ -165,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter exit would first wait for the checkpoint threads, stuck in collectives too.
         logger.exception("training failed")
         return EXIT_FAILED
-    finally:
-        events.close()
 
 
 if __name__ == "__main__":
