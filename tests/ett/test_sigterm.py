@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ett.folders import MARKER
+from tests.support.waiting import wait_for
 from tests.trainer.trainer_runs import read_events
 
 pytestmark = pytest.mark.slow
@@ -20,13 +20,9 @@ PLAIN_DDP = Path(__file__).parents[2] / "examples" / "plain_ddp.py"
 
 
 def wait_for_event(path: Path, kind: str, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [e for e in read_events(path) if e["kind"] == kind]
-        if found:
-            return found[-1]
-        time.sleep(0.05)
-    raise TimeoutError(f"no {kind} event in {path}")
+    """The newest `kind` event in the spool at `path`, once there is one."""
+    found = wait_for(lambda: [e for e in read_events(path) if e["kind"] == kind], timeout, f"a {kind} event in {path}")
+    return found[-1]
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_its_checkpoint(tmp_path):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from ett.protocol import JobEnv, rank_spool
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--step-seconds", type=float, default=0.05)
@@ -27,8 +29,8 @@ parser.add_argument("--spawn-child", action="store_true", help="start a sleeping
 args = parser.parse_args()
 
 rank = int(os.environ["RANK"])
-attempt = int(os.environ.get("ETT_ATTEMPT", "0"))
-spool = os.path.join(os.environ["ETT_EVENT_DIR"], f"rank-{rank}.jsonl")
+attempt = int(os.environ.get(JobEnv.ATTEMPT, "0"))
+spool = os.path.join(os.environ[JobEnv.EVENT_DIR], rank_spool(rank))
 seq = 0
 
 
