@@ -5,11 +5,14 @@ one way only; nothing imports in a circle; the service takes of the library only
 shared pieces; no import hides inside a function."""
 
 import ast
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("service", "ett", "ett_cli", "agent", "trainer")
@@ -116,22 +119,50 @@ def test_each_package_imports_only_packages_below_it():
     assert upward == []
 
 
-def test_the_library_imports_without_the_services_dependencies(tmp_path):
-    """`import ett` and its modules in an interpreter where fastapi, sqlalchemy and uvicorn cannot
-    be imported (a training node's environment need not have them)."""
-    blocker = tmp_path / "sitecustomize.py"
-    blocker.write_text(
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'uvicorn', 'starlette', 'alembic'):\n"
-        "            raise ImportError(f'{name} is not installed here')\n"
-        "sys.meta_path.insert(0, Block())\n")
-    library = sorted(name for name in project_modules() if name == "ett" or name.startswith("ett."))
-    code = "import importlib, sys\nfor name in sys.argv[1:]: importlib.import_module(name)\nprint('ok')"
-    result = subprocess.run([sys.executable, "-c", code, *library], capture_output=True, text=True, cwd=ROOT,
-                            env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"}, timeout=300)
-    assert result.stdout.strip() == "ok", result.stderr[-3000:]
+# What the library needs of its own (pyproject.toml's torch and pydantic), with their dependencies.
+LIBRARY_NEEDS = ("torch", "pydantic")
+
+
+def distributions_needed(names: tuple[str, ...]) -> set[str]:
+    """The installed distributions `names` need, theirs included, extras left out."""
+    needed, todo = set(), list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in needed:
+            continue
+        needed.add(name)
+        for line in importlib.metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return needed
+
+
+def test_the_library_imports_in_an_environment_with_only_torch_and_its_own_needs(tmp_path):
+    """A training node's environment need not have the service's packages: a virtual environment
+    that holds only torch, pydantic and what they need imports every module of the library (its
+    framework integrations need their own extras) and finds no fastapi, sqlalchemy or uvicorn."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in distributions_needed(LIBRARY_NEEDS):
+        for file in importlib.metadata.distribution(name).files or []:
+            top = file.parts[0]
+            source = Path(file.locate()).resolve().parents[len(file.parts) - 1] / top
+            if not (site / top).exists() and source.exists() and not top.endswith((".dist-info", ".pth")):
+                (site / top).symlink_to(source)
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    own_site = subprocess.run([python, "-c", "import site; print(site.getsitepackages()[0])"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    Path(own_site, "only.pth").write_text(f"{site}\n{ROOT}\n")
+    library = sorted(name for name in project_modules() if name.split(".")[0] == "ett" and ".integrations" not in name)
+    code = ("import importlib, importlib.util, sys\n"
+            "for name in sys.argv[1:]: importlib.import_module(name)\n"
+            "print([m for m in ('fastapi', 'sqlalchemy', 'uvicorn') if importlib.util.find_spec(m)])")
+    result = subprocess.run([python, "-c", code, *library], capture_output=True, text=True, cwd=tmp_path,
+                            env={"PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"
 
 
 def test_the_services_wings_import_each_other_one_way_only():
