@@ -11,12 +11,12 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
+from service.schemas import field_and_message
+
 KEY_PART = re.compile(r'\s*("[^"]*"|\'[^\']*\'|[A-Za-z0-9_-]+)\s*(\.|$)')
 TOML_POSITION = re.compile(r"\s*\(at (?:line (\d+), column \d+|end of document)\)$")
 # pydantic names the branch of a union it tried as a part of the location: not a field.
 UNION_BRANCH = re.compile(r"^(constrained-\w+|literal\[.*\]|function-\w+\[.*\]|str|int|float|bool|list\[.*\]|none)$")
-# A validator's message that names a field deeper than its own: "faults.0.rank: rank 9 ...".
-NESTED_FIELD = re.compile(r"^Value error, ((?:\w+\.)*\w+): (.*)$")
 
 
 class SpecFileError(Exception):
@@ -100,10 +100,8 @@ def _mistakes(exc: ValidationError, model: type[BaseModel]) -> dict[tuple, list[
     for error in exc.errors():
         loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and UNION_BRANCH.match(p)))
         message = unknown_field(model, loc) if error["type"] == "extra_forbidden" else error["msg"]
-        nested = NESTED_FIELD.match(message)
-        if nested:
-            loc = tuple(int(p) if p.isdigit() else p for p in nested[1].split("."))
-            message = nested[2]
+        field, message = field_and_message(".".join(map(str, loc)), message)
+        loc = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
         messages = by_field.setdefault(loc, [])
         if message not in messages:
             messages.append(message)
@@ -130,7 +128,7 @@ def _nested_overrides(spec: dict[str, Any]) -> list[tuple[tuple, str]]:
 
 def load_spec(path: Path) -> dict[str, Any]:
     """Reads and checks a job spec; SpecFileError with one line per mistake."""
-    from service.schemas.jobs import JobSpec
+    from service.schemas.job_spec import JobSpec
 
     try:
         text = path.read_text()

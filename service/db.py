@@ -19,8 +19,10 @@ DB_THREADS = 4
 
 
 def make_engine(url: str) -> Engine:
+    # A failed statement's parameters stay out of its error and of every log line: they hold
+    # jobs' specs (their env) and token digests.
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, hide_parameters=True)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -43,7 +45,7 @@ def make_engine(url: str) -> Engine:
         return engine
     # No pool_pre_ping: its round trip on every checkout cost as much as a heartbeat's own
     # queries. A connection found dead invalidates the pool; see retry_on_disconnect.
-    return create_engine(url, pool_size=10, max_overflow=20)
+    return create_engine(url, pool_size=10, max_overflow=20, hide_parameters=True)
 
 
 def retry_on_disconnect(transaction: Callable[[], T]) -> T:

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from service.outcomes import Refused, problem
+from service.schemas import field_and_message
 
 
 def field_path(loc: tuple | list) -> str:
@@ -28,7 +29,7 @@ class ValidationProblem(BaseModel):
 
 
 async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = [problem(field_path(e["loc"]), e["msg"], e["type"]) for e in exc.errors()]
+    errors = [problem(*field_and_message(field_path(e["loc"]), e["msg"]), e["type"]) for e in exc.errors()]
     # The input is not echoed back: it may hold secrets (env values of a job spec).
     return JSONResponse({"detail": errors}, status.HTTP_422_UNPROCESSABLE_CONTENT)
 

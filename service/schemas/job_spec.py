@@ -17,6 +17,15 @@ from service.schemas import Strict
 JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 OverrideValue = str | int | float | bool
+# Variables a job's `env` may not set: they change how the interpreter or the dynamic loader starts
+# (a listed entrypoint would run code the entrypoint policy never saw: PYTHONWARNINGS with BROWSER
+# ran a shell), how programs are found, or the job's own environment, which the agent sets.
+ENV_REFUSED_PREFIXES = ("PYTHON", "LD_", "DYLD_", "ETT_", "MALLOC_")
+ENV_REFUSED = frozenset({
+    "PATH", "BROWSER", "PERL5OPT", "PERL5LIB", "PERLLIB", "RUBYOPT", "RUBYLIB", "NODE_OPTIONS", "BASH_ENV", "ENV",
+    "SHELLOPTS", "IFS", "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+    "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR",
+})  # fmt: skip
 
 
 class TrainerSpec(Strict):
@@ -52,6 +61,18 @@ SBATCH_OWN_OPTIONS = frozenset({
     "nodes", "ntasks", "ntasks-per-node", "job-name", "output", "error", "array", "wrap", "requeue",
     "no-requeue", "exclude", "export", "chdir", "parsable", "partition", "account", "time", "hold",
 })  # fmt: skip
+# The sbatch options a job may add, by their exact long names: resources, placement, priority and
+# notifications. sbatch takes any unambiguous abbreviation (`--outp=` for `--output=`), so a
+# deny-list is no bound; what is not here (a file to read or write, another user, a container, an
+# environment) is refused.
+SBATCH_ALLOWED_OPTIONS = frozenset({
+    "gpus", "gpus-per-node", "gpus-per-task", "gpus-per-socket", "gpu-bind", "gpu-freq", "gres", "gres-flags",
+    "cpus-per-task", "cpus-per-gpu", "mem", "mem-per-cpu", "mem-per-gpu", "mem-bind", "tmp", "exclusive",
+    "oversubscribe", "overcommit", "constraint", "prefer", "nodelist", "reservation", "qos", "nice", "priority",
+    "licenses", "switches", "network", "hint", "distribution", "threads-per-core", "cores-per-socket",
+    "sockets-per-node", "core-spec", "thread-spec", "cpu-freq", "signal", "time-min", "begin", "deadline",
+    "dependency", "comment", "wckey", "mail-type", "mail-user", "spread-job", "use-min-nodes",
+})  # fmt: skip
 SLURM_TIME = r"^(\d+-\d{1,2}(:\d{1,2}){0,2}|\d+(:\d{1,2}){0,2})$"
 SlurmName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._,-]+$")]
 
@@ -75,6 +96,9 @@ class SlurmSpec(Strict):
                 raise ValueError(f"options.{index}: {option!r} is not one long sbatch option (--name or --name=value)")
             if name in SBATCH_OWN_OPTIONS:
                 raise ValueError(f"options.{index}: --{name} is set by ETT (or by a field of the slurm section)")
+            if name not in SBATCH_ALLOWED_OPTIONS:
+                raise ValueError(f"options.{index}: --{name} is not an sbatch option a job may set (their exact long "
+                                 "names, no abbreviations: docs/slurm.md)")
         return options
 
 
@@ -95,6 +119,15 @@ class JobSpec(Strict):
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
     # Set: the job runs in an allocation of its own on a Slurm cluster, not on the hand-run agents.
     slurm: SlurmSpec | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _no_variable_that_changes_how_programs_start(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if name in ENV_REFUSED or name.startswith(ENV_REFUSED_PREFIXES):
+                raise ValueError(f"env.{name}: refused: it changes how the interpreter, the loader or the shell "
+                                 "starts, or the job's own ETT_ environment (docs/jobspec.md, \"env\")")
+        return env
 
     @field_validator("hang_timeout_seconds", mode="before")
     @classmethod

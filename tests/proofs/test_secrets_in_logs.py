@@ -2,11 +2,14 @@
 two ranks with a secret in its environment, a failure and a restart, refused requests) and a grep
 of every file it wrote outside the database."""
 
+import logging
 import sys
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
+from service.db import make_engine
 from tests.proofs.cluster import FAKE_RANK, cluster
 
 pytestmark = pytest.mark.slow
@@ -42,3 +45,21 @@ def test_no_token_or_job_secret_in_any_log_line(tmp_path):
     leaks = [(name, str(path)) for path, data in written.items()
              for name, secret in secrets.items() if secret.encode() in data]  # fmt: skip
     assert not leaks, f"secrets found on disk: {leaks}"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_failed_statement_does_not_show_its_parameters(new_database_url, backend, caplog):
+    """A database error names the statement, never its values: a job's env may hold a secret."""
+    secret = "hunter2-" + "x" * 16
+    engine = make_engine(new_database_url(backend))
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE kept (name TEXT PRIMARY KEY, value TEXT)"))
+            conn.execute(sa.text("INSERT INTO kept VALUES ('job', :value)"), {"value": secret})
+        with caplog.at_level(logging.DEBUG, logger="sqlalchemy"), pytest.raises(sa.exc.IntegrityError) as failed:
+            with engine.begin() as conn:
+                conn.execute(sa.text("INSERT INTO kept VALUES ('job', :value)"), {"value": secret})
+    finally:
+        engine.dispose()
+    assert "INSERT INTO kept" in str(failed.value) and secret not in str(failed.value)
+    assert secret not in caplog.text

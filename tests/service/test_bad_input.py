@@ -32,6 +32,11 @@ BAD_SPECS = [
     ({"slurm": {"options": ["--nodes=3"]}}, "slurm.options"),
     ({"slurm": {"options": ["-N 3"]}}, "slurm.options"),
     ({"slurm": {"options": ["--qos=high --exclusive"]}}, "slurm.options"),
+    ({"slurm": {"options": ["--outp=/etc/cron.d/x"]}}, "slurm.options.0"),  # sbatch's abbreviation of --output
+    ({"slurm": {"options": ["--qos=high", "--chdi=/root"]}}, "slurm.options.1"),
+    ({"slurm": {"options": ["--arr=1-9"]}}, "slurm.options.0"),
+    ({"slurm": {"options": ["--export-file=/root/.env"]}}, "slurm.options.0"),
+    ({"slurm": {"options": ["--container=/tmp/bundle"]}}, "slurm.options.0"),
     ({"slurm": {}}, "slurm"),  # valid, but this service does not run jobs on Slurm (ETT_SLURM is off)
 ]
 

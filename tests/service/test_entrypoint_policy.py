@@ -44,3 +44,20 @@ def test_listed_programs(policy):
 def test_any_is_the_default(service):
     alice = service.client(service.token("user", "alice"))
     assert alice.post("/api/v1/jobs", json=job_spec(entrypoint=OWN)).status_code == 201
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_env_cannot_change_how_a_listed_program_starts(policy):
+    """A listed `python train.py` with PYTHONWARNINGS and BROWSER ran a shell: the interpreter's,
+    the loader's and the shell's start-up variables are refused with 422 naming env.NAME."""
+    with policy("listed", ["python train.py"]) as live:
+        alice = live.client(live.token("user", "alice"))
+        for env, field in (({"PYTHONWARNINGS": "::0:antigravity.x:0", "BROWSER": "/bin/sh -c id"}, "env.PYTHONWARNINGS"),
+                           ({"LD_PRELOAD": "/tmp/evil.so"}, "env.LD_PRELOAD"), ({"PATH": "/tmp/bin"}, "env.PATH"),
+                           ({"ETT_EVENT_DIR": "/tmp/x"}, "env.ETT_EVENT_DIR")):  # fmt: skip
+            refused = alice.post("/api/v1/jobs", json=job_spec(entrypoint=OWN, env={"OMP_NUM_THREADS": "1", **env}))
+            assert refused.status_code == 422, env
+            [problem] = refused.json()["detail"]
+            assert problem["field"] == field and problem["msg"].startswith("refused: it changes how"), problem
+        assert alice.post("/api/v1/jobs", json=job_spec(entrypoint=OWN, env={"OMP_NUM_THREADS": "1"})).status_code == 201
+        assert alice.get("/api/v1/jobs").json()["total"] == 1
