@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ett.protocol import JobEnv, progress_file, rank_spool
+from ett.protocol import progress_file, rank_spool
 
 _CLOSE = object()
 PROGRESS_WIDTH = 64  # fixed, so an overwrite never leaves digits of a longer mark behind
@@ -62,10 +62,6 @@ class EventWriter:
             self._seq = self._next_seq_in(self.path)
             self._thread = threading.Thread(target=self._write_loop, name="ett-events", daemon=True)
             self._thread.start()
-
-    @classmethod
-    def from_env(cls, rank: int) -> "EventWriter":
-        return cls(os.environ.get(JobEnv.EVENT_DIR), rank, int(os.environ.get(JobEnv.ATTEMPT, "0")))
 
     def emit(self, kind: str, step: int | None = None, **data) -> None:
         if self._thread is None:
