@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +76,17 @@ def rejected_indices(body: Any) -> set[int]:
         loc = error.get("loc", []) if isinstance(error, dict) else []
         found |= {b for a, b in zip(loc, loc[1:]) if a == "events" and isinstance(b, int)}
     return found
+
+
+DEAD_LETTER_LINE_BYTES = 4096  # what a dead letter keeps of the line it sets aside
+
+
+def _is_plain(path: Path, kind: Any) -> bool:
+    """`path` itself (not a link) is of this kind (stat.S_ISDIR, stat.S_ISREG)."""
+    try:
+        return kind(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 class Forwarder:
@@ -155,7 +167,10 @@ class Forwarder:
         return limit / 2 + random.uniform(0, limit / 2)  # jitter: agents do not retry in step
 
     def _spool_files(self) -> list[Path]:
-        return sorted(self.spool_root.glob(f"*/*/{EVENTS_DIR}/*{SPOOL_SUFFIX}"))
+        """The spools: regular files in an attempt's own events folder. What a job lays there
+        instead (a folder, a link, its events folder a link) is not read: we are root."""
+        return sorted(path for path in self.spool_root.glob(f"*/*/{EVENTS_DIR}/*{SPOOL_SUFFIX}")
+                      if _is_plain(path.parent, stat.S_ISDIR) and _is_plain(path, stat.S_ISREG))
 
     def _read_spools(self) -> bool:
         """Reads on into `pending` (up to a few batches); True when there was something new."""
@@ -166,7 +181,11 @@ class Forwarder:
             if room <= 0:
                 break
             name = str(path.relative_to(self.spool_root))
-            lines, self.read_to[name] = read_complete_lines(path, self.read_to.get(name, 0), max_bytes=256 * 1024)
+            try:
+                lines, self.read_to[name] = read_complete_lines(path, self.read_to.get(name, 0), max_bytes=256 * 1024)
+            except OSError as exc:  # this file's trouble (swapped for a link since listed): not the others'
+                log.warning("spool %s not read: %s", name, exc)
+                continue
             for raw, end in lines[:room]:
                 self.pending.append(Spooled(name, end, raw, parse_event(raw), now))
             if len(lines) > room:
@@ -216,9 +235,10 @@ class Forwarder:
         return self._deliver(rest[:half]) and self._deliver(rest[half:])
 
     def _dead_letter(self, item: Spooled, error: Any) -> None:
-        log.error("event set aside in %s: %s: %s", self.dead_letter_file, item.file, error)
-        append_json_line(self.dead_letter_file, {"file": item.file, "end_offset": item.end,
-                                                 "line": item.raw.decode(errors="replace"), "error": error})
+        log.error("event set aside in %s: %s: %s", self.dead_letter_file, item.file, str(error)[:200])
+        line = item.raw[:DEAD_LETTER_LINE_BYTES].decode(errors="replace")  # a job's line may be megabytes
+        append_json_line(self.dead_letter_file, {"file": item.file, "end_offset": item.end, "line": line,
+                                                 "bytes": len(item.raw), "error": error}, mode=0o600)
         item.done = True
         self.stats.dead_letters += 1
 

@@ -59,19 +59,30 @@ class AttemptPaths:
         return self.root / ENDED_MARKER
 
 
+# No event comes near this; a job's spool may hold anything, so a longer line is cut into pieces
+# of this size (each read as a line that is not an event) rather than read without a bound.
+MAX_LINE_BYTES = 4 << 20
+
+
 def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tuple[list[tuple[bytes, int]], int]:
     """Lines after `offset` that end in a newline, each with the offset just past it.
 
-    A line still being written (no newline yet) is left for the next call.
+    A line still being written (no newline yet) is left for the next call; one past
+    MAX_LINE_BYTES is cut there. The file is not followed if it is a link (a job's folders are the
+    job's to fill; the agent runs as root). OSError (a folder, a link) is the caller's to keep to
+    that file.
     """
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            chunk = f.read(max_bytes)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return [], offset
+    with open(fd, "rb") as f:
+        f.seek(offset)
+        chunk = f.read(max_bytes)
     if len(chunk) == max_bytes and b"\n" not in chunk:
-        return read_complete_lines(path, offset, 4 * max_bytes)  # one line longer than the chunk
+        if max_bytes < MAX_LINE_BYTES:  # one line longer than the chunk
+            return read_complete_lines(path, offset, min(4 * max_bytes, MAX_LINE_BYTES))
+        return [(chunk, offset + max_bytes)], offset + max_bytes  # cut: not an event, set aside
     lines = []
     position = offset
     start = 0
@@ -112,7 +123,10 @@ class SpoolReader:
         self.offsets: dict[Path, int] = {}
 
     def read(self, path: Path) -> list[dict[str, Any]]:
-        lines, self.offsets[path] = read_complete_lines(path, self.offsets.get(path, 0))
+        try:
+            lines, self.offsets[path] = read_complete_lines(path, self.offsets.get(path, 0))
+        except OSError:  # a folder or a link where a spool should be: that file's trouble alone
+            return []
         # The forwarder sets bad lines aside; the monitor only needs good ones.
         return [record for raw, _ in lines if (record := parse_event(raw)) is not None]
 

@@ -211,7 +211,11 @@ class Supervisor:
         changed = False
         for key, group in list(self.groups.items()):
             before = group.reported_state
-            group.poll()
+            try:
+                group.poll()
+            except Exception:  # one group's trouble (its folders are its job's) must not end the agent
+                log.exception("attempt %s/%d: poll failed; trying again at the next", *key)
+                continue
             if group.reported_state != before:
                 self._report(group)
                 changed = True

@@ -233,3 +233,31 @@ def test_service_outage_and_agent_crash_lose_and_repeat_nothing(tmp_path):
                          "a heartbeat after the backlog")
         assert stats["events_repeated"] <= 20  # at most the one batch in flight when the first agent died
         assert c.job(job_id)["attempts"][0]["state"] == "failed"
+
+
+def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tmp_path):
+    """What a job lays in its events folder (a folder named like a spool, a link to a root-only
+    file, a line of 10 MB without a newline) neither stops forwarding for the others, nor is read
+    through the link, nor is read without a bound."""
+    secret = tmp_path / "root-only"
+    secret.write_text("root:$6$secret-hash:19000:0:99999:7:::\n")
+    secret.chmod(0o600)
+    bad = tmp_path / "spool" / "bad" / "0" / "events"
+    write_spool(bad / "rank-0.jsonl", [spool_event(0)])
+    (bad / "x.jsonl").mkdir()
+    (bad / "rank-1.jsonl").symlink_to(secret)
+    endless = bad / "rank-2.jsonl"
+    endless.write_bytes(b"{" + b"a" * (10 << 20))  # never ends: no newline
+    write_spool(tmp_path / "spool" / "good" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    forwarder = forwarder_for(fake_service, tmp_path)
+
+    assert forwarder.forward_once(flush=True)
+
+    delivered = sorted((e["job_id"], e["seq"]) for e in fake_service.events.values())
+    assert delivered == [("bad", 0), ("good", 0), ("good", 1), ("good", 2)]
+    dead = [json.loads(line) for line in (tmp_path / "dead-letters.jsonl").read_text().splitlines()]
+    # The endless line, cut at the bound: its two full pieces set aside, each kept short; nothing else.
+    assert [(d["file"], d["bytes"]) for d in dead] == [("bad/0/events/rank-2.jsonl", 4 << 20)] * 2
+    assert all(len(d["line"]) <= 4096 for d in dead)
+    assert "secret-hash" not in (tmp_path / "dead-letters.jsonl").read_text()
+    assert oct((tmp_path / "dead-letters.jsonl").stat().st_mode & 0o777) == "0o600"

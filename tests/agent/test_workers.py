@@ -42,6 +42,16 @@ def test_success_reports_every_rank_and_the_spool_env(supervisor):
     assert spool_events(supervisor, command, "rank:1")[0]["attempt"] == 2  # ETT_ATTEMPT reached the rank
 
 
+def test_what_a_job_lays_in_its_events_folder_does_not_stop_the_monitor(supervisor):
+    """A folder named like a spool and a line without end in the events folder: the agent's monitor
+    goes on reading the ranks' records and progress, and the attempt ends as it should."""
+    command = launch_command("--steps", "5", "--lay-traps")
+    supervisor.launch(command)
+    assert run_to_end(supervisor)["state"] == "succeeded"
+    steps = [e["step"] for e in spool_events(supervisor, command, "rank:0") if e["kind"] == "step"]
+    assert steps == [1, 2, 3, 4, 5]
+
+
 def test_nonzero_exit_names_the_rank_and_code(supervisor):
     command = launch_command("--steps", "50", "--fail-rank", "1", "--fail-at-step", "2", "--fail-code", "7")
     supervisor.launch(command)

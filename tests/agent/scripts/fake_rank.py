@@ -26,6 +26,8 @@ parser.add_argument("--slow-step", type=int, default=None, help="a step that tak
 parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild")
+parser.add_argument("--lay-traps", action="store_true",
+                    help="lay in the events folder what a hostile job would: a folder named like a spool, an endless line")
 args = parser.parse_args()
 
 rank = int(os.environ["RANK"])
@@ -54,6 +56,11 @@ if args.spawn_child:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 emit("init_start", pid=os.getpid())
+if args.lay_traps and rank == 0:
+    events = os.environ[JobEnv.EVENT_DIR]
+    os.mkdir(os.path.join(events, "rank-9.jsonl"))
+    with open(os.path.join(events, "rank-8.jsonl"), "wb") as f:
+        f.write(b"{" + b"x" * (9 << 20))  # no newline, ever
 emit("init_end")
 if args.hang_at_step == 0:
     hang()
