@@ -81,7 +81,10 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         assert len(sources) == 4 and all((v == "persistent") == (k in spare_ranks) for k, v in sources.items()), sources
         with c.service.context.sessions() as session:
             assert session.scalar(select(Node.state).where(Node.name == victim)) == NodeState.lost
-        assert pids_with_env("ETT_JOB_ID", job_id) == []
+        # Nothing of the job stays: not the killed node's ranks (its guard swept them), nor, after
+        # their wind-down, the surviving nodes' guards and torchrun (a success is reported once the
+        # ranks exit, before torchrun is done: seen here 1 run in 3 on a loaded machine).
+        wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 30, "the job's processes to end")
 
 
 def test_configuration_error_fails_without_retry(tmp_path):
