@@ -1,21 +1,24 @@
 """All worker groups of this node, and the attempt reports the heartbeats carry to the service."""
 
 import logging
+import os
 import shutil
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.beneath import open_folder_beneath, read_beneath, replace_beneath
 from agent.confine import launch_refusal
 from agent.job_user import RunAs
 from agent.launch import starts_warm
 from agent.spool import AttemptPaths
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
-from ett.protocol import EXIT_CONFIG_ERROR
+from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
 from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport, IntervalCommand, LaunchCommand, StopCommand
 
 log = logging.getLogger(__name__)
+INTERVAL_FILE_MAX_BYTES = 1 << 20  # a line per change: far less in any real job
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
 AttemptKey = tuple[str, int]
 
@@ -187,11 +190,19 @@ class Supervisor:
         if group is None:
             log.info("checkpoint interval for attempt %s/%d, which does not run here; ignored", *command.key)
             return
-        target = group.paths.interval_file
-        earlier = target.read_text() if target.exists() else ""
-        staging = target.with_suffix(".new")
-        staging.write_text(f"{earlier}{command.interval_steps} {command.from_step}\n")
-        staging.replace(target)
+        attempt = group.paths.root  # the job's: no link in it is followed (agent/beneath.py)
+        try:
+            control = open_folder_beneath(attempt.parent, Path(attempt.name) / CONTROL_DIR)
+            try:
+                earlier = read_beneath(control, INTERVAL_FILE, INTERVAL_FILE_MAX_BYTES)
+                line = f"{command.interval_steps} {command.from_step}\n".encode()
+                replace_beneath(control, INTERVAL_FILE, earlier + line)
+            finally:
+                os.close(control)
+        except OSError as exc:
+            log.warning("attempt %s/%d: checkpoint interval not handed over (%s in its control folder)",
+                        *command.key, exc)
+            return
         log.info("attempt %s/%d: checkpoint interval %d from step %d", *command.key, command.interval_steps,
                  command.from_step)
 

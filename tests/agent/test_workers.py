@@ -12,6 +12,7 @@ import pytest
 
 from agent.spool import AttemptPaths
 from agent.supervisor import Supervisor
+from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
 from tests.support.processes import TEST_MARK_ENV, pids_with_env
 from tests.support.waiting import wait_for
@@ -50,6 +51,43 @@ def test_what_a_job_lays_in_its_events_folder_does_not_stop_the_monitor(supervis
     assert run_to_end(supervisor)["state"] == "succeeded"
     steps = [e["step"] for e in spool_events(supervisor, command, "rank:0") if e["kind"] == "step"]
     assert steps == [1, 2, 3, 4, 5]
+
+
+def test_a_new_interval_is_never_written_or_read_through_a_link_the_job_laid(supervisor, tmp_path):
+    """The agent (root) writes a running attempt's new checkpoint interval into the job's control
+    folder: a link the job lays there, at the file, its staging name or the folder itself, is
+    neither written through nor read, and the agent goes on."""
+    command = launch_command("--steps", "100000")
+    supervisor.launch(command)
+    group = supervisor.groups[command.key]
+    control = group.paths.control_dir
+    interval = IntervalCommand(type="checkpoint_interval", job_id=command.job_id, attempt=0, interval_steps=9,
+                               from_step=5)  # fmt: skip
+    supervisor.set_interval(interval)
+    assert (control / "checkpoint-interval").read_text() == "9 5\n"  # the plain case
+
+    probe, secret = tmp_path / "probe", tmp_path / "root-only"
+    probe.write_text("untouched\n")
+    secret.write_text("root:$6$secret-hash\n")
+    secret.chmod(0o600)
+    (control / "checkpoint-interval.new").symlink_to(probe)  # the staging name: once written through
+    supervisor.set_interval(interval.model_copy(update={"interval_steps": 11, "from_step": 7}))
+    assert probe.read_text() == "untouched\n" and (control / "checkpoint-interval").read_text() == "9 5\n11 7\n"
+
+    (control / "checkpoint-interval").unlink()
+    (control / "checkpoint-interval").symlink_to(secret)  # read, then copied where the job reads it
+    supervisor.set_interval(interval)
+    assert (control / "checkpoint-interval").is_symlink() and secret.read_text() == "root:$6$secret-hash\n"
+    assert not any("secret-hash" in p.read_text() for p in control.iterdir() if p.is_file() and not p.is_symlink())
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    control.rename(control.with_name("moved"))
+    control.symlink_to(elsewhere)  # the whole folder
+    supervisor.set_interval(interval)
+    assert list(elsewhere.iterdir()) == []
+    supervisor.poll()  # the agent goes on
+    assert command.key in supervisor.groups
 
 
 def test_nonzero_exit_names_the_rank_and_code(supervisor):
