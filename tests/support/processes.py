@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 from pathlib import Path
 
 # Set for the length of each test (tests/conftest.py); every process the test starts inherits it,
@@ -23,12 +24,16 @@ def pids_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def kill_marked(mark: str) -> list[int]:
-    """SIGKILLs every live process started under `mark` (but this one); returns their pids."""
+def kill_marked(mark: str, timeout: float = 10.0) -> list[int]:
+    """SIGKILLs every live process started under `mark` (but this one) and waits, `timeout` at
+    most, until none is left alive (a signal is delivered a moment later); returns their pids."""
     pids = [pid for pid in pids_with_env(TEST_MARK_ENV, mark) if pid != os.getpid()]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline and any(p != os.getpid() for p in pids_with_env(TEST_MARK_ENV, mark)):
+        time.sleep(0.02)
     return pids
