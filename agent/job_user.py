@@ -10,6 +10,7 @@ the agent's own): an interpreter under root's home folder is not. The agent chec
 start, as that user, and refuses to start with a one-line reason rather than fail every launch.
 """
 
+import errno
 import grp
 import os
 import pwd
@@ -129,7 +130,11 @@ class RunAs:
         Path(folder).mkdir(exist_ok=True)
         if self.switches:
             assert self.user is not None
-            os.chown(folder, self.user.uid, self.user.gid)
+            # A job's folder from an earlier attempt is the job's: a link it put there is refused,
+            # never followed (chown through it would give the job whatever it points at).
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                raise OSError(errno.ELOOP, "not a folder of its own (a link?)", str(folder))
+            os.chown(folder, self.user.uid, self.user.gid, follow_symlinks=False)
 
     def problem(self, folders: list[Path]) -> str | None:
         """Why the job's user cannot run jobs here (None: it can). Runs the interpreter once as that

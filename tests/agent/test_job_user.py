@@ -83,3 +83,17 @@ def test_a_folder_the_job_user_cannot_enter_is_named_with_its_mode_owner_and_the
         f"ett agent: job user nobody cannot enter {closed} ({mode} root:root), on the way to its job folders: "
         f"let other users pass through it (chmod o+x {closed}) or give the agent a --data-dir "
         "(and ETT_AGENT_LOCAL_CHECKPOINT_DIR) outside it")
+
+
+def test_a_link_the_job_left_for_its_folder_is_refused_not_followed(open_root):
+    """A job's checkpoint folder from an earlier attempt is the job's to replace: a link there must
+    not make the agent give the job what it points at (chown follows links)."""
+    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user(None, allow_root=False))
+    target = open_root / "root-owned"
+    target.mkdir()
+    folder = open_root / "ckpt" / "job-1"
+    folder.parent.mkdir()
+    folder.symlink_to(target)
+    with pytest.raises(OSError, match="not a folder of its own"):
+        run_as.make_own(folder)
+    assert target.stat().st_uid == 0
