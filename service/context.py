@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Request
-from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,7 +28,6 @@ class ServiceContext:
     heartbeats: HeartbeatWriter = field(init=False)
     event_batches: EventBatchWriter = field(init=False)
     wake_scheduler: Callable[[], None] = lambda: None
-    metrics_registry: CollectorRegistry | None = None
 
 
 def context_of(app: FastAPI) -> ServiceContext:

@@ -76,5 +76,4 @@ def install_metrics(app: FastAPI, registry: CollectorRegistry | None = None) -> 
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    context.metrics_registry = registry
     return registry
