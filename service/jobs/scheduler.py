@@ -78,11 +78,22 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
     elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
         # The agent stopped it without being told to (an agent restart): the attempt is lost.
         fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
-    elif share.state == AttemptState.succeeded and all(s.state == AttemptState.succeeded for s in attempt.nodes):
+    elif share.state == AttemptState.succeeded and _every_share_succeeded(session, attempt):
         attempt.state, attempt.ended_at = AttemptState.succeeded, _at(now)
         finish_job(session, attempt.job, JobState.succeeded, None, now)
     if share.state not in ACTIVE:
         _release(share.node)
+
+
+def _every_share_succeeded(session: Session, attempt: Attempt) -> bool:
+    """Whether the attempt, still active, has every share succeeded, as committed by now. Two
+    nodes' last successes applied at once by two service processes each saw the other share still
+    running, and the job never ended: this share's state is written and the attempt locked first,
+    so the second to come waits for the first and then reads both."""
+    session.flush()
+    locked_state = session.scalar(select(Attempt.state).where(Attempt.id == attempt.id).with_for_update())
+    states = session.scalars(select(AttemptNode.state).where(AttemptNode.attempt_id == attempt.id)).all()
+    return locked_state in ACTIVE and all(state == AttemptState.succeeded for state in states)
 
 
 def _release(node: Node) -> None:
