@@ -11,6 +11,7 @@ Threads, and why each exists:
 """
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -20,15 +21,16 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from agent.cgroups import NodeCgroups
 from agent.client import ServiceClient
 from agent.forward import ForwardConfig, Forwarder
-from agent.job_user import RunAs, make_passable, resolve_job_user
+from agent.job_user import make_passable, resolve_job_users
 from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
 from agent.supervisor import Supervisor
 from agent.wakeup import Wakeup
-from agent.warm import WarmServer, socket_path
+from agent.warm import WarmServers
 from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 
 log = logging.getLogger(__name__)
@@ -40,15 +42,13 @@ class Agent:
         self.stats = AgentStats()
         self.client = ServiceClient(settings)
         # JobUserError (a ValueError naming the setting) when the settings name no usable user.
-        self.run_as = RunAs(settings.job_python, resolve_job_user(settings.job_user, settings.allow_root_jobs))
-        self.warm = WarmServer(socket_path(settings.data_dir),
-                               ["trainer.train", "torch.distributed.run"], settings.data_dir / "warm.log", self.run_as)
-        warm_socket = self.warm.socket_path if settings.warm_start and self.warm.usable else None
-        if settings.warm_start and warm_socket is None:
-            log.warning("no warm start: the socket path %s is too long; ranks start fresh", self.warm.socket_path)
+        self.job_users = resolve_job_users(settings.job_python, settings.job_user, settings.allow_root_jobs,
+                                           settings.job_uid_base, settings.job_uid_count, settings.data_dir / "homes")
+        self.cgroups = NodeCgroups(settings.name) if os.geteuid() == 0 else None
+        self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
-                                     settings.local_checkpoint_root, warm_socket, settings.checkpoint_root, self.run_as,
-                                     warm_starting=lambda: self.warm.starting)
+                                     settings.local_checkpoint_root, self.warm if settings.warm_start else None,
+                                     settings.checkpoint_root, self.job_users, self.cgroups)  # fmt: skip
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
@@ -64,16 +64,19 @@ class Agent:
     def run(self) -> None:
         make_passable(self.settings.spool_root)  # whatever the umask: the job's user goes through them
         make_passable(self.settings.local_checkpoint_root)
-        problem = self.run_as.problem([self.settings.spool_root.resolve(), self.settings.local_checkpoint_root])
+        make_passable(self.settings.data_dir / "homes")
+        preflight = self.job_users.preflight
+        problem = preflight.problem([self.settings.spool_root.resolve(), self.settings.local_checkpoint_root])
         if problem is not None:
             raise SystemExit(f"ett agent: {problem}")
-        log.info("jobs run as %s with %s", self.run_as.user.name if self.run_as.user else "the agent's user",
-                 self.run_as.python)
+        users = self.job_users
+        log.info("jobs run as %s with %s", users.fixed.name if users.fixed else
+                 f"a uid per owner, {users.uid_base} + the owner's number", users.python)
         if self.settings.metrics_port:
             serve_metrics(self.stats, self.settings.metrics_port)
         self.supervisor.recover()
-        if self.supervisor.warm_socket is not None:
-            self.warm.ensure_running()  # its imports overlap registration
+        if self.supervisor.warm is not None and self.job_users.fixed is not None:
+            self.warm.for_user(preflight).ensure_running()  # its imports overlap registration
         if not self._register():
             self.warm.stop()
             return
@@ -115,7 +118,7 @@ class Agent:
                 self._carry_out(self.commands.get_nowait())
             if self.supervisor.poll():
                 self._report_now.set()
-            if self.supervisor.warm_socket is not None:
+            if self.supervisor.warm is not None:
                 self.warm.ensure_running()
             self.stats.processes = self.supervisor.live_ranks
             self.stats.rank_events_unwritten, self.stats.rank_events_dropped = (

@@ -33,13 +33,16 @@ from typing import Any
 
 import httpx
 
+from agent.checkpoint_check import unverified_reason
 from agent.jsonl import append_json_line
 from agent.metrics import AgentStats
 from agent.spool import AttemptPaths, disk_bytes, parse_event, read_complete_lines, release_prefix
-from ett.protocol import EVENTS_DIR, SPOOL_SUFFIX
+from ett.protocol import EVENTS_DIR, NODE_SPOOL_GLOB, RANK_SPOOL_GLOB
+from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
 REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")
+RANK_SPOOL_NAME = re.compile(r"^rank-(\d+)\.jsonl$")
 # The forwarded start of a live spool is released in these steps, this far behind the read
 # position, so the monitor loop (which reads the same files on its own) never meets a hole.
 RELEASE_CHUNK_BYTES = 1 << 20
@@ -51,7 +54,7 @@ Send = Callable[[list[dict[str, Any]]], httpx.Response]
 class Spooled:
     """One line of a spool file, on its way to the service."""
 
-    file: str  # relative to the spool root: JOB_ID/ATTEMPT/events/NAME.jsonl
+    file: str  # relative to the spool root: JOB_ID/ATTEMPT/events/rank-R.jsonl or JOB_ID/ATTEMPT/node-NAME.jsonl
     end: int  # the file offset just past the line
     raw: bytes
     event: dict[str, Any] | None  # None: the line is not a JSON object
@@ -104,6 +107,7 @@ class Forwarder:
         self.released: dict[str, int] = {}
         self.pending: list[Spooled] = []
         self.failures = 0
+        self._checkpoint_dirs: dict[str, str | None] = {}  # JOB_ID/ATTEMPT -> the job's checkpoint folder
         self._flush_waiters: list[threading.Event] = []  # list.append and swap: safe across threads
         self._wake = threading.Event()
         if self.dead_letter_file.exists():
@@ -167,10 +171,43 @@ class Forwarder:
         return limit / 2 + random.uniform(0, limit / 2)  # jitter: agents do not retry in step
 
     def _spool_files(self) -> list[Path]:
-        """The spools: regular files in an attempt's own events folder. What a job lays there
-        instead (a folder, a link, its events folder a link) is not read: we are root."""
-        return sorted(path for path in self.spool_root.glob(f"*/*/{EVENTS_DIR}/*{SPOOL_SUFFIX}")
-                      if _is_plain(path.parent, stat.S_ISDIR) and _is_plain(path, stat.S_ISREG))
+        """The spools: the agent's own, and the ranks' regular files in an attempt's own events
+        folder. What a job lays there instead (a folder, a link, its events folder a link) is not
+        read: we are root."""
+        ranks = [path for path in self.spool_root.glob(f"*/*/{EVENTS_DIR}/{RANK_SPOOL_GLOB}")
+                 if RANK_SPOOL_NAME.match(path.name) and _is_plain(path.parent, stat.S_ISDIR)
+                 and _is_plain(path, stat.S_ISREG)]
+        return sorted([*ranks, *self.spool_root.glob(f"*/*/{NODE_SPOOL_GLOB}")])
+
+    def _stamped(self, name: str, raw: bytes) -> dict[str, Any] | None:
+        """The event on a line, with what only the agent may say: its job and attempt (the
+        folder's) and, for a rank's line, its source (the file's) and whether the checkpoint a
+        `ckpt_committed` names verifies (agent.checkpoint_check)."""
+        event = parse_event(raw)
+        parts = name.split("/")
+        if event is None or len(parts) != 4:  # the agent's own events: as it wrote them
+            return event
+        job_id, attempt, _, file_name = parts
+        match = RANK_SPOOL_NAME.match(file_name)
+        assert match is not None  # _spool_files lists no other
+        event |= {"job_id": job_id, "attempt": int(attempt), "source": f"rank:{int(match.group(1))}"}
+        if event.get("kind") == "ckpt_committed":
+            reason = unverified_reason(event, self._checkpoint_dir(f"{job_id}/{attempt}"))
+            if reason is not None:
+                log.warning("%s: a checkpoint commit that does not verify, not a resume point: %s", name, reason)
+            data = event.get("data") if isinstance(event.get("data"), dict) else {}
+            event["data"] = data | {"verified": reason is None}
+        return event
+
+    def _checkpoint_dir(self, attempt: str) -> str | None:
+        """The job's checkpoint folder, as the launch command the agent wrote beside the spool said."""
+        if attempt not in self._checkpoint_dirs:
+            try:
+                launch = LaunchCommand.model_validate_json(AttemptPaths(self.spool_root / attempt).launch_file.read_bytes())
+                self._checkpoint_dirs[attempt] = launch.checkpoint.dir
+            except (OSError, ValueError):
+                self._checkpoint_dirs[attempt] = None
+        return self._checkpoint_dirs[attempt]
 
     def _read_spools(self) -> bool:
         """Reads on into `pending` (up to a few batches); True when there was something new."""
@@ -187,7 +224,7 @@ class Forwarder:
                 log.warning("spool %s not read: %s", name, exc)
                 continue
             for raw, end in lines[:room]:
-                self.pending.append(Spooled(name, end, raw, parse_event(raw), now))
+                self.pending.append(Spooled(name, end, raw, self._stamped(name, raw), now))
             if len(lines) > room:
                 self.read_to[name] = lines[room - 1][1]
             room -= len(lines)
@@ -254,8 +291,13 @@ class Forwarder:
     def _release(self, name: str) -> None:
         """Gives the disk of a spool's forwarded part back, in whole MiB, well behind any reader."""
         end = (self.acked[name] - RELEASE_MARGIN_BYTES) // RELEASE_CHUNK_BYTES * RELEASE_CHUNK_BYTES
-        if end > self.released.get(name, 0) and release_prefix(self.spool_root / name, end):
-            self.released[name] = end
+        if end <= self.released.get(name, 0):
+            return
+        try:
+            if release_prefix(self.spool_root / name, end):
+                self.released[name] = end
+        except OSError as exc:  # swapped by the job since it was read: kept, not written through
+            log.warning("spool %s: forwarded part not released: %s", name, exc)
 
     def _save_offsets(self) -> None:
         temporary = self.offsets_file.with_suffix(".tmp")
@@ -271,10 +313,14 @@ class Forwarder:
         forwarded: dict[Path, bool] = {}
         backlog = 0
         for path in self._spool_files():
-            size = path.stat().st_size
-            acked = self.acked.get(str(path.relative_to(self.spool_root)), 0)
-            attempt_dir = path.parent.parent
-            sizes[attempt_dir] = sizes.get(attempt_dir, 0) + disk_bytes(path)
+            relative = path.relative_to(self.spool_root)
+            acked = self.acked.get(str(relative), 0)
+            attempt_dir = self.spool_root / relative.parts[0] / relative.parts[1]
+            try:
+                size, used = path.lstat().st_size, disk_bytes(path)
+            except OSError:  # removed by its job since listed
+                continue
+            sizes[attempt_dir] = sizes.get(attempt_dir, 0) + used
             forwarded[attempt_dir] = forwarded.get(attempt_dir, True) and acked == size
             backlog += size - acked
         for attempt_dir, done in forwarded.items():
@@ -295,6 +341,7 @@ class Forwarder:
         os.replace(attempt_dir, finished)
         with contextlib.suppress(OSError):
             attempt_dir.parent.rmdir()  # the job's folder, once its last attempt is out
+        self._checkpoint_dirs.pop(str(attempt_dir.relative_to(self.spool_root)), None)
         prefix = f"{attempt_dir.relative_to(self.spool_root)}/"
         self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
         self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}

@@ -1,6 +1,6 @@
 """Nothing of a worker group may outlive the agent: the parent-death signal, and the group's guard.
 
-    python -m agent.guard AGENT_PID [--wait-for HOST:PORT] -- torchrun ARGV...
+    python -m agent.guard AGENT_PID [--go-fd FD] [--wait-for HOST:PORT] -- torchrun ARGV...
 
 The agent starts torchrun through this small process. The guard asks the kernel for SIGUSR1
 when the agent dies (PR_SET_PDEATHSIG), and then SIGKILLs every process carrying the group's
@@ -8,6 +8,9 @@ marker (agent.procs), so even a rank's own children, which no parent-death signa
 Otherwise it only waits for torchrun (its child, in its process group) and exits as torchrun
 did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores it; a torchrun
 forked by the agent's warm server (agent.warm) is in a group of its own: the guard passes it on.
+
+With `--go-fd`, the guard starts nothing until the agent has written a byte there: the agent first
+puts it into the attempt's cgroup (agent.cgroups), so that everything it starts is in there too.
 
 On every node but the master, `--wait-for` the master's torchrun store first: a torchrun whose
 store client finds nothing listening backs off, and connected 0.25 to 1 s after a store that came
@@ -29,7 +32,7 @@ from agent.warm_client import WARM_SOCKET_ENV, WarmProcess, start_process
 
 WAIT_SECONDS = 60.0
 POLL_SECONDS = 0.005
-USAGE = "usage: python -m agent.guard AGENT_PID [--wait-for HOST:PORT] -- ARGV..."
+USAGE = "usage: python -m agent.guard AGENT_PID [--go-fd FD] [--wait-for HOST:PORT] -- ARGV..."
 
 
 def wait_for_listener(address: str, stopped: Callable[[], bool] = lambda: False, timeout: float = WAIT_SECONDS) -> None:
@@ -45,9 +48,10 @@ def wait_for_listener(address: str, stopped: Callable[[], bool] = lambda: False,
 
 
 def main(argv: list[str]) -> int:
-    wait_for = None
-    if len(argv) >= 3 and argv[1] == "--wait-for":
-        wait_for, argv = argv[2], [argv[0], *argv[3:]]
+    options = {}
+    while len(argv) >= 3 and argv[1] in ("--go-fd", "--wait-for"):
+        options[argv[1]], argv = argv[2], [argv[0], *argv[3:]]
+    wait_for = options.get("--wait-for")
     if len(argv) < 3 or argv[1] != "--":
         sys.exit(USAGE)
     marker = os.environ[GROUP_MARKER_ENV]
@@ -69,6 +73,11 @@ def main(argv: list[str]) -> int:
     set_parent_death_signal(signal.SIGUSR1)
     if os.getppid() != int(argv[0]):
         return 1  # the agent died before the request above took hold
+    if "--go-fd" in options:
+        go = int(options["--go-fd"])
+        if os.read(go, 1) != b"1":
+            return 1  # the agent could not place us, or died first: nothing may start
+        os.close(go)
     if wait_for is not None:
         wait_for_listener(wait_for, stopped=lambda: bool(stop_requested))
     if stop_requested:

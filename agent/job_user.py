@@ -1,13 +1,18 @@
 """Who a job's processes run as, and with which interpreter (docs/agent.md, "The job's user").
 
-An agent started as root never runs a job as root: torchrun, the rank runners, the ranks and the
-warm server run as an unprivileged user (ETT_AGENT_JOB_USER, default `nobody`); root only with
-ETT_AGENT_ALLOW_ROOT_JOBS=true. An agent started as any other user runs jobs as itself. The
-folders the agent makes for a job (its spool, its checkpoint folders) belong to that user.
+An agent started as root never runs a job as root, nor two owners' jobs as one user: each owner's
+torchrun, rank runners, ranks and warm server run as a uid of its own, ETT_AGENT_JOB_UID_BASE plus
+the number the service gave the owner at its first job, so the same on every node (checkpoints on
+shared storage keep their owner), with a home folder of its own under the agent's data folder. Its
+folders are 0700, its processes' umask 077: no other owner's job reads or writes them. An operator
+may name one user for every job instead (ETT_AGENT_JOB_USER; root only with
+ETT_AGENT_ALLOW_ROOT_JOBS=true), which keeps jobs from the node but not from each other. An agent
+started as any other user runs jobs as itself.
 
 The interpreter must be one that user can run, with ett installed (ETT_AGENT_JOB_PYTHON; default
 the agent's own): an interpreter under root's home folder is not. The agent checks this once at
-start, as that user, and refuses to start with a one-line reason rather than fail every launch.
+start, as an unprivileged job user, and refuses to start with a one-line reason rather than fail
+every launch.
 """
 
 import errno
@@ -21,11 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ett.protocol.messages import LaunchCommand
+
 DEFAULT_JOB_USER = "nobody"  # exists on every Debian and Red Hat machine
 PREFLIGHT_TIMEOUT_SECONDS = 120.0
 # Folders the agent makes above a job's own: the job's user passes through them but cannot list
 # them (no job learns the others' ids). Set after mkdir, so the agent's umask cannot close them.
 PASSABLE = 0o711
+OWN = 0o700  # a job's own folders: its user's alone
+JOB_UMASK = 0o077  # what a job's processes create is its user's alone
 # Run as the job's user: each folder can be reached (it prints the first one it cannot enter), then
 # the runner imports. The agent makes the job's own folders in there and gives them to the user.
 CLOSED_FOLDER_EXIT = 10
@@ -115,7 +124,7 @@ class RunAs:
         if not self.switches:
             return {}
         assert self.user is not None
-        return {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
+        return {"user": self.user.uid, "group": self.user.gid, "extra_groups": [], "umask": JOB_UMASK}
 
     def env(self) -> dict[str, str]:
         """What a login as the job's user would set; nothing when it is the agent's own user."""
@@ -125,16 +134,25 @@ class RunAs:
         return {"USER": self.user.name, "LOGNAME": self.user.name, "HOME": self.user.home}
 
     def make_own(self, folder: Path | str) -> None:
-        """Creates `folder` (its parents stay the agent's, PASSABLE) and gives it to the job's user."""
+        """Creates `folder` (its parents stay the agent's, PASSABLE) and gives it to the job's
+        user alone (OWN: no other user's job may read it)."""
         make_passable(Path(folder).parent)
         Path(folder).mkdir(exist_ok=True)
         if self.switches:
             assert self.user is not None
             # A job's folder from an earlier attempt is the job's: a link it put there is refused,
             # never followed (chown through it would give the job whatever it points at).
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):
-                raise OSError(errno.ELOOP, "not a folder of its own (a link?)", str(folder))
-            os.chown(folder, self.user.uid, self.user.gid, follow_symlinks=False)
+            try:
+                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise OSError(errno.ELOOP, "not a folder of its own (a link?)", str(folder)) from None
+            try:
+                os.fchown(fd, self.user.uid, self.user.gid)
+                os.fchmod(fd, OWN)
+            finally:
+                os.close(fd)
 
     def problem(self, folders: list[Path]) -> str | None:
         """Why the job's user cannot run jobs here (None: it can). Runs the interpreter once as that
@@ -161,3 +179,51 @@ class RunAs:
             lines = done.stderr.decode(errors="replace").strip().splitlines() or [f"exit code {done.returncode}"]
             return f"job user {self.user.name} cannot run jobs with {self.python}: {lines[-1]}; {advice}"
         return None
+
+
+@dataclass(frozen=True)
+class JobUsers:
+    """Who each launch runs as: every job as `fixed`, or (None) each owner as a uid of its own."""
+
+    python: str
+    fixed: JobUser | None
+    uid_base: int = 2_000_000_000
+    uid_count: int = 1_000_000
+    homes: Path = Path("homes")  # an owner's home folder, HOME for its jobs, is homes/UID
+
+    @property
+    def preflight(self) -> RunAs:
+        """Who the start-up check runs as: the one user, or the range's first uid (no owner's)."""
+        return RunAs(self.python, self.fixed or self._owner_user(0))
+
+    def run_as(self, command: LaunchCommand) -> RunAs:
+        """Who runs this launch, its home folder made; JobUserError (the refusal) when no one may."""
+        if self.fixed is not None:
+            return RunAs(self.python, self.fixed)
+        number = command.owner_number
+        if number is None:
+            raise JobUserError("the launch names no owner number (a service older than this agent?): an agent "
+                               "started as root runs no job without its owner's own user")
+        if number >= self.uid_count:
+            raise JobUserError(f"owner {command.owner} is number {number}, past this agent's "
+                               f"ETT_AGENT_JOB_UID_COUNT={self.uid_count}: raise it (the same on every node)")
+        run_as = RunAs(self.python, self._owner_user(number))
+        assert run_as.user is not None
+        run_as.make_own(run_as.user.home)
+        return run_as
+
+    def _owner_user(self, number: int) -> JobUser:
+        uid = self.uid_base + number
+        try:
+            name = pwd.getpwuid(uid).pw_name  # an operator may have named the range's users
+        except KeyError:
+            name = f"ett-{uid}"
+        return JobUser(name, uid, uid, str(self.homes / str(uid)))
+
+
+def resolve_job_users(python: str, name: str | None, allow_root: bool, uid_base: int, uid_count: int,
+                      homes: Path) -> JobUsers:
+    """From the settings and who the agent is; JobUserError when they name no usable user."""
+    if os.geteuid() != 0 or name is not None:
+        return JobUsers(python, resolve_job_user(name, allow_root))
+    return JobUsers(python, None, uid_base, uid_count, homes.resolve())

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.job_user import RunAs
-from agent.procs import GROUP_MARKER_ENV
+from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
 from agent.spool import AttemptPaths
 from agent.warm_client import WARM_SOCKET_ENV, python_module
 from ett.protocol import JobEnv
@@ -41,15 +41,18 @@ def rank_argv(command: LaunchCommand, python: str = sys.executable) -> list[str]
     return trainer_argv(command.trainer, command.checkpoint, python)
 
 
-def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys.executable) -> list[str]:
+def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys.executable,
+                  go_fd: int | None = None) -> list[str]:
     """torchrun, under the group's guard, runs each rank through agent.rank_runner, which records
     its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
     Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
     started must not shadow them. Every node but the master's waits for the master's store
-    (agent.guard) rather than let torchrun back off."""
+    (agent.guard) rather than let torchrun back off; with `go_fd`, the guard waits for the agent's
+    word that it is in the attempt's cgroup."""
     master = f"{command.master_addr}:{command.master_port}"
     return [
         *python_module(python, "agent.guard"), str(os.getpid()),
+        *(["--go-fd", str(go_fd)] if go_fd is not None else []),
         *(["--wait-for", master] if command.node_rank else []), "--",
         *python_module(python, "torch.distributed.run"),
         "--nnodes", str(command.nnodes),
@@ -86,7 +89,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
 
 
 def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None,
-               run_as: RunAs = RunAs()) -> dict[str, str]:
+               run_as: RunAs = RunAs(), cgroup: Path | None = None) -> dict[str, str]:
     # The agent's own settings (its token among them) are no business of the job.
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")}
     env.update(run_as.env())
@@ -96,6 +99,8 @@ def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_so
     env.update(command.env)
     env.update(job_env(command, paths))
     env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})
+    if cgroup is not None:
+        env[GROUP_CGROUP_ENV] = str(cgroup)
     if warm_socket is not None and starts_warm(command):
         env[WARM_SOCKET_ENV] = str(warm_socket)
     return env

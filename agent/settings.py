@@ -33,10 +33,13 @@ class AgentSettings(BaseSettings):
     # a launch whose folder resolves elsewhere is refused. None: only the job's own area is checked.
     checkpoint_root: Path | None = None
     # Who runs the jobs' processes (agent/job_user.py, docs/agent.md "The job's user"): an agent
-    # started as root runs them as this user (default nobody), as root only with allow_root_jobs;
-    # any other agent runs them as itself.
+    # started as root runs each owner's jobs as a uid of its own, job_uid_base plus the owner's
+    # number (the service's), below job_uid_base + job_uid_count; with job_user, every job as that
+    # user (as root only with allow_root_jobs). Any other agent runs them as itself.
     job_user: str | None = None
     allow_root_jobs: bool = False
+    job_uid_base: int = Field(2_000_000_000, ge=1000, le=4_000_000_000)
+    job_uid_count: int = Field(1_000_000, ge=1)
     # The interpreter of the jobs' processes (torchrun, rank runners, the trainer): one the job's
     # user can run, with ett installed. Default: the agent's own.
     job_python: str = Field(default_factory=lambda: sys.executable, min_length=1)

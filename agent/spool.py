@@ -1,20 +1,30 @@
 """The on-disk layout of an attempt on this node, and reading/appending JSONL files safely.
 
-    DATA_DIR/spool/JOB_ID/ATTEMPT/
-        events/rank-R.jsonl     written by the ranks (ETT_EVENT_DIR), forwarded to the service
-        events/node-NAME.jsonl  the agent's own events for this attempt, forwarded the same way
-        ranks.jsonl             rank runner records: start (pids) and end (exit code or signal)
-        control/                fault-injection requests read by the rank runners
-        torchrun.log            torchrun's and the ranks' stdout and stderr
+    DATA_DIR/spool/JOB_ID/ATTEMPT/     the agent's (root, 0711): the job passes, cannot write
+        events/                 the job's (its user, 0700)
+            rank-R.jsonl        written by the ranks (ETT_EVENT_DIR), forwarded to the service
+            progress-rank-R     each rank's progress mark, read by the monitor loop
+        control/                the job's (its user, 0700)
+            ranks.jsonl         rank runner records: start (pids) and end (exit code or signal)
+            checkpoint-interval new checkpoint intervals; rank-R.exit, an injected exit's code
+        node-NAME.jsonl         the agent's own events for this attempt, forwarded the same way
+        launch.json             the launch command (the job's checkpoint folder, for the forwarder)
+        torchrun.log            torchrun's and the ranks' stdout and stderr (0600)
         ended                   written when the group is over: the spool may go once forwarded
+
+What the agent reads in the job's two folders it opens without following a link, as regular files
+of one link only (a hard link to a root-only file is not read), bounded; it writes nothing there
+but through agent.beneath.
 
 Once an ended attempt is all forwarded, its events/ folder is deleted and the rest of the folder
 moves to DATA_DIR/finished/JOB_ID/ATTEMPT/ (agent.forward).
 """
 
 import ctypes
+import errno
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +32,9 @@ from typing import Any
 
 from agent.jsonl import append_json_line
 from ett.events import make_event
-from ett.protocol import CONTROL_DIR, ENDED_MARKER, EVENTS_DIR, INTERVAL_FILE, LOG_FILE, RANKS_FILE
+from ett.protocol import CONTROL_DIR, ENDED_MARKER, EVENTS_DIR, INTERVAL_FILE, LOG_FILE, RANKS_FILE, node_spool
+
+LAUNCH_FILE = "launch.json"
 
 
 @dataclass(frozen=True)
@@ -39,7 +51,7 @@ class AttemptPaths:
 
     @property
     def ranks_file(self) -> Path:
-        return self.root / RANKS_FILE
+        return self.control_dir / RANKS_FILE
 
     @property
     def control_dir(self) -> Path:
@@ -58,6 +70,13 @@ class AttemptPaths:
     def ended_marker(self) -> Path:
         return self.root / ENDED_MARKER
 
+    @property
+    def launch_file(self) -> Path:
+        return self.root / LAUNCH_FILE
+
+    def node_spool(self, node: str) -> Path:
+        return self.root / node_spool(node)
+
 
 # No event comes near this; a job's spool may hold anything, so a longer line is cut into pieces
 # of this size (each read as a line that is not an event) rather than read without a bound.
@@ -73,7 +92,7 @@ def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tu
     that file.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_job_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return [], offset
     with open(fd, "rb") as f:
@@ -93,6 +112,24 @@ def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tu
     return lines, position
 
 
+def open_job_file(path: Path, flags: int) -> int:
+    """A descriptor of `path`, a regular file with one link, opened without following a link or
+    blocking (a FIFO); OSError otherwise. A hard link the job made to a file it cannot read would
+    have two."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise OSError(errno.EPERM, "not a regular file of one link", str(path))
+    return fd
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """A file of the agent's own, in a folder of its own: readable by it alone."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
+        f.write(data)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
@@ -103,7 +140,7 @@ def release_prefix(path: Path, end: int) -> bool:
     The bytes read back as zeros afterwards, so only a prefix nobody will read again may go.
     False when the file system cannot punch holes (the file then keeps its blocks).
     """
-    fd = os.open(path, os.O_WRONLY)
+    fd = open_job_file(path, os.O_WRONLY)
     try:
         flags = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
         return _libc.fallocate(fd, flags, ctypes.c_long(0), ctypes.c_long(end)) == 0
@@ -113,7 +150,7 @@ def release_prefix(path: Path, end: int) -> bool:
 
 def disk_bytes(path: Path) -> int:
     """Bytes the file really occupies (holes not counted)."""
-    return path.stat().st_blocks * 512
+    return path.lstat().st_blocks * 512
 
 
 class SpoolReader:

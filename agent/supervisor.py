@@ -2,17 +2,20 @@
 
 import logging
 import os
+import pwd
 import shutil
+import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from agent.beneath import open_folder_beneath, read_beneath, replace_beneath
+from agent.cgroups import NodeCgroups
 from agent.confine import launch_refusal
-from agent.job_user import RunAs
+from agent.job_user import JobUser, JobUserError, JobUsers, RunAs
 from agent.launch import starts_warm
 from agent.spool import AttemptPaths
+from agent.warm import WarmServer, WarmServers
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
 from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport, IntervalCommand, LaunchCommand, StopCommand
@@ -85,15 +88,17 @@ def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) 
 class Supervisor:
     def __init__(
         self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
-        warm_socket: Path | None = None, checkpoint_root: Path | None = None, run_as: RunAs = RunAs(),
-        warm_starting: Callable[[], bool] = lambda: False,
+        warm: WarmServers | None = None, checkpoint_root: Path | None = None, job_users: JobUsers | None = None,
+        cgroups: NodeCgroups | None = None,
     ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
         self.local_checkpoint_root = local_checkpoint_root
-        self.warm_socket = warm_socket  # where the agent's warm server listens (agent.warm), if it runs one
+        self.warm = warm  # the job users' warm servers (agent.warm); None: every rank starts fresh
         self.checkpoint_root = checkpoint_root  # where jobs' checkpoint folders may be (agent/confine.py)
-        self.run_as = run_as  # the job's interpreter and user (agent/job_user.py)
+        # Who runs each launch, with which interpreter (agent/job_user.py); default: as the agent.
+        self.job_users = job_users or JobUsers(sys.executable, JobUser.of(pwd.getpwuid(os.geteuid())))
+        self.cgroups = cgroups  # each attempt's own (agent.cgroups); None: the marker scan only
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
@@ -101,9 +106,6 @@ class Supervisor:
         # reported before its processes are gone), so an attempt never starts beside the last one.
         self.held: dict[AttemptKey, tuple[LaunchCommand, float]] = {}
         self.reports = ReportBook()
-        # Whether the warm server is still importing: a trainer launch then waits for it (at most
-        # WARM_WAIT_SECONDS) rather than start cold, which takes as long and loads the CPU twice.
-        self.warm_starting = warm_starting
 
     @property
     def live_ranks(self) -> int:
@@ -120,7 +122,10 @@ class Supervisor:
         return sum(t[0] for t in trouble), sum(t[1] for t in trouble)
 
     def recover(self) -> None:
-        """Reports the attempts a previous agent run left unfinished: their groups died with it."""
+        """Reports the attempts a previous agent run left unfinished: their groups died with it,
+        or die now (what escaped the parent-death signals is still in their cgroups)."""
+        if self.cgroups is not None and (emptied := self.cgroups.empty_leftovers()):
+            log.warning("emptied %d attempt cgroups a previous run of this agent left", emptied)
         for attempt_dir in sorted(self.spool_root.glob("*/*")):
             paths = AttemptPaths(attempt_dir)
             if not attempt_dir.name.isdigit() or paths.ended_marker.exists():
@@ -145,24 +150,45 @@ class Supervisor:
             return
         self._start(command)
 
+    def _warm_server(self, command: LaunchCommand, run_as: RunAs) -> WarmServer | None:
+        """The warm server this launch forks from (started if it is not), if it may."""
+        if self.warm is None or not starts_warm(command):
+            return None
+        server = self.warm.for_user(run_as)
+        server.ensure_running()
+        return server if server.usable else None
+
     def _waits_for_warm(self, command: LaunchCommand) -> bool:
-        return self.warm_socket is not None and starts_warm(command) and self.warm_starting()
+        """Whether its user's warm server is still importing: a trainer launch then waits for it (at
+        most WARM_WAIT_SECONDS) rather than start cold, which takes as long and loads the CPU twice."""
+        try:
+            server = self._warm_server(command, self.job_users.run_as(command))
+        except (JobUserError, OSError):
+            return False  # refused at its start
+        return server is not None and server.starting
 
     def _start(self, command: LaunchCommand) -> None:
-        refusal = launch_refusal(command, self.checkpoint_root)
-        if refusal is not None:
+        try:
+            refusal = launch_refusal(command, self.checkpoint_root)
+            run_as = self.job_users.run_as(command)
+        except (JobUserError, OSError) as exc:
+            refusal, run_as = f"refused: {exc}", None
+        if refusal is not None or run_as is None:
             log.warning("attempt %s/%d: %s", command.job_id, command.attempt, refusal)
-            self.refuse(command.job_id, command.attempt, refusal, exit_code=EXIT_CONFIG_ERROR)
+            self.refuse(command.job_id, command.attempt, str(refusal), exit_code=EXIT_CONFIG_ERROR)
             return
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
         command = self._with_local_checkpoints(command)
-        group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=self.warm_socket,
-                            run_as=self.run_as)
+        server = self._warm_server(command, run_as)
+        warm_socket = server.socket_path if server is not None and not server.starting else None
+        group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=warm_socket,
+                            run_as=run_as, cgroups=self.cgroups,
+                            spare=self.warm.pids if self.warm is not None else set)  # fmt: skip
         self.groups[command.key] = group
         try:
             for folder in (command.checkpoint.dir, command.checkpoint.local_dir):
                 if folder is not None:  # the job's own folders, its user's to write and prune
-                    self.run_as.make_own(folder)
+                    run_as.make_own(folder)
             group.start()
         except OSError as exc:  # torchrun could not even be started
             group.end, group.state = GroupEnd(WorkerState.FAILED, "exit", f"launch failed: {exc}"), WorkerState.FAILED

@@ -32,14 +32,16 @@ import runpy
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from agent.cgroups import PROCS, NodeCgroups
 from agent.job_user import RunAs
-from agent.procs import set_parent_death_signal
+from agent.procs import GROUP_CGROUP_ENV, set_parent_death_signal
 from agent.warm_client import python_module
 
 MAX_REQUEST_BYTES = 1 << 20
@@ -51,21 +53,19 @@ log = logging.getLogger(__name__)
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
-def socket_path(data_dir: Path) -> Path:
-    """Where the warm server of an agent with this data folder listens, once its imports are done."""
-    return (data_dir / "warm" / "warm.sock").resolve()
-
 def serves(argv: list[str], modules: list[str]) -> bool:
     return len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules
 
 
-
 class WarmServer:
-    """The agent's handle on its warm server: started, started again when it died, stopped. Called
-    from the monitor loop only: the thread that forks a child owns its parent-death signal."""
+    """The agent's handle on one job user's warm server: started, started again when it died,
+    stopped. Called from the monitor loop only: the thread that forks a child owns its
+    parent-death signal."""
 
-    def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs()) -> None:
+    def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs(),
+                 cgroup: Path | None = None) -> None:
         self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
+        self.cgroup = cgroup  # its user's warm/ cgroup (agent.cgroups), if the machine gives one
         self._proc: subprocess.Popen[bytes] | None = None
         self._next_start = 0.0
 
@@ -77,6 +77,10 @@ class WarmServer:
     def starting(self) -> bool:
         """Started and still importing: not listening yet."""
         return self._proc is not None and self._proc.poll() is None and not self.socket_path.exists()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def ensure_running(self) -> None:
         if not self.usable or (self._proc is not None and self._proc.poll() is None):
@@ -96,6 +100,8 @@ class WarmServer:
                 env=env | self.run_as.env() | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
             )  # fmt: skip
+        if self.cgroup is not None:  # long before its imports are done and it forks anything
+            (self.cgroup / PROCS).write_text(str(self._proc.pid))
         self._next_start = time.monotonic() + RESTART_PAUSE_SECONDS
 
     def stop(self) -> None:
@@ -104,6 +110,45 @@ class WarmServer:
             self._proc.wait()
         self.socket_path.unlink(missing_ok=True)
 
+
+class WarmServers:
+    """A warm server per job user (a server forks what it serves as its own user, and serves no
+    caller of another, SO_PEERCRED): the first launch of a user starts its server and waits for
+    its imports, later ones fork from it. At most MAX_SERVERS are kept, the least recently used
+    stopped first."""
+
+    MAX_SERVERS = 4
+
+    def __init__(self, data_dir: Path, modules: list[str], cgroups: NodeCgroups | None = None) -> None:
+        self.data_dir, self.modules, self.cgroups = data_dir, modules, cgroups
+        self._servers: dict[int, WarmServer] = {}  # by uid, least recently used first
+
+    def for_user(self, run_as: RunAs) -> WarmServer:
+        uid = run_as.user.uid if run_as.user is not None else os.geteuid()
+        server = self._servers.pop(uid, None)
+        if server is None:
+            cgroup = None
+            if self.cgroups is not None and run_as.user is not None:
+                owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
+                cgroup = owner / "warm" if owner is not None else None
+            server = WarmServer((self.data_dir / "warm" / str(uid) / "warm.sock").resolve(), self.modules,
+                                self.data_dir / f"warm-{uid}.log", run_as, cgroup)
+        self._servers[uid] = server
+        while len(self._servers) > self.MAX_SERVERS:
+            self._servers.pop(next(iter(self._servers))).stop()
+        return server
+
+    @property
+    def pids(self) -> set[int]:
+        return {pid for server in self._servers.values() if (pid := server.pid) is not None}
+
+    def ensure_running(self) -> None:
+        for server in self._servers.values():
+            server.ensure_running()
+
+    def stop(self) -> None:
+        for server in self._servers.values():
+            server.stop()
 
 
 def serve(socket_path: Path, modules: list[str]) -> None:
@@ -125,6 +170,9 @@ def serve(socket_path: Path, modules: list[str]) -> None:
         conn, _ = listener.accept()
         fds: list[int] = []
         try:
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():  # the socket is ours alone; a caller of another user is not served
+                raise ValueError(f"a caller of uid {uid}")
             payload, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
             request = json.loads(payload)
             if len(fds) != 3 or not serves(request["argv"], modules):
@@ -182,6 +230,10 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        cgroup = os.environ.get(GROUP_CGROUP_ENV)
+        if cgroup:  # into the attempt's cgroup before a line of it runs: it is emptied at the end
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
+                procs.write("0")
         os.chdir(request["cwd"])
         if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
             threads = os.environ.get("OMP_NUM_THREADS")

@@ -11,8 +11,10 @@ reported once every local rank has exited cleanly, before torchrun's own wind-do
 local rank has exited after a failure or a stop, torchrun is not waited for (it takes seconds to
 wind down). A hang is torn down at once with SIGKILL: the group is broken and its last committed
 checkpoint is all that counts. A stop gets SIGTERM, then SIGKILL after a grace. Whatever happens,
-every process carrying the group's marker is SIGKILLed at the end (processes forked by the warm
-server do not carry it: they die with the runner that asked for them, agent.warm).
+every process carrying the group's marker is SIGKILLed at the end, and the attempt's cgroup is
+emptied (agent.cgroups): a rank that left its session and its environment behind is gone too.
+Process ids are the kernel's: a pid in the ranks' records (the job's to write) is signalled only
+while it is in the attempt's cgroup (or, without one, carries the group's marker).
 """
 
 import enum
@@ -27,15 +29,16 @@ from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import Any
 
+from agent.cgroups import PROCS, NodeCgroups, kill_cgroup, pids_in
 from agent.faults import FaultInjector
 from agent.hang import HangLimit
-from agent.job_user import RunAs
+from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
-from agent.procs import GROUP_MARKER_ENV, signal_group, signal_marked
-from agent.spool import AttemptPaths, NodeEventLog, SpoolReader
+from agent.procs import GROUP_MARKER_ENV, marked_pids, signal_group, signal_marked
+from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
-from ett.protocol import PROGRESS_GLOB, RANK_SPOOL_GLOB, node_spool
+from ett.protocol import PROGRESS_GLOB, RANK_SPOOL_GLOB
 from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
@@ -87,7 +90,8 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
 class WorkerGroup:
     def __init__(self, command: LaunchCommand, paths: AttemptPaths, node_name: str, stop_grace_seconds: float,
                  clock: Callable[[], float] = time.monotonic, warm_socket: Path | None = None,
-                 run_as: RunAs = RunAs()) -> None:
+                 run_as: RunAs = RunAs(), cgroups: NodeCgroups | None = None,
+                 spare: Callable[[], set[int]] = set) -> None:
         self.command = command
         self.run_as = run_as  # the job's interpreter and user (agent.job_user)
         self.warm_socket = warm_socket  # the agent's warm server (agent.warm), if it runs one
@@ -97,13 +101,18 @@ class WorkerGroup:
         self.state = WorkerState.LAUNCHING
         self.end: GroupEnd | None = None
         self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
-        for folder in (paths.root, paths.events_dir, paths.control_dir):
-            run_as.make_own(folder)  # the ranks write their events and records there; the job's folder above, PASSABLE
-        self.events = NodeEventLog(paths.events_dir / node_spool(node_name), node_name, command.attempt)
+        self.cgroups = cgroups  # this node's cgroups (agent.cgroups), if the machine gives it any
+        self.spare = spare  # the warm servers' pids: their keepers outlive an attempt, nothing else
+        self.cgroup: Path | None = None  # the attempt's own, made at start
+        make_passable(paths.root)  # the agent's: the job passes through to its two folders
+        for folder in (paths.events_dir, paths.control_dir):
+            run_as.make_own(folder)  # the ranks write their events and records there
+        write_private(paths.launch_file, command.model_dump_json().encode())
+        self.events = NodeEventLog(paths.node_spool(node_name), node_name, command.attempt)
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
         self.exited: dict[int, dict[str, Any]] = {}
-        self._faults = FaultInjector(command.faults, paths.control_dir)
+        self._faults = FaultInjector(command.faults, paths, self.owns)
         self._ranks = SpoolReader()
         self._spool = SpoolReader()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -148,13 +157,25 @@ class WorkerGroup:
         return len(self.exited) == self.command.nproc_per_node
 
     def start(self) -> None:
-        with open(self.paths.log_file, "ab") as log_file:
-            self._proc = subprocess.Popen(
-                torchrun_argv(self.command, self.paths, self.run_as.python),
-                env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as),
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                start_new_session=True, **self.run_as.popen(),
-            )  # fmt: skip
+        """Starts torchrun's guard, puts it into the attempt's cgroup, then lets it go on."""
+        if self.cgroups is not None and self.run_as.user is not None:
+            user = self.run_as.user
+            self.cgroup = self.cgroups.attempt(user.uid, user.gid, self.marker)
+        go_read, go_write = os.pipe()
+        try:
+            with open(os.open(self.paths.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log_file:
+                self._proc = subprocess.Popen(
+                    torchrun_argv(self.command, self.paths, self.run_as.python, go_fd=go_read),
+                    env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as, self.cgroup),
+                    stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(go_read,),
+                    start_new_session=True, **self.run_as.popen(),
+                )  # fmt: skip
+            if self.cgroup is not None:
+                (self.cgroup / PROCS).write_text(str(self._proc.pid))
+            os.write(go_write, b"1")
+        finally:
+            os.close(go_read)
+            os.close(go_write)  # unwritten: the guard starts nothing and exits
         self._launched_at = self._last_progress = self.clock()
         self._watch(self._proc.pid)
         self.events.emit("workers_launched", {
@@ -198,6 +219,14 @@ class WorkerGroup:
         if self._proc is not None:
             signal_group(self._proc.pid, SIGKILL)
         signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
+        if self.cgroup is not None:
+            kill_cgroup(self.cgroup)
+
+    def owns(self, pid: int) -> bool:
+        """Whether `pid` is a process of this group, by the kernel's word (not the job's records)."""
+        if self.cgroup is not None:
+            return pid in pids_in(self.cgroup)
+        return pid in marked_pids(GROUP_MARKER_ENV, self.marker)
 
     def _read_rank_records(self, now: float) -> None:
         for record in self._ranks.read(self.paths.ranks_file):
@@ -205,8 +234,11 @@ class WorkerGroup:
             if not isinstance(rank, int):
                 continue
             if "pid" in record:
-                self.rank_pids[rank], self.runner_pids[rank] = record["pid"], record["runner_pid"]
-                self._watch(record["runner_pid"])
+                pid, runner_pid = record["pid"], record.get("runner_pid")
+                if isinstance(pid, int) and isinstance(runner_pid, int):  # only ever signalled if owns() says so
+                    self.rank_pids[rank], self.runner_pids[rank] = pid, runner_pid
+                    if self.owns(runner_pid):
+                        self._watch(runner_pid)
                 continue
             self.exited[rank] = record
             self.events.emit("worker_exited", {k: v for k, v in record.items() if k in WORKER_EXITED_FIELDS})
@@ -312,6 +344,8 @@ class WorkerGroup:
         if leftovers:
             log.warning("attempt %s/%d: killed %d leftover processes", self.command.job_id, self.command.attempt,
                         leftovers)
+        if self.cgroup is not None and self.cgroups is not None:
+            self.cgroups.empty(self.cgroup, self.spare())
         code = self._proc.returncode
         if self._ending is not None:
             self.end = self._ending

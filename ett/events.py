@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -150,9 +151,15 @@ class ProgressMark:
 
 
 def read_progress_mark(path: Path) -> ProgressMark | None:
-    """A rank's progress mark as `_write_mark` wrote it; None while it cannot be read."""
+    """A rank's progress mark as `_write_mark` wrote it; None while it cannot be read. Read by the
+    agent, as root, in the job's folder: never through a link, never blocking, PROGRESS_WIDTH bytes."""
     try:
-        fields = [int(field) for field in path.read_bytes().split()]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            raw = os.read(fd, PROGRESS_WIDTH) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+        finally:
+            os.close(fd)
+        fields = [int(field) for field in raw.split()]
     except (OSError, ValueError):
         return None
     if len(fields) < 2:

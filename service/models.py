@@ -111,6 +111,16 @@ class Node(Base):
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True)
 
 
+class Owner(Base):
+    """A job owner (a token's subject), numbered once and for good: agents run its jobs as their
+    first job uid plus this number, the same on every node (docs/agent.md, "The job's user")."""
+
+    __tablename__ = "owners"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+
+
 class Job(Base):
     __tablename__ = "jobs"
 

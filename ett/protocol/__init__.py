@@ -26,14 +26,16 @@ EXIT_CONFIG_ERROR = 3
 EXIT_STOPPED = 4  # SIGTERM: stopped after the current step and a final checkpoint
 
 # -- an attempt's folder on its node: DATA_DIR/spool/JOB/ATTEMPT/ (docs/agent.md) -------------
-EVENTS_DIR = "events"  # the spools the agent forwards: every `*.jsonl` in it
-CONTROL_DIR = "control"  # what the agent tells the ranks
-RANKS_FILE = "ranks.jsonl"  # the rank runners' records: started, exited
+# The attempt's folder is the agent's (root's, 0711); only these two folders in it are the job's.
+EVENTS_DIR = "events"  # the ranks' spools the agent forwards: `rank-N.jsonl`, and progress marks
+CONTROL_DIR = "control"  # what the agent tells the ranks, and the rank runners' records
+RANKS_FILE = "ranks.jsonl"  # in CONTROL_DIR: the rank runners' records: started, exited
 LOG_FILE = "torchrun.log"
 ENDED_MARKER = "ended"
 INTERVAL_FILE = "checkpoint-interval"  # in CONTROL_DIR: "<interval_steps> <from_step>" per change
 SPOOL_SUFFIX = ".jsonl"
 RANK_SPOOL_GLOB = "rank-*.jsonl"
+NODE_SPOOL_GLOB = "node-*.jsonl"
 PROGRESS_GLOB = "progress-rank-*"
 
 
@@ -43,7 +45,7 @@ def rank_spool(rank: int) -> str:
 
 
 def node_spool(node: str) -> str:
-    """The agent's events about the attempt on its node, in EVENTS_DIR."""
+    """The agent's events about the attempt on its node, in the attempt's folder (not the job's)."""
     return f"node-{node}{SPOOL_SUFFIX}"
 
 

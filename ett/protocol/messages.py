@@ -65,6 +65,10 @@ class LaunchCommand(AttemptCommand):
     nproc_per_node: int = Field(ge=1)
     master_addr: str
     master_port: int = Field(ge=1, le=65535)
+    # Who submitted the job, and the number the service gave that owner: an agent started as root
+    # runs the job as its first job uid plus that number (agent/job_user.py).
+    owner: str | None = None
+    owner_number: int | None = Field(None, ge=1)
     trainer: TrainerSpec | None = None
     entrypoint: list[str] | None = Field(None, min_length=1)
     env: dict[str, str] = {}

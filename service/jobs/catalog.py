@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from service.agents.nodes import fleet_capacity
 from service.jobs.checkpoints import confined_checkpoint_dir
+from service.jobs.owners import number_owner
 from service.models import Job, JobState, Role, Token
 from service.outcomes import Forbidden, Unprocessable
 from service.schemas.job_spec import JobSpec
@@ -57,6 +58,7 @@ def create_job(session: Session, settings: Settings, spec: JobSpec, caller: Toke
     if spec.checkpoint.dir is not None:
         confined = confined_checkpoint_dir(settings, owner, spec.checkpoint.dir)
         spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"dir": confined})})
+    number_owner(session, owner)
     job = Job(id=uuid.uuid4().hex, name=spec.name, owner=owner, spec=spec)
     session.add(job)
     return job

@@ -1,5 +1,5 @@
-"""What each node of a new attempt is told to launch: its share of the ranks, the job's program,
-checkpoint folders and interval, timeouts and the faults meant for its ranks."""
+"""What each node of a new attempt is told to launch: its share of the ranks, the job's program and
+owner, checkpoint folders and interval, timeouts and the faults meant for its ranks."""
 
 from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec
 from service.jobs.checkpoints import job_checkpoint_dir, owner_area
@@ -7,7 +7,8 @@ from service.models import Attempt, AttemptNode, Job
 from service.settings import Settings
 
 
-def launch_command(settings: Settings, job: Job, attempt: Attempt, share: AttemptNode, interval: int) -> LaunchCommand:
+def launch_command(settings: Settings, job: Job, attempt: Attempt, share: AttemptNode, interval: int,
+                   owner_number: int) -> LaunchCommand:
     spec = job.spec
     per_node = spec.procs_per_node
     first, last = share.node_rank * per_node, (share.node_rank + 1) * per_node
@@ -16,7 +17,7 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
         snapshots=spec.checkpoint.snapshots, area=str(owner_area(settings, job.owner)), resume_from=attempt.resume_from,
     )  # fmt: skip
     return LaunchCommand(
-        type="launch", job_id=job.id, attempt=attempt.number,
+        type="launch", job_id=job.id, attempt=attempt.number, owner=job.owner, owner_number=owner_number,
         node_rank=share.node_rank, nnodes=spec.nodes, nproc_per_node=per_node,
         master_addr=attempt.master_addr, master_port=attempt.master_port,
         trainer=TrainerSpec(**spec.trainer.model_dump()), entrypoint=spec.entrypoint, env=spec.env,

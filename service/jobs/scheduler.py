@@ -20,6 +20,7 @@ from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
+from service.jobs.owners import number_owner
 from service.jobs.rendezvous import free_master_port
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
@@ -288,5 +289,6 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
         allocated |= {"slurm_job_id": slurm.slurm_job_id, "slurm_nodes": slurm.slurm_nodes}
     emit(session, job.id, number, "attempt_allocated", now, allocated)
     interval = attempt.interval_steps = checkpoint_interval_steps(session, job, settings)
+    owner = number_owner(session, job.owner)
     for share in attempt.nodes:
-        commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval))
+        commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval, owner))

@@ -221,7 +221,7 @@ def test_service_outage_and_agent_crash_lose_and_repeat_nothing(tmp_path):
 
         c.start_agent("node-a", ETT_AGENT_BATCH_MAX_EVENTS="20")  # the same data dir; the service is still down
         wait_for(lambda: paths.ended_marker.exists(), 60, "the restarted agent to close the dead attempt")
-        lines = [json.loads(line) for f in sorted(paths.events_dir.glob("*.jsonl"))
+        lines = [json.loads(line) for f in sorted([*paths.events_dir.glob("*.jsonl"), *paths.root.glob("*.jsonl")])
                  for line in f.read_text().splitlines()]
         c.start_service()
         wait_for(lambda: not paths.root.exists(), 60, "the backlog to be forwarded and the spool retired")

@@ -43,7 +43,8 @@ def test_an_interpreter_the_job_user_cannot_run_stops_the_agent_with_what_to_set
     result = start_agent(tmp_path, job_python=str(closed))
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"ett agent: job user nobody cannot run {closed}: Permission denied;")
+    # Checked as the first uid of the owners' range, which no owner gets (agent/job_user.py).
+    assert last.startswith(f"ett agent: job user ett-2000000000 cannot run {closed}: Permission denied;")
     assert "ETT_AGENT_JOB_PYTHON" in last
 
 
@@ -68,7 +69,7 @@ def test_the_agents_folders_let_the_job_user_through_whatever_the_umask(open_roo
         os.umask(umask)
     for folder in (open_root / "agent", open_root / "agent" / "spool", attempt.parent):
         assert stat.S_IMODE(folder.stat().st_mode) == PASSABLE, folder
-    assert attempt.stat().st_uid == run_as.user.uid
+    assert attempt.stat().st_uid == run_as.user.uid and stat.S_IMODE(attempt.stat().st_mode) == 0o700
     assert run_as.problem([attempt]) is None  # checked as nobody, by a real interpreter
 
 
@@ -80,7 +81,7 @@ def test_a_folder_the_job_user_cannot_enter_is_named_with_its_mode_owner_and_the
     assert result.returncode == 1
     mode = stat.filemode(closed.stat().st_mode)
     assert result.stderr.strip().splitlines()[-1] == (
-        f"ett agent: job user nobody cannot enter {closed} ({mode} root:root), on the way to its job folders: "
+        f"ett agent: job user ett-2000000000 cannot enter {closed} ({mode} root:root), on the way to its job folders: "
         f"let other users pass through it (chmod o+x {closed}) or give the agent a --data-dir "
         "(and ETT_AGENT_LOCAL_CHECKPOINT_DIR) outside it")
 

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.slow
 
 def spool_events(supervisor, command, source):
     paths = AttemptPaths.of(supervisor.spool_root, command.job_id, command.attempt)
-    name = f"rank-{source.split(':')[1]}.jsonl" if source.startswith("rank:") else f"node-{source[5:]}.jsonl"
-    return read_events(paths.events_dir / name)
+    if source.startswith("rank:"):
+        return read_events(paths.events_dir / f"rank-{source.split(':')[1]}.jsonl")
+    return read_events(paths.node_spool(source.removeprefix("node:")))
 
 
 def test_success_reports_every_rank_and_the_spool_env(supervisor):
