@@ -10,8 +10,8 @@ pure v2 machine, /sys/fs/cgroup/unified beside v1 controllers):
             warm/               that user's warm server, its keepers, and nothing else for long
             JOB.ATTEMPT.HEX/    an attempt: torchrun's guard and everything under it
 
-Only cgroup.procs files are given to the job's user: a warm-forked process moves itself into its
-attempt's cgroup (the kernel lets a user move its processes between cgroups whose common ancestor's
+Only cgroup.procs files (and an attempt's cgroup.kill, for its guard) are given to the job's user:
+a warm-forked process moves itself into its attempt's cgroup (the kernel lets a user move its processes between cgroups whose common ancestor's
 cgroup.procs it may write: owner-UID), and nothing of the user's can leave owner-UID. At the end
 the attempt's cgroup is killed (`cgroup.kill`: every process in it, atomically) and removed, and
 owner-UID and warm/ are swept of whatever moved there. Without a writable cgroup v2 (no v2 mount,
@@ -28,6 +28,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 PROCS = "cgroup.procs"
+KILL = "cgroup.kill"
 KILL_WAIT_SECONDS = 5.0
 
 
@@ -73,7 +74,7 @@ def kill_all(cgroup: Path) -> None:
 def kill_cgroup(cgroup: Path) -> None:
     """Every process in `cgroup` and below it SIGKILLed at once, by the kernel (5.14 and later)."""
     with contextlib.suppress(OSError):
-        (cgroup / "cgroup.kill").write_text("1")
+        (cgroup / KILL).write_text("1")
 
 
 def parent_pid(pid: int) -> int | None:
@@ -121,6 +122,8 @@ class NodeCgroups:
         folder = owner / name
         folder.mkdir()
         os.chown(folder / PROCS, uid, gid)  # a warm-forked rank moves itself in (agent.warm)
+        with contextlib.suppress(FileNotFoundError):  # its guard empties it when the agent dies (agent.guard)
+            os.chown(folder / KILL, uid, gid)
         return folder
 
     def empty(self, attempt: Path, warm_servers: set[int] = frozenset()) -> None:

@@ -301,7 +301,7 @@ class Forwarder:
 
     def _save_offsets(self) -> None:
         temporary = self.offsets_file.with_suffix(".tmp")
-        with open(temporary, "w") as f:
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # names every job
             json.dump(self.acked, f)
             f.flush()
             os.fsync(f.fileno())

@@ -4,7 +4,8 @@
 
 The agent starts torchrun through this small process. The guard asks the kernel for SIGUSR1
 when the agent dies (PR_SET_PDEATHSIG), and then SIGKILLs every process carrying the group's
-marker (agent.procs), so even a rank's own children, which no parent-death signal covers, go.
+marker (agent.procs), so even a rank's own children, which no parent-death signal covers, go, and
+then every process of the attempt's cgroup, itself included (agent.cgroups).
 Otherwise it only waits for torchrun (its child, in its process group) and exits as torchrun
 did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores it; a torchrun
 forked by the agent's warm server (agent.warm) is in a group of its own: the guard passes it on.
@@ -20,6 +21,7 @@ WAIT_SECONDS torchrun starts anyway, and its own rendezvous timeout reports a ma
 came.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from agent.procs import GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
+from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
 from agent.warm_client import WARM_SOCKET_ENV, WarmProcess, start_process
 
 WAIT_SECONDS = 60.0
@@ -58,6 +60,10 @@ def main(argv: list[str]) -> int:
 
     def sweep(_signum: int = 0, _frame: object = None) -> None:
         signal_marked(GROUP_MARKER_ENV, marker, signal.SIGKILL, spare=os.getpid())
+        cgroup = os.environ.get(GROUP_CGROUP_ENV)
+        if cgroup:  # what left the marker behind (setsid, a clean environment) and the guard itself
+            with contextlib.suppress(OSError), open(os.path.join(cgroup, "cgroup.kill"), "w") as kill:
+                kill.write("1")
 
     child = None
     stop_requested = []  # a SIGTERM that came before torchrun was started

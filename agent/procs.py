@@ -43,6 +43,14 @@ def marked_pids(name: str, value: str) -> list[int]:
     return pids
 
 
+def process_uid(pid: int) -> int | None:
+    """The real uid of a live process, by the kernel's word (None: gone)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def signal_marked(name: str, value: str, signum: int, spare: int | None = None) -> int:
     """Sends signum to every marked process but `spare`; the number signalled."""
     sent = 0

@@ -183,7 +183,8 @@ class NodeEventLog:
                    default=-1)
 
     def emit(self, kind: str, data: dict[str, Any], step: int | None = None) -> None:
-        append_json_line(self.path, make_event(kind, time.time(), self.attempt, self.source, self.seq, step, data))
+        event = make_event(kind, time.time(), self.attempt, self.source, self.seq, step, data)
+        append_json_line(self.path, event, mode=0o600)  # the agent's: no job reads another's
         self.seq += 1
 
 

@@ -14,7 +14,7 @@ from agent.cgroups import NodeCgroups
 from agent.confine import launch_refusal
 from agent.job_user import JobUser, JobUserError, JobUsers, RunAs
 from agent.launch import starts_warm
-from agent.spool import AttemptPaths
+from agent.spool import AttemptPaths, write_private
 from agent.warm import WarmServer, WarmServers
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
@@ -131,7 +131,7 @@ class Supervisor:
             if not attempt_dir.name.isdigit() or paths.ended_marker.exists():
                 continue
             end = GroupEnd(WorkerState.FAILED, "signal", "the agent restarted; its worker group was killed with it")
-            paths.ended_marker.write_text(end.state.value)
+            write_private(paths.ended_marker, end.state.value.encode())
             job_id, attempt = attempt_dir.parent.name, int(attempt_dir.name)
             self.reports.set((job_id, attempt), attempt_report(job_id, attempt, end.state.value, end))
             log.warning("attempt %s/%d: %s", job_id, attempt, end.detail)

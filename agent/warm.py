@@ -53,6 +53,12 @@ log = logging.getLogger(__name__)
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
+def socket_path(data_dir: Path, uid: int) -> Path:
+    """Where the warm server of a job user, under an agent with this data folder, listens once its
+    imports are done."""
+    return (data_dir / "warm" / str(uid) / "warm.sock").resolve()
+
+
 def serves(argv: list[str], modules: list[str]) -> bool:
     return len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules
 
@@ -94,7 +100,7 @@ class WarmServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")} | SINGLE_THREAD_ENV
         self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
         self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
-        with open(self.log_path, "ab") as out:
+        with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
             self._proc = subprocess.Popen(
                 [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules],
                 env=env | self.run_as.env() | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out,
@@ -131,8 +137,8 @@ class WarmServers:
             if self.cgroups is not None and run_as.user is not None:
                 owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
                 cgroup = owner / "warm" if owner is not None else None
-            server = WarmServer((self.data_dir / "warm" / str(uid) / "warm.sock").resolve(), self.modules,
-                                self.data_dir / f"warm-{uid}.log", run_as, cgroup)
+            server = WarmServer(socket_path(self.data_dir, uid), self.modules, self.data_dir / f"warm-{uid}.log",
+                                run_as, cgroup)
         self._servers[uid] = server
         while len(self._servers) > self.MAX_SERVERS:
             self._servers.pop(next(iter(self._servers))).stop()

@@ -34,7 +34,7 @@ from agent.faults import FaultInjector
 from agent.hang import HangLimit
 from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
-from agent.procs import GROUP_MARKER_ENV, marked_pids, signal_group, signal_marked
+from agent.procs import GROUP_MARKER_ENV, process_uid, signal_group, signal_marked
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
@@ -107,7 +107,7 @@ class WorkerGroup:
         make_passable(paths.root)  # the agent's: the job passes through to its two folders
         for folder in (paths.events_dir, paths.control_dir):
             run_as.make_own(folder)  # the ranks write their events and records there
-        write_private(paths.launch_file, command.model_dump_json().encode())
+        write_private(paths.launch_file, command.model_dump_json(exclude={"env"}).encode())  # its env may hold secrets
         self.events = NodeEventLog(paths.node_spool(node_name), node_name, command.attempt)
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
@@ -223,10 +223,12 @@ class WorkerGroup:
             kill_cgroup(self.cgroup)
 
     def owns(self, pid: int) -> bool:
-        """Whether `pid` is a process of this group, by the kernel's word (not the job's records)."""
+        """Whether `pid` is a process of this group, by the kernel's word (not the job's records):
+        in its cgroup; without one, a process of the job's user (a warm-forked rank's environment
+        in /proc is its server's, so the marker cannot say)."""
         if self.cgroup is not None:
             return pid in pids_in(self.cgroup)
-        return pid in marked_pids(GROUP_MARKER_ENV, self.marker)
+        return process_uid(pid) == (self.run_as.user.uid if self.run_as.user is not None else os.geteuid())
 
     def _read_rank_records(self, now: float) -> None:
         for record in self._ranks.read(self.paths.ranks_file):
@@ -357,6 +359,6 @@ class WorkerGroup:
                                 code)
         self.state = self.end.state
         self._forget_exited()
-        self.paths.ended_marker.write_text(self.state.value)
+        write_private(self.paths.ended_marker, self.state.value.encode())
         log.info("attempt %s/%d %s %s", self.command.job_id, self.command.attempt, self.state, self.end.detail)
 

@@ -98,32 +98,36 @@ def _processes() -> Iterator[list[subprocess.Popen]]:
                 proc.wait()
 
 
-def _job_user_settings(root: Path) -> dict[str, str]:
-    """As root, the demo's agents run the job as their default user (nobody) where it can run this
-    interpreter; where it cannot (an interpreter under root's home folder), as root, said
-    explicitly (ETT_AGENT_ALLOW_ROOT_JOBS) and printed: these agents serve this demo only."""
+def _job_user_settings(root: Path) -> tuple[dict[str, str], int]:
+    """The demo's agents' job user settings and its uid. As root, they run the job as nobody where
+    it can run this interpreter (one user: the demo has one owner, and its warm servers then start
+    with the agents, as on a cluster whose agents have served that owner before); where it cannot
+    (an interpreter under root's home folder), as root, said explicitly (ETT_AGENT_ALLOW_ROOT_JOBS)
+    and printed: these agents serve this demo only."""
     from agent.job_user import RunAs, resolve_job_user
 
     if os.geteuid() != 0:
-        return {}
+        return {}, os.geteuid()
     root.chmod(0o755)  # mkdtemp's folder is closed to other users
-    problem = RunAs(sys.executable, resolve_job_user(None, allow_root=False)).problem([root])
+    nobody = resolve_job_user("nobody", allow_root=False)
+    problem = RunAs(sys.executable, nobody).problem([root])
     if problem is None:
-        return {}
+        return {"ETT_AGENT_JOB_USER": "nobody"}, nobody.uid
     print(f"ett demo: the demo's agents run its job as root, since {problem.split(';')[0]} "
           "(a real agent refuses to start then: docs/agent.md, \"The job's user\")")
-    return {"ETT_AGENT_JOB_USER": "root", "ETT_AGENT_ALLOW_ROOT_JOBS": "true"}
+    return {"ETT_AGENT_JOB_USER": "root", "ETT_AGENT_ALLOW_ROOT_JOBS": "true"}, 0
 
 
-def _wait_warm(data_dirs: list[Path], agents: list[subprocess.Popen], timeout: float = 30) -> float:
-    """Waits until each agent's warm server has done its imports (agent/warm.py), as on a cluster
-    whose agents were up before the job came: a job allocated earlier would wait for them inside
-    its window. Returns the seconds waited; gives up quietly after `timeout` (the job then starts cold)."""
+def _wait_warm(data_dirs: list[Path], uid: int, agents: list[subprocess.Popen], timeout: float = 30) -> float:
+    """Waits until each agent's warm server for the job's user has done its imports (agent/warm.py),
+    as on a cluster whose agents were up before the job came: a job allocated earlier would wait
+    for them inside its window. Returns the seconds waited; gives up quietly after `timeout` (the
+    job then starts cold)."""
     from agent.warm import socket_path
 
     started = time.monotonic()
     while time.monotonic() - started < timeout and any(agent.poll() is None for agent in agents):
-        if all(socket_path(folder).exists() for folder in data_dirs):
+        if all(socket_path(folder, uid).exists() for folder in data_dirs):
             break
         time.sleep(0.1)
     return time.monotonic() - started
@@ -252,14 +256,14 @@ def _run_demo(args: argparse.Namespace, root: Path, env: dict[str, str], url: st
         procs.append(_ett("service", env=env, log=service_log))
         _wait_ready(url, procs[0], service_log)
         print(f"ett demo: service at {url} (API docs at {url}/docs)")
-        job_user = _job_user_settings(root)
+        job_user, job_uid = _job_user_settings(root)
         data_dirs = [root / f"node-{i}" for i in range(2)]
         for i, data_dir in enumerate(data_dirs):
             agent_env = {**os.environ, **job_user, "ETT_AGENT_SERVICE_URL": url, "ETT_AGENT_NAME": f"node-{i}",
                          "ETT_AGENT_TOKEN": _token("agent", f"node-{i}", env), "ETT_AGENT_SLOTS": "2",
                          "ETT_AGENT_DATA_DIR": str(data_dir)}
             procs.append(_ett("agent", env=agent_env, log=root / f"node-{i}.log"))
-        waited = _wait_warm(data_dirs, procs[1:])
+        waited = _wait_warm(data_dirs, job_uid, procs[1:])
         print(f"ett demo: agents node-0 and node-1 up (2 slots each; ready to launch in {waited:.1f} s)")
         user = _token("user", "demo", env)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {user}"}, timeout=30) as client:

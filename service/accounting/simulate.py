@@ -240,7 +240,7 @@ def _train(
         nonlocal committed
         while pending and pending[0][0] <= now:
             at, s = pending.pop(0)
-            out.emit("ckpt_committed", at, attempt, rank0, s, path=f"/ckpt/step-{s:08d}", bytes=0)
+            out.emit("ckpt_committed", at, attempt, rank0, s, path=f"/ckpt/step-{s:08d}", bytes=0, verified=True)
             committed = s
 
     while t + B <= limit:

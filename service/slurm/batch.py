@@ -46,6 +46,8 @@ def render_script(settings: Settings, folder: Path, procs_per_node: int) -> str:
     agent = shlex.join(agent_command(settings))
     return f"""#!/bin/bash
 # An ETT job's Slurm allocation (docs/slurm.md): one ett agent per node, bound to the job.
+# Submitted with --export=NONE: nothing of the service's environment is here but what follows.
+export SLURM_EXPORT_ENV=ALL  # srun passes the agents what this script sets, not NONE
 {exports}
 exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote(per_node)} ett-agent {agent}
 """
@@ -53,11 +55,13 @@ exec srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote(per_node
 
 def sbatch_options(spec: JobSpec, job_id: str, folder: Path, exclude: list[str]) -> list[str]:
     """sbatch's options for the job's spec: its nodes, its slurm section, no requeue by Slurm
-    (the service decides what comes next), the output beside the script."""
+    (the service decides what comes next), the output beside the script, none of the service's
+    environment."""
     slurm = spec.slurm
     assert slurm is not None  # only a Slurm job gets an allocation
+    # --export=NONE: the service's environment (its database URL among it) never reaches a node.
     options = [f"--job-name=ett-{spec.name}-{job_id[:8]}", f"--nodes={spec.nodes}", "--ntasks-per-node=1",
-               "--no-requeue", f"--output={folder / 'slurm-%j.out'}", f"--chdir={folder}"]
+               "--no-requeue", f"--output={folder / 'slurm-%j.out'}", f"--chdir={folder}", "--export=NONE"]
     for value, option in ((slurm.partition, "--partition"), (slurm.account, "--account"), (slurm.time_limit, "--time")):
         if value:
             options.append(f"{option}={value}")

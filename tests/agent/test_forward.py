@@ -1,6 +1,7 @@
 """Event forwarding: exactly once through outages and agent restarts, dead letters, spool upkeep."""
 
 import json
+import os
 import signal
 import threading
 import time
@@ -236,9 +237,9 @@ def test_service_outage_and_agent_crash_lose_and_repeat_nothing(tmp_path):
 
 
 def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tmp_path):
-    """What a job lays in its events folder (a folder named like a spool, a link to a root-only
-    file, a line of 10 MB without a newline) neither stops forwarding for the others, nor is read
-    through the link, nor is read without a bound."""
+    """What a job lays in its events folder (a folder named like a spool, a link or a hard link to
+    a root-only file, a FIFO, a line of 100 MB without a newline) neither stops forwarding for the
+    others, nor is read through the link, nor blocks, nor is read without a bound."""
     secret = tmp_path / "root-only"
     secret.write_text("root:$6$secret-hash:19000:0:99999:7:::\n")
     secret.chmod(0o600)
@@ -247,7 +248,9 @@ def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tm
     (bad / "x.jsonl").mkdir()
     (bad / "rank-1.jsonl").symlink_to(secret)
     endless = bad / "rank-2.jsonl"
-    endless.write_bytes(b"{" + b"a" * (10 << 20))  # never ends: no newline
+    endless.write_bytes(b"{" + b"a" * (100 << 20))  # never ends: no newline
+    os.link(secret, bad / "rank-3.jsonl")  # as root here; a job needs protected_hardlinks off
+    os.mkfifo(bad / "rank-4.jsonl")
     write_spool(tmp_path / "spool" / "good" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
     forwarder = forwarder_for(fake_service, tmp_path)
 
@@ -257,7 +260,46 @@ def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tm
     assert delivered == [("bad", 0), ("good", 0), ("good", 1), ("good", 2)]
     dead = [json.loads(line) for line in (tmp_path / "dead-letters.jsonl").read_text().splitlines()]
     # The endless line, cut at the bound: its two full pieces set aside, each kept short; nothing else.
-    assert [(d["file"], d["bytes"]) for d in dead] == [("bad/0/events/rank-2.jsonl", 4 << 20)] * 2
+    assert [(d["file"], d["bytes"]) for d in dead] == [("bad/0/events/rank-2.jsonl", 4 << 20)] * 25
     assert all(len(d["line"]) <= 4096 for d in dead)
     assert "secret-hash" not in (tmp_path / "dead-letters.jsonl").read_text()
     assert oct((tmp_path / "dead-letters.jsonl").stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_ranks_events_say_only_what_a_rank_may_and_a_commit_is_checked_on_disk(fake_service, tmp_path):
+    """The agent stamps job, attempt and source from where a line was found; a `ckpt_committed` is
+    a resume point only if its folder, inside the job's checkpoint folder, has a marker of its
+    step listing files that are there (agent/checkpoint_check.py)."""
+    from ett.folders import folder_manifest, step_folder, write_marker
+    from ett.protocol.messages import LaunchCommand
+    from tests.agent.helpers import launch_command
+
+    ckpt = tmp_path / "ckpt" / "job"
+    good = step_folder(ckpt, 5)
+    good.mkdir(parents=True)
+    (good / "__0_0.distcp").write_bytes(b"x" * 100)
+    write_marker(good, 5, 1, folder_manifest(good))
+    torn = step_folder(ckpt, 6)
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"x" * 10)
+    write_marker(torn, 6, 1, {"__0_0.distcp": {"bytes": 100, "crc32": 0}})  # a file shorter than listed
+    linked = step_folder(ckpt, 7)
+    linked.symlink_to(good)  # the good one, through a link the agent does not follow
+    attempt = tmp_path / "spool" / "job" / "0"
+    command: LaunchCommand = launch_command(job_id="job", checkpoint={"dir": str(ckpt)})
+    attempt.mkdir(parents=True)
+    AttemptPaths(attempt).launch_file.write_text(command.model_dump_json())
+
+    def commit(seq, step, path):
+        return spool_event(seq, "ckpt_committed") | {"step": step, "data": {"path": str(path), "verified": True}}
+
+    write_spool(attempt / "events" / "rank-0.jsonl", [
+        commit(0, 5, good), commit(1, 6, torn), commit(2, 7, linked), commit(3, 8, step_folder(ckpt, 8)),
+        commit(4, 9, "/etc"), commit(5, 6, good),  # no folder; outside the job's; the marker of another step
+        spool_event(6, source="node:node-b") | {"attempt": 3},  # a rank posing as a node, and another attempt
+    ])
+    assert forwarder_for(fake_service, tmp_path).forward_once(flush=True)
+
+    by_seq = {e["seq"]: e for e in fake_service.events.values()}
+    assert [by_seq[seq]["data"]["verified"] for seq in range(6)] == [True, False, False, False, False, False]
+    assert (by_seq[6]["source"], by_seq[6]["attempt"], by_seq[6]["job_id"]) == ("rank:0", 0, "job")

@@ -4,10 +4,14 @@ see it, and it never outlives its runner."""
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +85,37 @@ def test_a_warm_rank_dies_with_its_runner(warm, tmp_path):
         runner.kill()
         runner.wait()
     wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the orphaned rank to be killed")
+
+
+PEER_SCRIPT = """
+import os, sys
+from agent.warm_client import WarmProcess
+os.setgid(65534)
+os.setuid(65534)  # nobody, from here on: the server sees it in SO_PEERCRED
+WarmProcess(sys.argv[1], sys.argv[2:])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a caller of another user")
+def test_a_caller_of_another_user_is_not_served(tmp_path, monkeypatch):
+    """The socket is its user's alone (0600, in a folder of its own); were it opened to others,
+    the server would still serve no caller but its own user."""
+    (tmp_path / "warm_rank_module.py").write_text(RANK_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    opened = Path(tempfile.mkdtemp(prefix="ett-warm-"))
+    server = WarmServer(opened / "w" / "warm.sock", ["warm_rank_module"], tmp_path / "warm.log")
+    try:
+        server.ensure_running()
+        wait_for(server.socket_path.exists, 30, "the warm server to listen")
+        for path, mode in ((opened, 0o755), (server.socket_path.parent, 0o755), (server.socket_path, 0o666)):
+            path.chmod(mode)
+        argv = [*python_module(sys.executable, "warm_rank_module"), str(tmp_path / "o"), "0", "0"]
+        done = subprocess.run([sys.executable, "-c", PEER_SCRIPT, str(server.socket_path), *argv],
+                              capture_output=True, text=True, timeout=60)
+        # Refused as soon as accepted: the caller's send or its wait for the pid finds the socket closed.
+        assert done.returncode != 0 and re.search(r"(ConnectionError|BrokenPipeError|ConnectionResetError)", done.stderr)
+        assert "request refused: a caller of uid 65534" in (tmp_path / "warm.log").read_text()
+        assert not (tmp_path / "o").exists()
+    finally:
+        server.stop()
+        shutil.rmtree(opened, ignore_errors=True)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -183,7 +184,8 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
     assert run_to_end(supervisor)["state"] == "succeeded"
 
     env = json.loads(env_file.read_text())
-    assert env.pop("ETT_WORKER_GROUP")  # the agent's own marker, for finding leftover processes
+    marker = env.pop("ETT_WORKER_GROUP")  # the agent's own marker, for finding leftover processes
+    assert env.pop("ETT_WORKER_CGROUP") == str(supervisor.cgroups.root / "owner-0" / marker)  # its attempt's
     env.pop(TEST_MARK_ENV)  # the suite's own (tests/conftest.py)
     paths = AttemptPaths.of(supervisor.spool_root, command.job_id, 3)
     assert env == {
@@ -239,6 +241,34 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
     assert pids_with_env("ETT_JOB_ID", command.job_id) == []
 
 
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def attempt_cgroups(cgroups) -> list[Path]:
+    return [p for p in cgroups.root.glob("owner-*/*") if p.is_dir() and p.name != "warm"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an agent started as root makes each attempt a cgroup")
+@pytest.mark.parametrize("end", ["success", "stop"])
+def test_a_process_that_left_its_session_and_environment_is_gone_after_the_attempt(supervisor, tmp_path, end):
+    """setsid and env -i: no process group, no session, no marker holds it; its cgroup does."""
+    escaped = tmp_path / "escaped.pid"
+    command = launch_command("--steps", "2" if end == "success" else "100000", "--escape", str(escaped))
+    supervisor.launch(command)
+    wait_for(escaped.exists, 60, "the rank to start its escape", while_waiting=supervisor.poll)
+    pid = int(escaped.read_text())
+    assert alive(pid) and not pids_with_env("ETT_JOB_ID", command.job_id).count(pid)  # unmarked
+    if end == "stop":
+        supervisor.stop(command_adapter_stop(command))
+    assert run_to_end(supervisor)["state"] == ("succeeded" if end == "success" else "stopped")
+    assert not alive(pid)
+    assert not attempt_cgroups(supervisor.cgroups)  # removed
+
+
 # "kill" is tested end to end in test_daemon.py. The fake ranks share no collective, so only a
 # stopped rank 0 (the one that reports steps) stalls progress.
 @pytest.mark.parametrize(("action", "rank", "expected"), [
@@ -260,6 +290,23 @@ def test_fault_injection_at_a_step(supervisor, action, rank, expected):
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
 
 
+def test_a_pid_the_job_writes_into_its_records_is_not_signalled(supervisor):
+    """The runners' records are the job's to write: a fault for rank 1, whose record a rank forged
+    to name a process outside the group, signals nothing (pids are the kernel's word)."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        fault = {"attempt": 0, "rank": 1, "at_step": 2, "action": "kill"}
+        command = launch_command("--steps", "8", "--step-seconds", "0.3", "--forge-pid", str(bystander.pid),
+                                 faults=[fault])
+        supervisor.launch(command)
+        report = run_to_end(supervisor)
+        assert report["state"] == "succeeded"  # the fault found no process of the group to kill
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 def command_adapter_stop(command):
     from ett.protocol.messages import command_adapter
 
@@ -268,13 +315,15 @@ def command_adapter_stop(command):
 
 
 AGENT_CRASH_SCRIPT = """
-import sys, time
+import os, sys, time
 from pathlib import Path
+from agent.cgroups import NodeCgroups
 from agent.supervisor import Supervisor
 from tests.agent.helpers import launch_command
 from tests.support.waiting import wait_for
-supervisor = Supervisor(Path(sys.argv[1]), "node-a", 1.0)
-command = launch_command("--steps", "100000", "--spawn-child", job_id=sys.argv[2])
+cgroups = NodeCgroups(sys.argv[3]) if os.geteuid() == 0 else None
+supervisor = Supervisor(Path(sys.argv[1]), "node-a", 1.0, cgroups=cgroups)
+command = launch_command("--steps", "100000", "--spawn-child", "--escape", sys.argv[4], job_id=sys.argv[2])
 supervisor.launch(command)
 while True:
     supervisor.poll()
@@ -282,16 +331,22 @@ while True:
 """
 
 
-def test_a_crashed_agent_leaves_no_orphan(tmp_path):
+def test_a_crashed_agent_leaves_no_orphan(tmp_path, cgroups):
     job_id = os.urandom(8).hex()
-    agent = subprocess.Popen([sys.executable, "-c", AGENT_CRASH_SCRIPT, str(tmp_path), job_id])
+    escaped = tmp_path / "escaped.pid"
+    node = cgroups.root.name.removeprefix("ett-") if cgroups is not None and cgroups.root else "none"
+    agent = subprocess.Popen([sys.executable, "-c", AGENT_CRASH_SCRIPT, str(tmp_path), job_id, node, str(escaped)])
     try:
-        wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) == 8, 60,
-                 "guard, torchrun, 2 runners, 2 ranks, 2 grandchildren")
+        wait_for(lambda: len(pids_with_env("ETT_JOB_ID", job_id)) == 8 and escaped.exists(), 60,
+                 "guard, torchrun, 2 runners, 2 ranks, 2 grandchildren, and the escape")
     finally:
         agent.send_signal(signal.SIGKILL)
         agent.wait()
     wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the guard to clear the group")
+    if cgroups is not None:  # the guard emptied the attempt's cgroup too, itself last
+        wait_for(lambda: not alive(int(escaped.read_text())), 15, "the escaped process to go with its cgroup")
+        for attempt in attempt_cgroups(cgroups):
+            attempt.rmdir()  # the dead agent's; a new one would remove it (Supervisor.recover)
 
 
 def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):

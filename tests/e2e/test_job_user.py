@@ -1,22 +1,31 @@
 """An agent started as root never runs a job as root: its ranks, torchrun and its warm server run
-as the default job user (nobody), with an interpreter that user can run, and still checkpoint and
-resume. Real agents, real torchrun ranks, real uids."""
+as the owner's own uid (the first job uid plus the owner's number), with an interpreter that user
+can run, and still checkpoint and resume. Real agents, real torchrun ranks, real uids."""
 
 import os
-import pwd
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
+from agent.settings import AgentSettings
+from service.models import Owner
 from tests.e2e.test_own_scripts import run_with_a_kill
-from tests.support.cluster import REPO, cluster, example_job, trainer_job
+from tests.support.cluster import REPO, Cluster, cluster, example_job, trainer_job
 from tests.support.job_user import job_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs agents started as root")]
-NOBODY = pwd.getpwnam("nobody").pw_uid
+
+
+def owner_uid(c: Cluster, owner: str) -> int:
+    """The uid the agents run the owner's jobs as (agent/job_user.py: their default first job uid)."""
+    with c.service.context.sessions() as session:
+        return AgentSettings.model_fields["job_uid_base"].default + session.scalars(
+            select(Owner.id).where(Owner.name == owner)).one()
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +64,14 @@ def warm_servers(root: Path) -> list[int]:
     return pids
 
 
-def test_an_entrypoint_job_runs_as_nobody_and_resumes_and_a_closed_program_is_named(open_root, python, tmp_path):
+def test_an_entrypoint_job_runs_as_its_owner_and_resumes_and_a_closed_program_is_named(open_root, python, tmp_path):
     root = open_root / "entrypoint"
     root.mkdir()
     with cluster(root) as c:
         job = run_with_a_kill(c, example_job("plain_ddp.toml"), job_python=python)
-        assert owners(root / "checkpoints" / "alice" / job["id"]) == {NOBODY}  # the ranks wrote (and pruned) as nobody
+        alice = owner_uid(c, "alice")
+        assert owners(root / "checkpoints" / "alice" / job["id"]) == {alice}  # the ranks wrote (and pruned) as alice's
+        assert stat.S_IMODE((root / "checkpoints" / "alice" / job["id"]).stat().st_mode) == 0o700
 
         # A program the job's user cannot run: the attempt says so in one line, naming it.
         closed = tmp_path / "train.sh"  # pytest's folders are closed to other users
@@ -79,14 +90,15 @@ def test_an_entrypoint_job_runs_as_nobody_and_resumes_and_a_closed_program_is_na
         assert typo["reason"].endswith(f"rank 0 cannot start: examples/plain_dpp.py (in {REPO}): No such file or directory")
 
 
-def test_a_trainer_job_forks_warm_as_nobody_and_resumes(open_root, python):
+def test_a_trainer_job_forks_warm_as_its_owner_and_resumes(open_root, python):
     root = open_root / "trainer"
     root.mkdir()
     with cluster(root) as c:
-        job = run_with_a_kill(c, trainer_job("as-nobody"), job_python=python)
+        job = run_with_a_kill(c, trainer_job("as-alice"), job_python=python)
         servers = warm_servers(root)
-        assert servers and {uid_of(pid) for pid in servers} == {NOBODY}
-    assert owners(root / "checkpoints" / "alice" / job["id"]) == {NOBODY}
+        alice = owner_uid(c, "alice")
+        assert servers and {uid_of(pid) for pid in servers} == {alice}
+    assert owners(root / "checkpoints" / "alice" / job["id"]) == {alice}
     # The restart's ranks and torchrun were forked by the server (the first attempt may come before
     # its imports are done, and then starts fresh interpreters).
     logs = [log.read_text() for log in root.glob(f"node-*/*/{job['id']}/1/torchrun.log")]

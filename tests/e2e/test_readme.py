@@ -81,7 +81,7 @@ def test_the_readme_walkthrough_runs_as_written_and_its_job_has_a_page(open_fold
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as api:
             job = api.get(f"/api/v1/jobs/{job_id}").json()
         assert job["state"] == "succeeded" and job["name"] == "plain-ddp"
-        if os.geteuid() == 0:  # the README's agents ran it as nobody, through the folders umask 077 made
+        if os.geteuid() == 0:  # the README's agents ran it as its owner's uid, through the folders umask 077 made
             assert (open_folder / "agent-node-0").stat().st_mode & 0o001
         # Step 6: the page, signed in with the token in the address, then by its cookie.
         with httpx.Client(base_url=url, follow_redirects=True) as browser:

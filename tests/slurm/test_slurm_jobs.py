@@ -164,3 +164,17 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_the_services_environment_does_not_reach_the_ranks(ett, tmp_path):
+    """The allocation is submitted with --export=NONE: the service's environment (its database
+    URL, which may hold a password, among it) is not the agents' nor the ranks'."""
+    out = tmp_path / "env.json"
+    dump = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+    spec = {"name": "env", "nodes": 1, "procs_per_node": 1, "max_restarts": 0,
+            "entrypoint": [sys.executable, "-c", dump, str(out)], "slurm": {"partition": "batch", "time_limit": "10"}}
+    job = ett.wait_job(ett.submit(spec), 180)
+    assert job["state"] == "succeeded", (job, ett.logs())
+    env = json.loads(out.read_text())
+    assert env["ETT_JOB_ID"] == job["id"]  # the job's own, from the agent
+    assert not {"ETT_DATABASE_URL", "ETT_CHECKPOINT_ROOT", "ETT_DATA_DIR"} & env.keys(), sorted(env)

@@ -28,6 +28,11 @@ parser.add_argument("--ignore-sigterm", action="store_true")
 parser.add_argument("--spawn-child", action="store_true", help="start a sleeping grandchild")
 parser.add_argument("--lay-traps", action="store_true",
                     help="lay in the events folder what a hostile job would: a folder named like a spool, an endless line")
+parser.add_argument("--escape", type=str, default=None, metavar="PID_FILE",
+                    help="rank 0 starts a process that leaves its session and environment behind (setsid, env -i) "
+                         "and writes its pid here")
+parser.add_argument("--forge-pid", type=int, default=None,
+                    help="rank 1 writes a record into the runners' records naming this pid as its own")
 args = parser.parse_args()
 
 rank = int(os.environ["RANK"])
@@ -56,11 +61,20 @@ if args.spawn_child:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 emit("init_start", pid=os.getpid())
+if args.forge_pid and rank == 1:
+    records = os.path.join(os.path.dirname(os.environ[JobEnv.CHECKPOINT_INTERVAL_FILE]), "ranks.jsonl")
+    with open(records, "a") as f:
+        f.write(json.dumps({"rank": 1, "pid": args.forge_pid, "runner_pid": args.forge_pid}) + "\n")
+if args.escape and rank == 0:
+    escaped = subprocess.Popen(["setsid", "env", "-i", sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(args.escape + ".tmp", "w") as f:
+        f.write(str(escaped.pid))
+    os.rename(args.escape + ".tmp", args.escape)
 if args.lay_traps and rank == 0:
     events = os.environ[JobEnv.EVENT_DIR]
     os.mkdir(os.path.join(events, "rank-9.jsonl"))
     with open(os.path.join(events, "rank-8.jsonl"), "wb") as f:
-        f.write(b"{" + b"x" * (9 << 20))  # no newline, ever
+        f.write(b"{" + b"x" * (100 << 20))  # 100 MB, no newline, ever
 emit("init_end")
 if args.hang_at_step == 0:
     hang()

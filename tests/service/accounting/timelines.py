@@ -40,7 +40,7 @@ class Timeline:
         self.rank0("ckpt_start", start, attempt, step)
         self.rank0("ckpt_staged", staged, attempt, step)
         if committed is not None:
-            self.rank0("ckpt_committed", committed, attempt, step, path=f"/ckpt/step-{step:08d}", bytes=4096)
+            self.rank0("ckpt_committed", committed, attempt, step, path=f"/ckpt/step-{step:08d}", bytes=4096, verified=True)
 
     def start_attempt(
         self, attempt: int, allocated: float, init_end: float, restore: tuple[float, float, int] | None = None
