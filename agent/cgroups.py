@@ -5,7 +5,9 @@ its session and the group's marker (agent.procs) behind; it cannot leave its cgr
 makes, under its own cgroup in the v2 hierarchy (wherever that is mounted: /sys/fs/cgroup on a
 pure v2 machine, /sys/fs/cgroup/unified beside v1 controllers):
 
-    ett-NODE/                   the agent's, for this node name
+    ett-NODE-DATA/              the agent's: its node name and a digest of its data folder (a
+                                restarted agent finds its predecessor's; two agents on one
+                                machine, as in the tests, never share one)
         owner-UID/              one per job user; only its cgroup.procs is the user's
             warm/               that user's warm server, its keepers, and nothing else for long
             JOB.ATTEMPT.HEX/    an attempt: torchrun's guard and everything under it
@@ -20,6 +22,7 @@ so once (docs/agent.md, "Clean-up").
 """
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -30,6 +33,10 @@ log = logging.getLogger(__name__)
 PROCS = "cgroup.procs"
 KILL = "cgroup.kill"
 KILL_WAIT_SECONDS = 5.0
+
+
+def agent_cgroup_name(node_name: str, data_dir: Path) -> str:
+    return f"{node_name}-{hashlib.sha256(os.fsencode(data_dir.resolve())).hexdigest()[:8]}"
 
 
 def v2_mount(mountinfo: str = "/proc/self/mountinfo") -> Path | None:
@@ -88,13 +95,13 @@ def parent_pid(pid: int) -> int | None:
 class NodeCgroups:
     """This agent's cgroups; `root` None when the machine gives it none (see above)."""
 
-    def __init__(self, node_name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.root: Path | None = None
         mount, own = v2_mount(), own_cgroup()
         if mount is None or own is None:
             log.warning("no cgroup v2 on this machine: a job's processes are found by their marker only")
             return
-        root = mount / own.lstrip("/") / f"ett-{node_name}"
+        root = mount / own.lstrip("/") / f"ett-{name}"
         try:
             root.mkdir(exist_ok=True)
             (root / PROCS).stat()

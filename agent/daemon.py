@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from agent.cgroups import NodeCgroups
+from agent.cgroups import NodeCgroups, agent_cgroup_name
 from agent.client import ServiceClient
 from agent.forward import ForwardConfig, Forwarder
 from agent.job_user import make_passable, resolve_job_users
@@ -44,7 +44,7 @@ class Agent:
         # JobUserError (a ValueError naming the setting) when the settings name no usable user.
         self.job_users = resolve_job_users(settings.job_python, settings.job_user, settings.allow_root_jobs,
                                            settings.job_uid_base, settings.job_uid_count, settings.data_dir / "homes")
-        self.cgroups = NodeCgroups(settings.name) if os.geteuid() == 0 else None
+        self.cgroups = NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir)) if os.geteuid() == 0 else None
         self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
                                      settings.local_checkpoint_root, self.warm if settings.warm_start else None,

@@ -303,3 +303,19 @@ def test_a_ranks_events_say_only_what_a_rank_may_and_a_commit_is_checked_on_disk
     by_seq = {e["seq"]: e for e in fake_service.events.values()}
     assert [by_seq[seq]["data"]["verified"] for seq in range(6)] == [True, False, False, False, False, False]
     assert (by_seq[6]["source"], by_seq[6]["attempt"], by_seq[6]["job_id"]) == ("rank:0", 0, "job")
+
+
+@pytest.mark.slow
+def test_a_forged_commit_is_no_resume_point(tmp_path):
+    """A rank says step 5 was committed, with no such checkpoint on disk (and `verified` set by
+    itself): the real service counts the event but does not resume the restart from it."""
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        spec = fake_rank_job(steps=10, max_restarts=1)
+        spec["entrypoint"] += ["--forge-commit", "5", "--fail-rank", "0", "--fail-at-step", "7"]
+        job_id = c.submit(spec)
+        job = c.wait_job(job_id)
+        first, second = job["attempts"]
+        assert first["cause"] == "exit" and second["resume_from"] is None, job
+        [commit] = [e for e in c.events(job_id) if e.kind == "ckpt_committed" and e.attempt == 0]
+        assert commit.step == 5 and commit.data["verified"] is False

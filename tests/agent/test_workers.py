@@ -15,7 +15,7 @@ from agent.spool import AttemptPaths
 from agent.supervisor import Supervisor
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
-from tests.support.processes import TEST_MARK_ENV, pids_with_env
+from tests.support.processes import TEST_MARK_ENV, pid_alive, pids_with_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -241,13 +241,6 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
     assert pids_with_env("ETT_JOB_ID", command.job_id) == []
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
 def attempt_cgroups(cgroups) -> list[Path]:
     return [p for p in cgroups.root.glob("owner-*/*") if p.is_dir() and p.name != "warm"]
 
@@ -261,11 +254,11 @@ def test_a_process_that_left_its_session_and_environment_is_gone_after_the_attem
     supervisor.launch(command)
     wait_for(escaped.exists, 60, "the rank to start its escape", while_waiting=supervisor.poll)
     pid = int(escaped.read_text())
-    assert alive(pid) and not pids_with_env("ETT_JOB_ID", command.job_id).count(pid)  # unmarked
+    assert pid_alive(pid) and not pids_with_env("ETT_JOB_ID", command.job_id).count(pid)  # unmarked
     if end == "stop":
         supervisor.stop(command_adapter_stop(command))
     assert run_to_end(supervisor)["state"] == ("succeeded" if end == "success" else "stopped")
-    assert not alive(pid)
+    assert not pid_alive(pid)
     assert not attempt_cgroups(supervisor.cgroups)  # removed
 
 
@@ -344,7 +337,7 @@ def test_a_crashed_agent_leaves_no_orphan(tmp_path, cgroups):
         agent.wait()
     wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the guard to clear the group")
     if cgroups is not None:  # the guard emptied the attempt's cgroup too, itself last
-        wait_for(lambda: not alive(int(escaped.read_text())), 15, "the escaped process to go with its cgroup")
+        wait_for(lambda: not pid_alive(int(escaped.read_text())), 15, "the escaped process to go with its cgroup")
         for attempt in attempt_cgroups(cgroups):
             attempt.rmdir()  # the dead agent's; a new one would remove it (Supervisor.recover)
 

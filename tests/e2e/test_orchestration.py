@@ -6,6 +6,7 @@ import signal
 import pytest
 from sqlalchemy import select
 
+from agent.cgroups import agent_cgroup_name
 from service.models import Node, NodeState
 from tests.support.cluster import (
     assert_categories_sum_to_wall,
@@ -14,7 +15,7 @@ from tests.support.cluster import (
     newest_committed_before_the_failure,
     trainer_job,
 )
-from tests.support.processes import pids_with_env
+from tests.support.processes import pid_alive, pids_in_cgroups_of, pids_with_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,15 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         job_id = c.submit(**trainer_job())
         wait_for(lambda: events(c, job_id, "ckpt_committed"), 180, "a committed checkpoint")
         victim = c.job(job_id)["attempts"][0]["nodes"][1]
+        ranks = pids_in_cgroups_of(agent_cgroup_name(victim, c.root / victim))  # guard, torchrun, runners, ranks
+        assert len(ranks) >= 4 or os.geteuid() != 0, ranks
         os.kill(c.agents[victim].pid, signal.SIGKILL)  # no goodbye: only missing heartbeats tell
+        def lost() -> bool:
+            with c.service.context.sessions() as session:
+                return session.scalar(select(Node.state).where(Node.name == victim)) == NodeState.lost
+        wait_for(lost, 60, "the killed node to be declared lost")
+        # By then nothing of its attempt is alive: its guard emptied the attempt's cgroup.
+        assert not [pid for pid in ranks if pid_alive(pid)], ranks
         job = c.wait_job(job_id)
         assert job["state"] == "succeeded", c.logs()
         first, second = job["attempts"]

@@ -24,6 +24,28 @@ def pids_with_env(name: str, value: str) -> list[int]:
     return found
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether the process is there and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_in_cgroups_of(agent_cgroup: str) -> list[int]:
+    """Live processes in an agent's cgroups (agent/cgroups.py: ett-NAME/, NAME from agent_cgroup_name)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cgroup = (proc / "cgroup").read_text()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and f"/ett-{agent_cgroup}/" in cgroup:
+            found.append(int(proc.name))
+    return found
+
+
 def kill_marked(mark: str, timeout: float = 10.0) -> list[int]:
     """SIGKILLs every live process started under `mark` (but this one) and waits, `timeout` at
     most, until none is left alive (a signal is delivered a moment later); returns their pids."""

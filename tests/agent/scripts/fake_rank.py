@@ -33,6 +33,8 @@ parser.add_argument("--escape", type=str, default=None, metavar="PID_FILE",
                          "and writes its pid here")
 parser.add_argument("--forge-pid", type=int, default=None,
                     help="rank 1 writes a record into the runners' records naming this pid as its own")
+parser.add_argument("--forge-commit", type=int, default=None, metavar="STEP",
+                    help="rank 0 says a checkpoint of this step was committed, with no such folder")
 args = parser.parse_args()
 
 rank = int(os.environ["RANK"])
@@ -83,6 +85,9 @@ for step in range(1, args.steps + 1):
     time.sleep(args.slow_seconds if step == args.slow_step else args.step_seconds)
     if rank == 0:
         emit("step", step, duration=args.step_seconds, tokens=64, loss=1.0 / step)
+    if rank == 0 and step == args.forge_commit:
+        emit("ckpt_committed", step, verified=True, bytes=1,
+             path=os.path.join(os.environ[JobEnv.CHECKPOINT_DIR], f"step-{step:08d}"))
     if step == args.hang_at_step and fails_here:
         hang()
     if step == args.fail_at_step and fails_here:
