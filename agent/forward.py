@@ -33,16 +33,14 @@ from typing import Any
 
 import httpx
 
-from agent.checkpoint_check import unverified_reason
 from agent.jsonl import append_json_line
 from agent.metrics import AgentStats
-from agent.spool import AttemptPaths, disk_bytes, parse_event, read_complete_lines, release_prefix
+from agent.spool import AttemptPaths, disk_bytes, read_complete_lines, release_prefix
+from agent.stamp import RANK_SPOOL_NAME, Stamper
 from ett.protocol import EVENTS_DIR, NODE_SPOOL_GLOB, RANK_SPOOL_GLOB
-from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
 REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")
-RANK_SPOOL_NAME = re.compile(r"^rank-(\d+)\.jsonl$")
 # The forwarded start of a live spool is released in these steps, this far behind the read
 # position, so the monitor loop (which reads the same files on its own) never meets a hole.
 RELEASE_CHUNK_BYTES = 1 << 20
@@ -107,7 +105,7 @@ class Forwarder:
         self.released: dict[str, int] = {}
         self.pending: list[Spooled] = []
         self.failures = 0
-        self._checkpoint_dirs: dict[str, str | None] = {}  # JOB_ID/ATTEMPT -> the job's checkpoint folder
+        self.stamper = Stamper(spool_root)
         self._flush_waiters: list[threading.Event] = []  # list.append and swap: safe across threads
         self._wake = threading.Event()
         if self.dead_letter_file.exists():
@@ -179,36 +177,6 @@ class Forwarder:
                  and _is_plain(path, stat.S_ISREG)]
         return sorted([*ranks, *self.spool_root.glob(f"*/*/{NODE_SPOOL_GLOB}")])
 
-    def _stamped(self, name: str, raw: bytes) -> dict[str, Any] | None:
-        """The event on a line, with what only the agent may say: its job and attempt (the
-        folder's) and, for a rank's line, its source (the file's) and whether the checkpoint a
-        `ckpt_committed` names verifies (agent.checkpoint_check)."""
-        event = parse_event(raw)
-        parts = name.split("/")
-        if event is None or len(parts) != 4:  # the agent's own events: as it wrote them
-            return event
-        job_id, attempt, _, file_name = parts
-        match = RANK_SPOOL_NAME.match(file_name)
-        assert match is not None  # _spool_files lists no other
-        event |= {"job_id": job_id, "attempt": int(attempt), "source": f"rank:{int(match.group(1))}"}
-        if event.get("kind") == "ckpt_committed":
-            reason = unverified_reason(event, self._checkpoint_dir(f"{job_id}/{attempt}"))
-            if reason is not None:
-                log.warning("%s: a checkpoint commit that does not verify, not a resume point: %s", name, reason)
-            data = event.get("data") if isinstance(event.get("data"), dict) else {}
-            event["data"] = data | {"verified": reason is None}
-        return event
-
-    def _checkpoint_dir(self, attempt: str) -> str | None:
-        """The job's checkpoint folder, as the launch command the agent wrote beside the spool said."""
-        if attempt not in self._checkpoint_dirs:
-            try:
-                launch = LaunchCommand.model_validate_json(AttemptPaths(self.spool_root / attempt).launch_file.read_bytes())
-                self._checkpoint_dirs[attempt] = launch.checkpoint.dir
-            except (OSError, ValueError):
-                self._checkpoint_dirs[attempt] = None
-        return self._checkpoint_dirs[attempt]
-
     def _read_spools(self) -> bool:
         """Reads on into `pending` (up to a few batches); True when there was something new."""
         room = 4 * self.config.batch_max_events - len(self.pending)
@@ -224,7 +192,7 @@ class Forwarder:
                 log.warning("spool %s not read: %s", name, exc)
                 continue
             for raw, end in lines[:room]:
-                self.pending.append(Spooled(name, end, raw, self._stamped(name, raw), now))
+                self.pending.append(Spooled(name, end, raw, self.stamper.stamped(name, raw), now))
             if len(lines) > room:
                 self.read_to[name] = lines[room - 1][1]
             room -= len(lines)
@@ -341,7 +309,7 @@ class Forwarder:
         os.replace(attempt_dir, finished)
         with contextlib.suppress(OSError):
             attempt_dir.parent.rmdir()  # the job's folder, once its last attempt is out
-        self._checkpoint_dirs.pop(str(attempt_dir.relative_to(self.spool_root)), None)
+        self.stamper.forget(str(attempt_dir.relative_to(self.spool_root)))
         prefix = f"{attempt_dir.relative_to(self.spool_root)}/"
         self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
         self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}

@@ -28,7 +28,6 @@ from typing import Any
 
 from ett.protocol.messages import LaunchCommand
 
-DEFAULT_JOB_USER = "nobody"  # exists on every Debian and Red Hat machine
 PREFLIGHT_TIMEOUT_SECONDS = 120.0
 # Folders the agent makes above a job's own: the job's user passes through them but cannot list
 # them (no job learns the others' ids). Set after mkdir, so the agent's umask cannot close them.
@@ -89,7 +88,8 @@ class JobUser:
 
 
 def resolve_job_user(name: str | None, allow_root: bool) -> JobUser:
-    """The user jobs run as, from the settings and who the agent is; JobUserError when not allowed."""
+    """The one user every job runs as: the agent's own (not root), or the one named (root); JobUserError
+    when not allowed."""
     euid = os.geteuid()
     if euid != 0:
         me = pwd.getpwuid(euid)
@@ -97,7 +97,8 @@ def resolve_job_user(name: str | None, allow_root: bool) -> JobUser:
             raise JobUserError(f"ETT_AGENT_JOB_USER={name}: an agent that is not root runs jobs as itself "
                                f"({me.pw_name}); start it as root to run them as another user")
         return JobUser.of(me)
-    name = name or DEFAULT_JOB_USER
+    if name is None:
+        raise JobUserError("ETT_AGENT_JOB_USER: an agent started as root names the user, or runs a uid per owner")
     try:
         entry = pwd.getpwnam(name)
     except KeyError:

@@ -59,7 +59,7 @@ def open_root() -> Iterator[Path]:
 
 
 def test_the_agents_folders_let_the_job_user_through_whatever_the_umask(open_root):
-    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user(None, allow_root=False))
+    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user("nobody", allow_root=False))
     attempt = open_root / "agent" / "spool" / "job-1" / "0"
     umask = os.umask(0o077)  # README's "umask 077" before the agents start
     try:
@@ -89,7 +89,7 @@ def test_a_folder_the_job_user_cannot_enter_is_named_with_its_mode_owner_and_the
 def test_a_link_the_job_left_for_its_folder_is_refused_not_followed(open_root):
     """A job's checkpoint folder from an earlier attempt is the job's to replace: a link there must
     not make the agent give the job what it points at (chown follows links)."""
-    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user(None, allow_root=False))
+    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user("nobody", allow_root=False))
     target = open_root / "root-owned"
     target.mkdir()
     folder = open_root / "ckpt" / "job-1"
