@@ -38,5 +38,9 @@ class ServiceClient:
                       for e in events]  # fmt: skip
         return self._http.post(f"/agents/{self.name}/events", json={"events": events})
 
+    def post_logs(self, pieces: list[dict[str, Any]]) -> httpx.Response:
+        """New output of the ranks (agent/log_shipper.py); the raw answer."""
+        return self._http.post(f"/agents/{self.name}/logs", json={"logs": pieces})
+
     def close(self) -> None:
         self._http.close()

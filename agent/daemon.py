@@ -25,6 +25,7 @@ from agent.cgroups import NodeCgroups, agent_cgroup_name
 from agent.client import ServiceClient
 from agent.forward import ForwardConfig, Forwarder
 from agent.job_user import make_passable, resolve_job_users
+from agent.log_shipper import LogShipper
 from agent.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
@@ -48,11 +49,13 @@ class Agent:
         self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
                                      settings.local_checkpoint_root, self.warm if settings.warm_start else None,
-                                     settings.checkpoint_root, self.job_users, self.cgroups)  # fmt: skip
+                                     settings.checkpoint_root, self.job_users, self.cgroups,
+                                     settings.rank_log_max_bytes)  # fmt: skip
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
-                                                 settings.spool_max_bytes))  # fmt: skip
+                                                 settings.spool_max_bytes),
+                                   LogShipper(settings.spool_root, settings.data_dir, self.client.post_logs))  # fmt: skip
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stopping = threading.Event()  # set by a signal: wind down
         self.wakeup = Wakeup()  # ends the monitor loop's pause early

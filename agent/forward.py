@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from agent.jsonl import append_json_line
+from agent.log_shipper import LogShipper
 from agent.metrics import AgentStats
 from agent.spool import AttemptPaths, disk_bytes, read_complete_lines, release_prefix
 from agent.stamp import RANK_SPOOL_NAME, Stamper
@@ -92,7 +93,7 @@ def _is_plain(path: Path, kind: Any) -> bool:
 
 class Forwarder:
     def __init__(self, spool_root: Path, state_dir: Path, send: Send, stats: AgentStats,
-                 config: ForwardConfig = ForwardConfig()) -> None:
+                 config: ForwardConfig = ForwardConfig(), logs: LogShipper | None = None) -> None:
         self.spool_root = spool_root
         self.send = send
         self.stats = stats
@@ -106,6 +107,7 @@ class Forwarder:
         self.pending: list[Spooled] = []
         self.failures = 0
         self.stamper = Stamper(spool_root)
+        self.logs = logs  # the ranks' output, shipped beside their events (agent/log_shipper.py)
         self._flush_waiters: list[threading.Event] = []  # list.append and swap: safe across threads
         self._wake = threading.Event()
         if self.dead_letter_file.exists():
@@ -146,7 +148,11 @@ class Forwarder:
         self._wake.set()
 
     def forward_once(self, flush: bool) -> bool:
-        """Reads new lines and sends batches while one is due; False when the service failed us."""
+        """Reads new lines and sends batches while one is due, and the ranks' new output; False
+        when the service failed us."""
+        if self.logs is not None and not self.logs.ship_once():
+            self.failures += 1
+            return False
         self._tidy_spools()
         while self._read_spools() or self.pending:
             if not (flush or self._batch_due()):
@@ -292,7 +298,8 @@ class Forwarder:
             forwarded[attempt_dir] = forwarded.get(attempt_dir, True) and acked == size
             backlog += size - acked
         for attempt_dir, done in forwarded.items():
-            if done and AttemptPaths(attempt_dir).ended_marker.exists():
+            shipped = self.logs is None or self.logs.shipped(attempt_dir)
+            if done and shipped and AttemptPaths(attempt_dir).ended_marker.exists():
                 self._retire(attempt_dir)
                 del sizes[attempt_dir]
         total = sum(sizes.values())
@@ -310,6 +317,8 @@ class Forwarder:
         with contextlib.suppress(OSError):
             attempt_dir.parent.rmdir()  # the job's folder, once its last attempt is out
         self.stamper.forget(str(attempt_dir.relative_to(self.spool_root)))
+        if self.logs is not None:
+            self.logs.forget(str(attempt_dir.relative_to(self.spool_root)))
         prefix = f"{attempt_dir.relative_to(self.spool_root)}/"
         self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
         self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}

@@ -8,6 +8,7 @@ from typing import Any
 
 from agent.job_user import RunAs
 from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
+from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths
 from agent.warm_client import WARM_SOCKET_ENV, python_module
 from ett.protocol import JobEnv
@@ -42,7 +43,7 @@ def rank_argv(command: LaunchCommand, python: str = sys.executable) -> list[str]
 
 
 def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys.executable,
-                  go_fd: int | None = None) -> list[str]:
+                  go_fd: int | None = None, log_max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
     """torchrun, under the group's guard, runs each rank through agent.rank_runner, which records
     its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
     Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
@@ -65,6 +66,7 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
         *python_module(python, "agent.rank_runner"),
         "--ranks-file", str(paths.ranks_file),
         "--control-dir", str(paths.control_dir),
+        "--log-dir", str(paths.logs_dir), "--log-max-bytes", str(log_max_bytes),
         "--", *rank_argv(command, python),
     ]  # fmt: skip
 

@@ -1,12 +1,14 @@
 """Runs one rank under torchrun and records how it ended, which torchrun itself does not tell.
 
-    torchrun --no-python python -m agent.rank_runner --ranks-file F --control-dir D -- ARGV...
+    torchrun --no-python python -m agent.rank_runner --ranks-file F --control-dir D
+        [--log-dir L --log-max-bytes N] -- ARGV...
 
 Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts and `{"rank", "exit_code"}` or
 `{"rank", "signal"}` when it ends. Stop signals are passed on to the rank (with SIGCONT, so a
 stopped rank can act on them). SIGUSR1 is the agent's "exit" fault: the runner kills the rank and
 exits with the code written in D/rank-R.exit, so torchrun and the agent see a real non-zero exit.
 The rank lives in its own process group, so torchrun's signals reach it once, through here.
+With --log-dir, the rank's stdout and stderr go to L/rank-R.log, rotated at N bytes (agent.rank_log).
 With $ETT_WARM_SOCKET set, a rank the agent's warm server can start is forked from there, its
 imports already done (agent.warm); otherwise, or when the server cannot, it is a fresh process.
 """
@@ -20,9 +22,11 @@ from pathlib import Path
 from agent.jsonl import append_json_line
 from agent.launch_check import launch_problem
 from agent.procs import set_parent_death_signal
+from agent.rank_log import DEFAULT_MAX_BYTES, RotatingLog, copy_to_log
 from agent.warm_client import WARM_SOCKET_ENV, start_process
-from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file
+from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file, rank_log
 
+LOG_DRAIN_SECONDS = 2.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -30,6 +34,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="agent.rank_runner")
     parser.add_argument("--ranks-file", type=Path, required=True)
     parser.add_argument("--control-dir", type=Path, required=True)
+    parser.add_argument("--log-dir", type=Path, default=None)
+    parser.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES)
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     rank_argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
@@ -41,12 +47,20 @@ def main(argv: list[str]) -> int:
     if os.getppid() == 1:
         return 1  # torchrun died before the request above took hold
     problem = launch_problem(rank_argv)
+    copying = None
     if problem is None:
+        log_write = None
+        if args.log_dir is not None:  # the rank's output, in its own bounded file (agent.rank_log)
+            log_read, log_write = os.pipe()
+            copying = copy_to_log(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes))
         try:
             # Not the rank's business: it is forked warm or started fresh here.
-            child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), process_group=0)
+            child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), log_write, process_group=0)
         except OSError as exc:
             problem = f"{rank_argv[0]}: {exc.strerror or exc}"
+        finally:
+            if log_write is not None:
+                os.close(log_write)  # the rank holds it now: the copy ends when the rank and its children do
     if problem is not None:  # it would fail the same way on every try: not retried (agent.launch_check)
         append_json_line(args.ranks_file, {"rank": rank, "exit_code": EXIT_CONFIG_ERROR, "error": problem})
         return EXIT_CONFIG_ERROR
@@ -71,6 +85,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, fault_exit)
 
     returncode = child.wait()
+    if copying is not None:
+        copying.join(LOG_DRAIN_SECONDS)  # its last lines (a child of the rank may hold the pipe: not waited for)
     if fault_code is not None:
         append_json_line(args.ranks_file, {"rank": rank, "exit_code": fault_code, "fault": "exit"})
         return fault_code

@@ -62,6 +62,9 @@ class AgentSettings(BaseSettings):
     retry_max_seconds: float = Field(30.0, gt=0)
     # Forwarded spool data is given back to the disk; past this much unforwarded, the agent warns.
     spool_max_bytes: int = Field(1 << 30, ge=1)
+    # Each rank's output is kept in a file rotated at this size (at most twice it per rank on the
+    # node) and shipped to the service, which keeps its last part (agent/rank_log.py).
+    rank_log_max_bytes: int = Field(16 << 20, ge=4096)
     # The agent's own /metrics; 0 turns the endpoint off.
     metrics_port: int = Field(0, ge=0, le=65535)
     # Tests only: pretend this node's clock is this far off. Every time the service gets from

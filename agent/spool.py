@@ -4,12 +4,13 @@
         events/                 the job's (its user, 0700)
             rank-R.jsonl        written by the ranks (ETT_EVENT_DIR), forwarded to the service
             progress-rank-R     each rank's progress mark, read by the monitor loop
+        logs/                   the job's (its user, 0700): rank-R.log, each rank's output (agent.rank_log)
         control/                the job's (its user, 0700)
             ranks.jsonl         rank runner records: start (pids) and end (exit code or signal)
             checkpoint-interval new checkpoint intervals; rank-R.exit, an injected exit's code
         node-NAME.jsonl         the agent's own events for this attempt, forwarded the same way
         launch.json             the launch command (the job's checkpoint folder, for the forwarder)
-        torchrun.log            torchrun's and the ranks' stdout and stderr (0600)
+        torchrun.log            torchrun's and the rank runners' stdout and stderr (0600)
         ended                   written when the group is over: the spool may go once forwarded
 
 What the agent reads in the job's two folders it opens without following a link, as regular files
@@ -32,7 +33,16 @@ from typing import Any
 
 from agent.jsonl import append_json_line
 from ett.events import make_event
-from ett.protocol import CONTROL_DIR, ENDED_MARKER, EVENTS_DIR, INTERVAL_FILE, LOG_FILE, RANKS_FILE, node_spool
+from ett.protocol import (
+    CONTROL_DIR,
+    ENDED_MARKER,
+    EVENTS_DIR,
+    INTERVAL_FILE,
+    LOG_FILE,
+    LOGS_DIR,
+    RANKS_FILE,
+    node_spool,
+)
 
 LAUNCH_FILE = "launch.json"
 
@@ -56,6 +66,10 @@ class AttemptPaths:
     @property
     def control_dir(self) -> Path:
         return self.root / CONTROL_DIR
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / LOGS_DIR
 
     @property
     def interval_file(self) -> Path:

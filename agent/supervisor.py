@@ -14,6 +14,7 @@ from agent.cgroups import NodeCgroups
 from agent.confine import launch_refusal
 from agent.job_user import JobUser, JobUserError, JobUsers, RunAs
 from agent.launch import starts_warm
+from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths, write_private
 from agent.warm import WarmServer, WarmServers
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
@@ -89,7 +90,7 @@ class Supervisor:
     def __init__(
         self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
         warm: WarmServers | None = None, checkpoint_root: Path | None = None, job_users: JobUsers | None = None,
-        cgroups: NodeCgroups | None = None,
+        cgroups: NodeCgroups | None = None, rank_log_max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
@@ -99,6 +100,7 @@ class Supervisor:
         # Who runs each launch, with which interpreter (agent/job_user.py); default: as the agent.
         self.job_users = job_users or JobUsers(sys.executable, JobUser.of(pwd.getpwuid(os.geteuid())))
         self.cgroups = cgroups  # each attempt's own (agent.cgroups); None: the marker scan only
+        self.rank_log_max_bytes = rank_log_max_bytes
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
@@ -183,7 +185,8 @@ class Supervisor:
         warm_socket = server.socket_path if server is not None and not server.starting else None
         group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=warm_socket,
                             run_as=run_as, cgroups=self.cgroups,
-                            spare=self.warm.pids if self.warm is not None else set)  # fmt: skip
+                            spare=self.warm.pids if self.warm is not None else set,
+                            rank_log_max_bytes=self.rank_log_max_bytes)  # fmt: skip
         self.groups[command.key] = group
         try:
             for folder in (command.checkpoint.dir, command.checkpoint.local_dir):

@@ -24,28 +24,32 @@ def python_module(python: str, module: str) -> list[str]:
     return [python, "-P", "-m", module]
 
 
-def start_process(argv: list[str], warm_socket: str | None, **popen: object) -> "subprocess.Popen[bytes] | WarmProcess":
+def start_process(argv: list[str], warm_socket: str | None, output: int | None = None,
+                  **popen: object) -> "subprocess.Popen[bytes] | WarmProcess":
     """From the warm server when there is one and it can (its process group is its own), else a
-    fresh process with the parent-death signal set and `popen`; `warm_socket`: $ETT_WARM_SOCKET."""
+    fresh process with the parent-death signal set and `popen`; `warm_socket`: $ETT_WARM_SOCKET.
+    `output`: a descriptor for its stdout and stderr (default: ours)."""
     if warm_socket:
         try:
-            return WarmProcess(warm_socket, argv)
+            return WarmProcess(warm_socket, argv, [0, 1, 2] if output is None else [0, output, output])
         except (OSError, ValueError, KeyError) as exc:
             print(f"agent.warm: no warm start for {argv[3:4]} ({exc!r}); starting a fresh interpreter",
                   file=sys.stderr, flush=True)
+    if output is not None:
+        popen |= {"stdout": output, "stderr": output}
     return subprocess.Popen(argv, preexec_fn=set_parent_death_signal, **popen)
 
 
 class WarmProcess:
     """A process forked by the server: the few calls of the Popen it stands in for."""
 
-    def __init__(self, socket_path: str, argv: list[str]) -> None:
+    def __init__(self, socket_path: str, argv: list[str], fds: list[int] = [0, 1, 2]) -> None:  # noqa: B006 (read only)
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._conn.settimeout(HANDSHAKE_TIMEOUT_SECONDS)  # a stuck server must not stall the launch
             self._conn.connect(socket_path)
             request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
-            socket.send_fds(self._conn, [json.dumps(request).encode()], [0, 1, 2])
+            socket.send_fds(self._conn, [json.dumps(request).encode()], fds)
             self.pid = int(self._answer()["pid"])
             self._conn.settimeout(None)
         except BaseException:

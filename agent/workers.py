@@ -35,6 +35,7 @@ from agent.hang import HangLimit
 from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.procs import GROUP_MARKER_ENV, process_uid, signal_group, signal_marked
+from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
@@ -91,7 +92,7 @@ class WorkerGroup:
     def __init__(self, command: LaunchCommand, paths: AttemptPaths, node_name: str, stop_grace_seconds: float,
                  clock: Callable[[], float] = time.monotonic, warm_socket: Path | None = None,
                  run_as: RunAs = RunAs(), cgroups: NodeCgroups | None = None,
-                 spare: Callable[[], set[int]] = set) -> None:
+                 spare: Callable[[], set[int]] = set, rank_log_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.command = command
         self.run_as = run_as  # the job's interpreter and user (agent.job_user)
         self.warm_socket = warm_socket  # the agent's warm server (agent.warm), if it runs one
@@ -104,9 +105,10 @@ class WorkerGroup:
         self.cgroups = cgroups  # this node's cgroups (agent.cgroups), if the machine gives it any
         self.spare = spare  # the warm servers' pids: their keepers outlive an attempt, nothing else
         self.cgroup: Path | None = None  # the attempt's own, made at start
+        self.rank_log_max_bytes = rank_log_max_bytes  # each rank's output is rotated at this size
         make_passable(paths.root)  # the agent's: the job passes through to its two folders
-        for folder in (paths.events_dir, paths.control_dir):
-            run_as.make_own(folder)  # the ranks write their events and records there
+        for folder in (paths.events_dir, paths.control_dir, paths.logs_dir):
+            run_as.make_own(folder)  # the ranks write their events, records and output there
         write_private(paths.launch_file, command.model_dump_json(exclude={"env"}).encode())  # its env may hold secrets
         self.events = NodeEventLog(paths.node_spool(node_name), node_name, command.attempt)
         self.rank_pids: dict[int, int] = {}
@@ -165,7 +167,7 @@ class WorkerGroup:
         try:
             with open(os.open(self.paths.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log_file:
                 self._proc = subprocess.Popen(
-                    torchrun_argv(self.command, self.paths, self.run_as.python, go_fd=go_read),
+                    torchrun_argv(self.command, self.paths, self.run_as.python, go_read, self.rank_log_max_bytes),
                     env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as, self.cgroup),
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(go_read,),
                     start_new_session=True, **self.run_as.popen(),

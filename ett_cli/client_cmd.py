@@ -1,4 +1,4 @@
-"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`, `ett fleet`: the user's side, over the REST API."""
+"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`, `ett logs`, `ett fleet`: the user's side, over the REST API."""
 
 import argparse
 import itertools
@@ -43,6 +43,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "file: the report, then one line per update, then the final report)")
     report.add_argument("--interval", type=float, default=5.0, help="seconds between reports with --follow")
     report.set_defaults(run=run_report)
+    logs = client_parser("logs", "print a rank's output (default: the newest attempt's failed rank, else rank 0)")
+    logs.add_argument("job_id")
+    logs.add_argument("--attempt", type=int, help="attempt number (default: the newest)")
+    logs.add_argument("--rank", type=int, help="global rank (default: the one the attempt's failure names, else 0)")
+    logs.add_argument("--tail", type=int, default=None, help="only the last N lines")
+    logs.add_argument("--follow", action="store_true", help="keep printing what the rank prints until the job ends")
+    logs.add_argument("--interval", type=float, default=1.0, help="seconds between reads with --follow")
+    logs.set_defaults(run=run_logs)
     fleet = client_parser("fleet", "print the fleet's ETT over a window (your jobs; every job for an admin)")
     fleet.add_argument("--since", help="window start: ISO 8601 (UTC if no zone) or unix seconds (default: all time)")
     fleet.add_argument("--until", help="window end (default: now)")
@@ -126,6 +134,29 @@ def run_report(args: argparse.Namespace) -> int:
             time.sleep(args.interval)
         except KeyboardInterrupt:
             return 130
+    return 0
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    params: dict[str, Any] = {k: v for k, v in (("attempt", args.attempt), ("rank", args.rank), ("tail", args.tail))
+                              if v is not None}
+    log = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/logs", params=params)
+    if not args.follow and log["node"] is None:
+        ranks = ", ".join(map(str, log["ranks"])) or "none yet"
+        print(f"ett: rank {log['rank']} of attempt {log['attempt']} printed nothing (ranks with output: {ranks})",
+              file=sys.stderr)
+    print(log["text"], end="", flush=True)
+    params |= {"attempt": log["attempt"], "rank": log["rank"]}
+    params.pop("tail", None)
+    while args.follow:
+        if _call(args, "GET", f"/api/v1/jobs/{args.job_id}")["state"] in TERMINAL:
+            args.follow = False  # one last read: what came in before the end
+        try:
+            time.sleep(args.interval if args.follow else 0)
+        except KeyboardInterrupt:
+            return 130
+        log = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/logs", params=params | {"since": log["end"]})
+        print(log["text"], end="", flush=True)
     return 0
 
 

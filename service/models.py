@@ -13,6 +13,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
     text,
 )  # fmt: skip
@@ -282,6 +283,23 @@ class Checkpoint(Base):
     failed_at: Mapped[float | None]
     path: Mapped[str | None] = mapped_column(String(1024))
     bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class RankLog(Base):
+    """The last part of one rank's output in one attempt, as its node's agent shipped it
+    (service/jobs/logs.py): `text` holds the stream's characters from `end - len(text)` to `end`."""
+
+    __tablename__ = "rank_logs"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "rank"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    rank: Mapped[int]
+    node: Mapped[str] = mapped_column(String(128))
+    text: Mapped[str] = mapped_column(Text, default="")
+    end: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class JobAccountRow(Base):

@@ -26,9 +26,10 @@ EXIT_CONFIG_ERROR = 3
 EXIT_STOPPED = 4  # SIGTERM: stopped after the current step and a final checkpoint
 
 # -- an attempt's folder on its node: DATA_DIR/spool/JOB/ATTEMPT/ (docs/agent.md) -------------
-# The attempt's folder is the agent's (root's, 0711); only these two folders in it are the job's.
+# The attempt's folder is the agent's (root's, 0711); only these three folders in it are the job's.
 EVENTS_DIR = "events"  # the ranks' spools the agent forwards: `rank-N.jsonl`, and progress marks
 CONTROL_DIR = "control"  # what the agent tells the ranks, and the rank runners' records
+LOGS_DIR = "logs"  # each rank's output, `rank-R.log` (and its older part, `rank-R.log.1`)
 RANKS_FILE = "ranks.jsonl"  # in CONTROL_DIR: the rank runners' records: started, exited
 LOG_FILE = "torchrun.log"
 ENDED_MARKER = "ended"
@@ -47,6 +48,11 @@ def rank_spool(rank: int) -> str:
 def node_spool(node: str) -> str:
     """The agent's events about the attempt on its node, in the attempt's folder (not the job's)."""
     return f"node-{node}{SPOOL_SUFFIX}"
+
+
+def rank_log(rank: int) -> str:
+    """A rank's stdout and stderr, in LOGS_DIR (agent/rank_log.py)."""
+    return f"rank-{rank}.log"
 
 
 def progress_file(rank: int) -> str:

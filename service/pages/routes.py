@@ -22,6 +22,7 @@ from service.accounting.accounts import (
 from service.accounting.engine import CATEGORIES
 from service.context import SessionDep
 from service.jobs.catalog import visible_job, visible_jobs
+from service.jobs.logs import failure_tails
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
 from service.pages.timeline import build_timeline, frame_of
@@ -90,7 +91,7 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
         steps = step_time(session, job.id, account, frame)
         timeline = build_timeline(account, frame, steps, checkpoint_saves(session, job.id))
     context = {"caller": caller, "job": job, "report": report, "timeline": timeline,
-               "restored": account.restored_steps()}
+               "restored": account.restored_steps(), "failure_logs": failure_tails(session, job)}
     return render(request, "job.html", context)
 
 

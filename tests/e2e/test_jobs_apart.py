@@ -87,8 +87,9 @@ def test_two_owners_jobs_cannot_touch_each_other(open_root):
         home = open_root / node / "homes" / str(owner_uid(c, "alice"))
         files = [alice_ckpt / "step-00000001" / "model.bin", attempt / "events" / "rank-0.jsonl",
                  attempt / "control" / "ranks.jsonl", attempt / "torchrun.log", attempt / "launch.json",
-                 attempt / f"node-{node}.jsonl", open_root / node / "forward-offsets.json"]
-        folders = [alice_ckpt, alice_ckpt / "step-00000001", attempt / "events", attempt / "control", attempt, home,
+                 attempt / f"node-{node}.jsonl", attempt / "logs" / "rank-0.log", open_root / node / "forward-offsets.json"]
+        folders = [alice_ckpt, alice_ckpt / "step-00000001", attempt / "events", attempt / "control", attempt / "logs",
+                   attempt, home,
                    attempt.parent, open_root / node / "spool", open_root / node]
         assert all(path.exists() for path in files + folders), [p for p in files + folders if not p.exists()]
         targets = {"read": files, "append": files, "list": folders, "create": folders}

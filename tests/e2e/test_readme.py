@@ -105,5 +105,6 @@ def _group_alive(pgid: int) -> bool:
 
 
 def logs(folder: Path) -> str:
-    found = [*folder.glob("*.log"), *folder.glob("agent-node-*/*/*/*/torchrun.log")]
+    found = [*folder.glob("*.log"), *folder.glob("agent-node-*/*/*/*/torchrun.log"),
+             *folder.glob("agent-node-*/*/*/*/logs/*.log")]
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in found)

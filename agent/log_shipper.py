@@ -1,0 +1,131 @@
+"""Ships each rank's output to the service, which keeps its last part for `ett logs`, the API and
+the job page (docs/agent.md, "Logs").
+
+The forwarder thread calls `ship_once` beside its event batches: what is new in every
+`logs/rank-R.log` of the spool (and the rest of `rank-R.log.1` when the file was rotated since),
+at most PIECE_BYTES a file a round (a rank that prints faster has its middle skipped, and the skip
+counted), in one request. A position moves on only once the service took the piece, and the
+positions are kept on disk, so an agent restart neither loses nor repeats a piece. An ended
+attempt's spool is retired only once its logs are all shipped (`shipped`). The files are the job's:
+opened without following a link, as regular files of one link, read in bounded pieces.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import re
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agent.spool import open_job_file
+from ett.protocol import LOGS_DIR
+
+log = logging.getLogger(__name__)
+PIECE_BYTES = 64 << 10
+RANK_LOG_NAME = re.compile(r"^rank-(\d+)\.log$")
+Send = Callable[[list[dict[str, Any]]], httpx.Response]
+
+
+class LogShipper:
+    def __init__(self, spool_root: Path, state_dir: Path, send: Send) -> None:
+        self.spool_root, self.send = spool_root, send
+        self.positions_file = state_dir / "log-positions.json"
+        # JOB_ID/ATTEMPT/RANK -> [inode, offset] of what the service has
+        self.positions: dict[str, list[int]] = {}
+        with contextlib.suppress(OSError, ValueError):
+            self.positions = json.loads(self.positions_file.read_text())
+
+    def ship_once(self) -> bool:
+        """Sends what is new; False when the service could not take it (tried again later)."""
+        pieces, moved = [], {}
+        for path in sorted(self.spool_root.glob(f"*/*/{LOGS_DIR}/rank-*.log")):
+            match = RANK_LOG_NAME.match(path.name)
+            if match is None:
+                continue
+            job_id, attempt = path.parent.parent.parent.name, path.parent.parent.name
+            key = f"{job_id}/{attempt}/{int(match.group(1))}"
+            try:
+                text, skipped, position = self._new_part(path, self.positions.get(key))
+            except OSError as exc:  # the job's file: its trouble alone
+                log.debug("rank log %s not read: %s", path, exc)
+                continue
+            if text or skipped:
+                pieces.append({"job_id": job_id, "attempt": int(attempt), "rank": int(match.group(1)),
+                               "text": text, "skipped": skipped})  # fmt: skip
+                moved[key] = position
+        if not pieces:
+            return True
+        try:
+            response = self.send(pieces)
+        except httpx.HTTPError as exc:
+            log.warning("shipping %d rank logs failed: %s", len(pieces), exc)
+            return False
+        if response.status_code >= 500 or response.status_code == 429:
+            return False
+        if response.status_code != 200:  # refused for good (an attempt no longer this node's): not resent
+            log.warning("rank logs refused: %d %s", response.status_code, response.text[:200])
+        self.positions |= moved
+        self._save()
+        return True
+
+    def _new_part(self, path: Path, known: list[int] | None) -> tuple[str, int, list[int]]:
+        """The text after the known position (the rotated-away rest first), the bytes skipped, and
+        the new position."""
+        fd = open_job_file(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            inode, offset = known if known is not None else (st.st_ino, 0)
+            older = b""
+            if inode != st.st_ino:  # rotated: the rest of the older part is in rank-R.log.1
+                older = self._rest_of_rotated(path, inode, offset)
+                offset = 0
+            skipped = max(0, st.st_size - offset - PIECE_BYTES)
+            data = os.pread(fd, st.st_size - offset - skipped, offset + skipped)
+            return (older + data).decode(errors="replace"), skipped, [st.st_ino, offset + skipped + len(data)]
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _rest_of_rotated(path: Path, inode: int, offset: int) -> bytes:
+        try:
+            fd = open_job_file(path.with_name(path.name + ".1"), os.O_RDONLY)
+        except OSError:
+            return b""
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != inode or st.st_size <= offset:
+                return b""
+            return os.pread(fd, min(PIECE_BYTES, st.st_size - offset), max(offset, st.st_size - PIECE_BYTES))
+        finally:
+            os.close(fd)
+
+    def shipped(self, attempt_dir: Path) -> bool:
+        """Whether every rank log of the attempt is with the service, to its end."""
+        for path in attempt_dir.glob(f"{LOGS_DIR}/rank-*.log"):
+            match = RANK_LOG_NAME.match(path.name)
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if match is None or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or not st.st_size:
+                continue  # not shipped at all (ship_once reads no other)
+            if self.positions.get(f"{attempt_dir.parent.name}/{attempt_dir.name}/{int(match.group(1))}") != [
+                    st.st_ino, st.st_size]:
+                return False
+        return True
+
+    def forget(self, attempt: str) -> None:
+        """An attempt's spool is gone (JOB_ID/ATTEMPT)."""
+        self.positions = {k: v for k, v in self.positions.items() if not k.startswith(f"{attempt}/")}
+        self._save()
+
+    def _save(self) -> None:
+        temporary = self.positions_file.with_suffix(".tmp")
+        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(self.positions, f)
+        os.replace(temporary, self.positions_file)

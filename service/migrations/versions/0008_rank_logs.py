@@ -1,0 +1,37 @@
+"""Rank logs: the last part of each rank's output, shipped by its agent
+
+Revision ID: 0008_rank_logs
+Revises: 0007_owners
+Create Date: 2026-11-26 21:30:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = '0008_rank_logs'
+down_revision: str | None = '0007_owners'
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        'rank_logs',
+        sa.Column('id', sa.Integer(), nullable=False),
+        sa.Column('job_id', sa.String(length=32), nullable=False),
+        sa.Column('attempt', sa.Integer(), nullable=False),
+        sa.Column('rank', sa.Integer(), nullable=False),
+        sa.Column('node', sa.String(length=128), nullable=False),
+        sa.Column('text', sa.Text(), nullable=False),
+        sa.Column('end', sa.BigInteger(), nullable=False),
+        sa.Column('updated_at', sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_rank_logs_job_id_jobs'), ondelete='CASCADE'),
+        sa.PrimaryKeyConstraint('id', name=op.f('pk_rank_logs')),
+        sa.UniqueConstraint('job_id', 'attempt', 'rank', name=op.f('uq_rank_logs_job_id')),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table('rank_logs')

@@ -1,0 +1,76 @@
+"""A rank's output on its node: rotated at its bound whatever the rank prints, and shipped to the
+service piece by piece, a rotation's rest included, nothing lost across an agent restart."""
+
+import json
+import os
+
+import httpx
+
+from agent.log_shipper import PIECE_BYTES, LogShipper
+from agent.rank_log import RotatingLog, copy_to_log
+
+
+def test_a_rank_that_prints_without_end_keeps_at_most_twice_the_bound(tmp_path):
+    read_fd, write_fd = os.pipe()
+    path = tmp_path / "rank-0.log"
+    copying = copy_to_log(read_fd, RotatingLog(str(path), max_bytes=100_000))
+    line = b"y" * 99 + b"\n"
+    for i in range(20_000):  # 2 MB
+        os.write(write_fd, b"%08d" % i + line[8:])
+    os.close(write_fd)
+    copying.join(10)
+    sizes = [path.stat().st_size, path.with_name("rank-0.log.1").stat().st_size]
+    assert all(size <= 100_000 + 65536 for size in sizes) and sum(sizes) <= 2 * (100_000 + 65536)
+    assert path.read_bytes().endswith(b"%08d" % 19_999 + line[8:])  # the newest output is kept
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+class Service:
+    """The logs endpoint's answers, recorded (the service's own side is tests/service/test_logs_api.py)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[dict] = []
+        self.status = 200
+
+    def __call__(self, pieces: list[dict]) -> httpx.Response:
+        if self.status == 200:
+            self.pieces += pieces
+        return httpx.Response(self.status, json={})
+
+
+def test_shipping_sends_each_byte_once_through_rotation_outage_and_restart(tmp_path):
+    logs = tmp_path / "spool" / "job" / "0" / "logs"
+    logs.mkdir(parents=True)
+    log = RotatingLog(str(logs / "rank-3.log"), max_bytes=1000)
+    service = Service()
+    shipper = LogShipper(tmp_path / "spool", tmp_path, service)
+    written = b""
+    for i in range(30):
+        chunk = f"line {i}\n".encode() * 10  # 70-80 bytes
+        log.write(chunk)
+        written += chunk
+        if i % 4 == 0:
+            assert shipper.ship_once()
+        if i == 13:
+            service.status = 503  # down: nothing moves
+            assert not shipper.ship_once()
+            service.status = 200
+        if i == 20:
+            shipper = LogShipper(tmp_path / "spool", tmp_path, service)  # a restarted agent
+    assert shipper.ship_once()
+    received = "".join(p["text"] for p in service.pieces)
+    assert received == written.decode() and {(p["job_id"], p["attempt"], p["rank"]) for p in service.pieces} == {
+        ("job", 0, 3)}
+    assert shipper.shipped(tmp_path / "spool" / "job" / "0")
+    assert json.loads((tmp_path / "log-positions.json").read_text())
+
+
+def test_a_rank_printing_faster_than_shipping_has_its_middle_skipped_and_counted(tmp_path):
+    logs = tmp_path / "spool" / "job" / "0" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "rank-0.log").write_bytes(b"a" * (PIECE_BYTES * 3))
+    (logs / "rank-1.log").symlink_to("/etc/passwd")  # the job's folder: a link is not read
+    service = Service()
+    assert LogShipper(tmp_path / "spool", tmp_path, service).ship_once()
+    [piece] = service.pieces
+    assert piece["skipped"] == PIECE_BYTES * 2 and len(piece["text"]) == PIECE_BYTES

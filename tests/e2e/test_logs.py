@@ -1,0 +1,69 @@
+"""A rank's output, end to end: real agents and torchrun ranks print, the agent ships it, and
+`ett logs` shows a failed rank's traceback (the job's secret blanked), follows a running rank
+line by line, and the job page shows the failed rank's last lines beside its failure."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.cluster import cluster
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+ETT = str(Path(sys.executable).parent / "ett")
+FAILING = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"hello from rank {rank}, key {os.environ['WANDB_API_KEY']}", flush=True)
+if rank == 1:
+    raise ValueError("bad batch")
+time.sleep(0.5)
+"""
+CHATTY = """
+import os, time
+for i in range(12):
+    print(f"rank {os.environ['RANK']} line {i}", flush=True)
+    time.sleep(0.5)
+"""
+
+
+def ett_logs(c, job_id: str, *args: str, **popen) -> subprocess.Popen:
+    env = os.environ | {"ETT_SERVICE_URL": c.service.url, "ETT_TOKEN": c.service.token("user", "alice")}
+    return subprocess.Popen([ETT, "logs", job_id, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
+
+
+def test_ett_logs_shows_the_failed_ranks_traceback_and_follows_a_running_rank(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        failing = c.submit(name="failing", nodes=1, procs_per_node=2, max_restarts=0,
+                           env={"WANDB_API_KEY": "s3cr3t-key-123"}, entrypoint=[sys.executable, "-c", FAILING])
+        job = c.wait_job(failing)
+        assert job["state"] == "failed" and "rank 1" in job["attempts"][0]["detail"], job
+        out, err = ett_logs(c, failing).communicate(timeout=60)  # the failed rank's, by default
+        assert "Traceback (most recent call last)" in out and "ValueError: bad batch" in out, (out, err)
+        assert "hello from rank 1, key [redacted]" in out and "s3cr3t-key-123" not in out
+        out, _ = ett_logs(c, failing, "--rank", "0").communicate(timeout=60)
+        assert out.startswith("hello from rank 0") and "Traceback" not in out
+
+        page = httpx.get(f"{c.service.url}/jobs/{failing}", params={"token": c.service.token("user", "alice")},
+                         follow_redirects=True).text
+        assert 'class="rank-log" data-attempt="0" data-rank="1"' in page and "ValueError: bad batch" in page
+
+        chatty = c.submit(name="chatty", nodes=1, procs_per_node=2, max_restarts=0, hang_timeout_seconds=None,
+                          entrypoint=[sys.executable, "-c", CHATTY])
+        wait_for(lambda: c.job(chatty)["state"] == "running", 60, "the chatty job to run")
+        follow = ett_logs(c, chatty, "--rank", "1", "--follow")
+        first = follow.stdout.readline()
+        seen_at = time.monotonic()
+        rest, _ = follow.communicate(timeout=60)
+        lines = [first, *rest.splitlines(keepends=True)]
+        assert [line.strip() for line in lines] == [f"rank 1 line {i}" for i in range(12)], lines
+        assert c.job(chatty)["state"] == "succeeded"
+        # The first line came while the rank still printed (12 lines, 0.5 s apart), not at the end.
+        assert time.monotonic() - seen_at > 2.0
