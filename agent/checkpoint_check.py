@@ -61,7 +61,9 @@ def _manifest_problem(folder: int, step: int) -> str | None:
 def _file_problem(folder: int, name: PurePosixPath, entry: Any) -> str | None:
     if name.is_absolute() or ".." in name.parts or not isinstance(entry, dict):
         return f"its manifest names {name}"
-    inner = open_folder_beneath(Path(f"/proc/self/fd/{folder}"), Path(*name.parts[:-1])) if len(name.parts) > 1 else None
+    inner = None
+    if len(name.parts) > 1:  # a file in a folder of the checkpoint's (the Hugging Face Trainer's)
+        inner = open_folder_beneath(Path(f"/proc/self/fd/{folder}"), Path(*name.parts[:-1]))
     try:
         st = os.stat(name.parts[-1], dir_fd=folder if inner is None else inner, follow_symlinks=False)
     except FileNotFoundError:

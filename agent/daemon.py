@@ -55,7 +55,8 @@ class Agent:
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
                                                  settings.spool_max_bytes),
-                                   LogShipper(settings.spool_root, settings.data_dir, self.client.post_logs))  # fmt: skip
+                                   LogShipper(settings.spool_root, settings.data_dir,
+                                              self.client.post_logs))  # fmt: skip
         self.commands: queue.Queue[dict[str, Any]] = queue.Queue()
         self.stopping = threading.Event()  # set by a signal: wind down
         self.wakeup = Wakeup()  # ends the monitor loop's pause early

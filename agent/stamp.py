@@ -52,7 +52,8 @@ class Stamper:
         """The job's checkpoint folder, as the launch command the agent wrote beside the spool said."""
         if attempt not in self._checkpoint_dirs:
             try:
-                launch = LaunchCommand.model_validate_json(AttemptPaths(self.spool_root / attempt).launch_file.read_bytes())
+                launch_file = AttemptPaths(self.spool_root / attempt).launch_file
+                launch = LaunchCommand.model_validate_json(launch_file.read_bytes())
                 self._checkpoint_dirs[attempt] = launch.checkpoint.dir
             except (OSError, ValueError):
                 self._checkpoint_dirs[attempt] = None

@@ -144,8 +144,8 @@ class WarmServers:
             self._servers.pop(next(iter(self._servers))).stop()
         return server
 
-    @property
     def pids(self) -> set[int]:
+        """The live servers' pids (their keepers are their children)."""
         return {pid for server in self._servers.values() if (pid := server.pid) is not None}
 
     def ensure_running(self) -> None:

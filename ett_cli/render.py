@@ -31,6 +31,8 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
             f"{_seconds(failure['time_to_recover_seconds'])}  lost steps {failure['lost_steps']}"
             + (f"  {failure['detail']}" if failure.get("detail") else "")
         )
+        if failure.get("diagnosis") and failure.get("summary") != failure.get("detail"):
+            lines.append(f"    {failure['diagnosis']}: {failure['summary']}")
     if max_failures is not None and len(failures) > max_failures:
         lines.append(f"  ... and {len(failures) - max_failures} more")
     checkpoints = report["checkpoints"]
@@ -68,6 +70,8 @@ def fleet_table(fleet: dict[str, Any]) -> str:
     lost = sorted(((k, v) for k, v in fleet["seconds"].items() if k != "productive" and v > 0), key=lambda kv: -kv[1])
     lines += [f"  {category:16} {seconds:>10.1f} s {100 * seconds / wall:>6.1f}%" for category, seconds in lost]
     lines += ["", "failures by cause: " + (", ".join(f"{c} {n}" for c, n in fleet["failure_causes"].items()) or "none")]
+    lines += ["failures by diagnosis: " + (", ".join(f"{d} {n}" for d, n in fleet["failure_diagnoses"].items())
+                                           or "none")]
     lines += ["", f"  {'JOB':32}  {'NAME':20}  {'ETT':>6}  {'JOB TIME':>10}  FAILURES"]
     for job_id, job in sorted(fleet["by_job"].items(), key=lambda item: item[1]["ett_percent"]):
         lines.append(f"  {job_id:32}  {job['name'][:20]:20}  {job['ett_percent']:>5.1f}%  "

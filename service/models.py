@@ -161,6 +161,9 @@ class Attempt(Base):
     ended_at: Mapped[datetime | None]
     cause: Mapped[str | None] = mapped_column(String(16))
     detail: Mapped[str | None] = mapped_column(String(512))
+    # Why it failed, from the evidence (service/jobs/diagnosis.py): e.g. exception, "ValueError: bad batch".
+    diagnosis: Mapped[str | None] = mapped_column(String(32))
+    summary: Mapped[str | None] = mapped_column(String(256))
     master_addr: Mapped[str] = mapped_column(String(255))
     master_port: Mapped[int]
     resume_from: Mapped[str | None] = mapped_column(String(1024))

@@ -1,5 +1,6 @@
 """The service's one validated configuration, read from ETT_* environment variables."""
 
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -82,6 +83,9 @@ class Settings(BaseSettings):
     # A started allocation whose agents have not all registered after this long has lost the
     # missing nodes: it is replaced by one without them.
     slurm_agent_start_seconds: float = Field(300.0, gt=0)
+    # A failure's diagnosis is read from its rank's last lines (service/jobs/diagnosis.py): these
+    # [diagnosis, regular expression] pairs are tried first, before the built-in table.
+    failure_patterns: list[tuple[str, str]] = []
 
     @field_validator("database_url")
     @classmethod
@@ -101,6 +105,18 @@ class Settings(BaseSettings):
             if not name.startswith("ETT_AGENT_") or not name.replace("_", "").isalnum():
                 raise ValueError(f"ETT_SLURM_AGENT_ENV: {name!r} is not an agent setting (ETT_AGENT_...)")
         return env
+
+    @field_validator("failure_patterns")
+    @classmethod
+    def _valid_patterns(cls, patterns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        for index, (diagnosis, pattern) in enumerate(patterns):
+            if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", diagnosis):
+                raise ValueError(f"ETT_FAILURE_PATTERNS[{index}]: diagnosis {diagnosis!r} must be 1-32 of [a-z0-9_]")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"ETT_FAILURE_PATTERNS[{index}]: {pattern!r} is no regular expression: {exc}") from None
+        return patterns
 
     @property
     def resolved_slurm_dir(self) -> Path:

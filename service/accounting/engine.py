@@ -90,6 +90,8 @@ class AttemptSummary:
     failed_at: float | None = None
     failure_cause: str | None = None
     failure_detail: str | None = None  # the scheduler's one line: "rank 1 exit code 1", ...
+    failure_diagnosis: str | None = None  # from the evidence (service/jobs/diagnosis.py): exception, ...
+    failure_summary: str | None = None  # its line: "ValueError: bad batch", ...
     stopped_at: float | None = None
     last_init_end: float | None = None
     restore_started_at: float | None = None
@@ -203,6 +205,7 @@ class JobAccount:
             key = (e.ts, _cause_rank(e.data.get("cause")))
             if a.failed_at is None or key < (a.failed_at, _cause_rank(a.failure_cause)):
                 a.failed_at, a.failure_cause, a.failure_detail = e.ts, e.data.get("cause"), e.data.get("detail")
+                a.failure_diagnosis, a.failure_summary = e.data.get("diagnosis"), e.data.get("summary")
         elif e.kind == "attempt_stopped":
             a.stopped_at = _min(a.stopped_at, e.ts)
         elif e.kind == "job_finished" and (self.finished_at is None or e.ts < self.finished_at):

@@ -32,6 +32,7 @@ class _Totals:
         self.starts: list[float] = []
         self.blocking_seconds = 0.0
         self.causes: dict[str, int] = defaultdict(int)
+        self.diagnoses: dict[str, int] = defaultdict(int)
 
     def figures(self) -> dict[str, Any]:
         wall = sum(self.seconds.values())
@@ -42,6 +43,7 @@ class _Totals:
             "seconds": self.seconds,
             "failures": self.failures,
             "failure_causes": dict(sorted(self.causes.items(), key=lambda item: (-item[1], item[0]))),
+            "failure_diagnoses": dict(sorted(self.diagnoses.items(), key=lambda item: (-item[1], item[0]))),
             "restarts": self.restarts,
             "mtbf_seconds": wall / self.failures if self.failures else None,
             "mean_time_to_recover_seconds": sum(self.recover) / len(self.recover) if self.recover else None,
@@ -77,6 +79,7 @@ def _add_job(totals: _Totals, account: JobAccount, now: float, since: float, unt
         if since <= failure["at"] < until:
             totals.failures += 1
             totals.causes[failure["cause"] or "unknown"] += 1
+            totals.diagnoses[failure["diagnosis"] or "unknown"] += 1
             if failure["time_to_recover_seconds"] is not None:
                 totals.recover.append(failure["time_to_recover_seconds"])
 

@@ -79,6 +79,9 @@ class EttCollector(Collector):
             ("checkpoints_committed", "Committed checkpoints."),
         )}  # fmt: skip
         fleet = dict.fromkeys(CATEGORIES, 0.0)
+        diagnoses = CounterMetricFamily("ett_fleet_failures", "Failed attempts of the jobs exported here, by "
+                                        "diagnosis (docs/reliability.md).", labels=["diagnosis"])
+        by_diagnosis: dict[str, int] = {}
         names: dict[str, str] = {}
         for job, account_state in rows:
             labels = [job.id, job.name]
@@ -112,6 +115,9 @@ class EttCollector(Collector):
                 seconds.add_metric([*labels, category], value)
                 fleet[category] += value
             c["failures"].add_metric(labels, len(r["failures"]))
+            for failure in r["failures"]:
+                kind = failure["diagnosis"] or "unknown"
+                by_diagnosis[kind] = by_diagnosis.get(kind, 0) + 1
             c["restarts"].add_metric(labels, r["restarts"])
             c["steps"].add_metric(labels, steps)
             c["checkpoints_committed"].add_metric(labels, r["checkpoints"]["committed"])
@@ -131,6 +137,9 @@ class EttCollector(Collector):
         for category, value in fleet.items():
             fleet_seconds.add_metric([category], value)
         yield fleet_seconds
+        for kind, count in sorted(by_diagnosis.items()):
+            diagnoses.add_metric([kind], count)
+        yield diagnoses
 
     @staticmethod
     def _failed_saves(session: Session, names: dict[str, str]) -> CounterMetricFamily:

@@ -149,7 +149,8 @@ def failures_of(spans: list[AttemptSpan]) -> list[dict[str, Any]]:
             lost = max(0, progress - starting_over.restore_point)
             progress = starting_over.restore_point  # what a later failure loses is counted from there
         failures.append(
-            {"attempt": a.attempt, "cause": a.failure_cause, "detail": a.failure_detail, "at": a.failed_at,
+            {"attempt": a.attempt, "cause": a.failure_cause, "detail": a.failure_detail,
+             "diagnosis": a.failure_diagnosis, "summary": a.failure_summary, "at": a.failed_at,
              "time_to_recover_seconds": ttr, "lost_steps": lost}
         )  # fmt: skip
     return failures

@@ -24,6 +24,7 @@ from service.agents import commands
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
+from service.jobs.diagnosis import compile_patterns
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.outcomes import Refused
 from service.schemas.agents import Heartbeat
@@ -113,6 +114,7 @@ class HeartbeatWriter:
         self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512, pace: float = 0.025
     ) -> None:
         self.sessions, self.settings = sessions, settings
+        self.failure_patterns = compile_patterns(settings.failure_patterns)  # service/jobs/diagnosis.py
         # Threads of their own (one a lane): heartbeats never queue behind event batches for a thread.
         threads = anyio.CapacityLimiter(2)
         self.held = GroupWriter(partial(self._write_batch, skip_locked=False), threads, most=max_batch, pace=pace)
@@ -184,8 +186,7 @@ class HeartbeatWriter:
         rows = session.execute(_SHARES, {"nodes": node_ids})
         return {(row.node_id, row.job_id, row.number): row for row in rows}
 
-    @staticmethod
-    def _apply_reports(session: Session, changing: list[tuple[int, Beat, AttemptReport]]) -> None:
+    def _apply_reports(self, session: Session, changing: list[tuple[int, Beat, AttemptReport]]) -> None:
         """The reports that start or end something, through the scheduler (rare: a few per attempt)."""
         query = (
             select(AttemptNode).options(joinedload(AttemptNode.attempt), joinedload(AttemptNode.node))
@@ -194,4 +195,4 @@ class HeartbeatWriter:
         loaded = {share.id: share for share in session.scalars(query)}
         for share_id, item, report in changing:
             share = loaded[share_id]
-            scheduler.apply_report(session, share.node, share, report, item.received)
+            scheduler.apply_report(session, share.node, share, report, item.received, self.failure_patterns)

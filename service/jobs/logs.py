@@ -98,7 +98,11 @@ def read_log(session: Session, job: Job, attempt: int | None, rank: int | None, 
 
 def failed_rank(attempt: Attempt) -> int | None:
     """The rank a failed attempt's detail names ("rank 1 exit code 1"), if any."""
-    found = FAILED_RANK.search(attempt.detail or "") if attempt.cause else None
+    return rank_named(attempt.detail or "") if attempt.cause else None
+
+
+def rank_named(detail: str) -> int | None:
+    found = FAILED_RANK.search(detail)
     return int(found.group(1)) if found else None
 
 

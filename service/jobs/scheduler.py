@@ -5,6 +5,7 @@ locks the job and the nodes it takes (FOR UPDATE SKIP LOCKED on PostgreSQL), so 
 processes never hand one node two attempts; SQLite has a single writer and one process.
 """
 
+import re
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -18,6 +19,7 @@ from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
+from service.jobs.diagnosis import DEFAULT_COMPILED, NEVER_RETRIED, Diagnosis, diagnose, restart_loop, without_logs
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
@@ -64,9 +66,11 @@ def report_changes_nothing(share_state: AttemptState, attempt_state: AttemptStat
     return reported == share_state == AttemptState.running and attempt_state != AttemptState.allocated
 
 
-def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float) -> None:
+def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float,
+                 patterns: Sequence[tuple[str, re.Pattern[str]]] = DEFAULT_COMPILED) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt).
-    Heartbeats written in a batch (service/jobs/heartbeats.py) load their shares at once and call this."""
+    Heartbeats written in a batch (service/jobs/heartbeats.py) load their shares at once and call
+    this. A failure is diagnosed from its rank's output with `patterns` (service/jobs/diagnosis.py)."""
     if share.state not in ACTIVE:
         return
     share.state = AttemptState(report.state)
@@ -74,8 +78,9 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
     if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
         attempt.state = AttemptState.running
     elif share.state == AttemptState.failed:
-        detail = report.detail or f"{report.cause} on {node.name}"
-        fail_attempt(session, attempt, report.cause or "exit", detail, now, exit_code=report.exit_code)
+        detail, cause = report.detail or f"{report.cause} on {node.name}", report.cause or "exit"
+        diagnosis = diagnose(session, attempt, cause, detail, report.exit_code, patterns)
+        fail_attempt(session, attempt, cause, detail, now, exit_code=report.exit_code, diagnosis=diagnosis)
     elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
         # The agent stopped it without being told to (an agent restart): the attempt is lost.
         fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
@@ -103,26 +108,36 @@ def _release(node: Node) -> None:
 
 
 def fail_attempt(
-    session: Session, attempt: Attempt, cause: str, detail: str, now: float, exit_code: int | None = None
+    session: Session, attempt: Attempt, cause: str, detail: str, now: float, exit_code: int | None = None,
+    diagnosis: Diagnosis | None = None,
 ) -> None:
-    """Ends an attempt as failed, stops its other nodes, and fails the job if it may not restart."""
+    """Ends an attempt as failed, stops its other nodes, and fails the job if it may not restart:
+    its budget spent, a failure no restart fixes, or the same failure again and again."""
+    diagnosis = diagnosis or without_logs(cause, detail, exit_code)
+    data = {"cause": cause, "detail": detail, "diagnosis": diagnosis.kind, "summary": diagnosis.summary}
     if attempt.state == AttemptState.failed and _names_the_root_cause(cause, attempt.cause):
         # A killed rank's peers see their collectives break and exit too; whichever node reports
         # first ends the attempt, and the root cause corrects the record when it arrives.
         attempt.cause, attempt.detail = cause, detail
+        attempt.diagnosis, attempt.summary = diagnosis.kind, diagnosis.summary
         first_report = session.scalar(select(func.min(JobEvent.ts)).where(
             JobEvent.job_id == attempt.job_id, JobEvent.attempt == attempt.number, JobEvent.kind == "attempt_failed"))
-        data = {"cause": cause, "detail": detail}
         emit(session, attempt.job_id, attempt.number, "attempt_failed", first_report, data)
     if attempt.state not in ACTIVE:
         return
     attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, _at(now)
-    emit(session, attempt.job_id, attempt.number, "attempt_failed", now, {"cause": cause, "detail": detail})
+    attempt.diagnosis, attempt.summary = diagnosis.kind, diagnosis.summary
+    emit(session, attempt.job_id, attempt.number, "attempt_failed", now, data)
     _stop_shares(session, attempt, "attempt failed")
     job = attempt.job
     if job.state != JobState.running:
         return
-    if exit_code == EXIT_CONFIG_ERROR:
+    looping = restart_loop(job.attempts, newest_checkpoint(session, job.id), job.spec.max_same_failures)
+    if diagnosis.kind in NEVER_RETRIED and exit_code != EXIT_CONFIG_ERROR:
+        finish_job(session, job, JobState.failed, f"{diagnosis.kind}, not retried: {diagnosis.summary}", now)
+    elif looping is not None:
+        finish_job(session, job, JobState.failed, looping, now)
+    elif exit_code == EXIT_CONFIG_ERROR:
         finish_job(session, job, JobState.failed, f"configuration error (exit code {exit_code}), not retried: {detail}",
                    now)
     elif exit_code in job.spec.no_retry_exit_codes:

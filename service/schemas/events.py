@@ -86,6 +86,9 @@ class FailureOut(BaseModel):
     attempt: int
     cause: str | None
     detail: str | None = None  # what the scheduler said of it: "rank 1 exit code 1", ...
+    # Why, from the evidence (docs/reliability.md, "Failure diagnosis"): exception, out_of_memory, ...
+    diagnosis: str | None = None
+    summary: str | None = None  # its one line: "ValueError: bad batch", ...
     at: float
     time_to_recover_seconds: float | None
     lost_steps: int
@@ -126,6 +129,7 @@ class FleetFigures(BaseModel):
     seconds: Seconds
     failures: int
     failure_causes: dict[str, int]  # failures in the window by cause, the most frequent first
+    failure_diagnoses: dict[str, int]  # the same by diagnosis (exception, out_of_memory, ...)
     restarts: int
     mtbf_seconds: float | None
     mean_time_to_recover_seconds: float | None

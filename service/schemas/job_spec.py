@@ -112,6 +112,9 @@ class JobSpec(Strict):
     # Exit codes that mean retrying cannot help: an attempt ending with one fails the job at once.
     # 3 (ETT's configuration error: the trainer's, an agent's refused launch) always is one.
     no_retry_exit_codes: Annotated[list[Annotated[int, Field(ge=1, le=255)]], Field(max_length=255)] = []
+    # This many attempts in a row failing alike (the same diagnosis and summary, each resumed from
+    # the same checkpoint, none newer committed): the job stops restarting (service/jobs/diagnosis.py).
+    max_same_failures: Annotated[int, Field(ge=1, le=1000)] = 3
     checkpoint: CheckpointSpec = CheckpointSpec()
     # null (TOML, which has no null: "off"): no hang detection, neither the init timeout nor this one
     hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120

@@ -98,6 +98,7 @@ def test_a_trainer_job_forks_warm_as_its_owner_and_resumes(open_root, python):
         servers = warm_servers(root)
         alice = owner_uid(c, "alice")
         assert servers and {uid_of(pid) for pid in servers} == {alice}
+        assert not c.agent_failures()
     assert owners(root / "checkpoints" / "alice" / job["id"]) == {alice}
     # The restart's ranks and torchrun were forked by the server (the first attempt may come before
     # its imports are done, and then starts fresh interpreters).

@@ -29,6 +29,7 @@ def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
         assert job["state"] == "succeeded", c.logs()
         first, second = job["attempts"]
         assert first["cause"] == "signal" and second["state"] == "succeeded"
+        assert not c.agent_failures()  # every group ended in the agent too (its warm servers spared)
 
         newest = newest_committed_before_the_failure(c, job_id)
         assert second["resume_from"].endswith(f"step-{newest:08d}")

@@ -82,6 +82,11 @@ class Cluster:
         return wait_for(lambda: (j := self.job(job_id))["state"] in states and j, timeout,
                         f"job {job_id} to be {'/'.join(states)}", interval=0.5)
 
+    def agent_failures(self) -> list[str]:
+        """Lines of the agents' logs where a poll of a worker group failed (a bug, not a job's fault)."""
+        return [line for name in self.agents for line in (self.root / f"{name}.log").read_text(errors="replace")
+                .splitlines() if "poll failed" in line or "forwarding failed" in line]
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.root.glob("*.log"))
 

@@ -1,4 +1,4 @@
-"""Rank logs: the last part of each rank's output, shipped by its agent
+"""Rank logs: the last part of each rank's output, shipped by its agent; a failure's diagnosis
 
 Revision ID: 0008_rank_logs
 Revises: 0007_owners
@@ -31,7 +31,13 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint('id', name=op.f('pk_rank_logs')),
         sa.UniqueConstraint('job_id', 'attempt', 'rank', name=op.f('uq_rank_logs_job_id')),
     )
+    with op.batch_alter_table('attempts') as batch:
+        batch.add_column(sa.Column('diagnosis', sa.String(length=32), nullable=True))
+        batch.add_column(sa.Column('summary', sa.String(length=256), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('attempts') as batch:
+        batch.drop_column('summary')
+        batch.drop_column('diagnosis')
     op.drop_table('rank_logs')

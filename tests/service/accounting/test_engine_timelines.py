@@ -76,8 +76,8 @@ def test_crash_with_rollback():
     check(r, 58, productive=24, wasted=6, checkpoint_save=1.0, restore=2, init=16, recovery=6.5, idle=2.5)
     assert r["queued_seconds"] == pytest.approx(10)
     assert r["failures"] == [
-        {"attempt": 0, "cause": "signal", "detail": "rank 1 killed by signal 9", "at": T0 + 30, "time_to_recover_seconds": pytest.approx(14.5),
-         "lost_steps": 2}
+        {"attempt": 0, "cause": "signal", "detail": "rank 1 killed by signal 9", "diagnosis": None, "summary": None,
+         "at": T0 + 30, "time_to_recover_seconds": pytest.approx(14.5), "lost_steps": 2}
     ]
     assert r["restarts"] == 1 and r["mtbf_seconds"] == pytest.approx(58)
     assert r["checkpoints"]["committed"] == 2 and r["checkpoints"]["last_committed_step"] == 8

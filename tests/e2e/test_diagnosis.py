@@ -1,0 +1,54 @@
+"""Failures diagnosed from the evidence, with real agents and torchrun ranks: an exception gives
+`exception` and its line, a memory hog under a memory cap `out_of_memory`, a missing module ends the
+job at its first attempt, and a job that fails the same way at the same step stops restarting."""
+
+import sys
+
+import pytest
+
+from tests.support.cluster import cluster
+
+pytestmark = pytest.mark.slow
+EXCEPTION = "raise ValueError('bad batch')"
+MEMORY_HOG = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # the rank's memory cap: 1 GiB
+hog = bytearray(2 << 30)
+"""
+STUCK_AT_12 = """
+for step in range(1, 100):
+    print(f"step {step}", flush=True)
+    if step == 12:
+        raise RuntimeError("NaN loss at step 12")
+"""
+MISSING_MODULE = "import no_such_module_anywhere"
+
+
+def job(name: str, code: str, **spec):
+    return {"name": name, "nodes": 1, "procs_per_node": 1, "hang_timeout_seconds": None,
+            "entrypoint": [sys.executable, "-c", code]} | spec
+
+
+def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop(tmp_path):
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        exception = c.wait_job(c.submit(**job("exception", EXCEPTION, max_restarts=0)))
+        hog = c.wait_job(c.submit(**job("hog", MEMORY_HOG, max_restarts=0)))
+        for done, kind, summary in ((exception, "exception", "ValueError: bad batch"),
+                                    (hog, "out_of_memory", "MemoryError")):
+            [failure] = c.report(done["id"])["failures"]
+            assert (failure["diagnosis"], failure["summary"]) == (kind, summary), failure
+
+        missing = c.wait_job(c.submit(**job("missing", MISSING_MODULE, max_restarts=5)))
+        assert missing["state"] == "failed" and len(missing["attempts"]) == 1
+        assert missing["reason"] == ("import_error, not retried: ModuleNotFoundError: No module named "
+                                     "'no_such_module_anywhere'")
+
+        stuck = c.wait_job(c.submit(**job("stuck", STUCK_AT_12, max_restarts=10)))
+        assert stuck["state"] == "failed" and len(stuck["attempts"]) == 3, stuck
+        assert stuck["reason"].startswith("the same failure 3 times in a row, with no progress past it"), stuck
+        assert stuck["reason"].endswith("exception: RuntimeError: NaN loss at step 12; not restarted again "
+                                        "(max_same_failures)")
+
+        fleet = c.user.get("/api/v1/ett").json()
+        assert fleet["failure_diagnoses"] == {"exception": 4, "import_error": 1, "out_of_memory": 1}
