@@ -20,17 +20,26 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
     """Ticks the scheduler when woken (a submit, an attempt report) or every period at the latest."""
     settings = context.settings
 
+    # Silence is counted from the last heartbeat written or from this, whichever is later: the
+    # process's start, or the end of a database outage, during which no agent's heartbeat could be
+    # written (the agents retry; a node is not lost for the service's own outage).
     up_since = time.time()
+    failed = False
 
     def tick_once() -> None:
+        nonlocal up_since, failed
+        if failed:
+            up_since = time.time()
         with context.sessions() as session:
             scheduler.tick(session, settings, up_since=up_since)
             session.commit()
+        failed = False
 
     while not stop.is_set():
         try:
             await run_in_threadpool(tick_once)
         except Exception:
+            failed = True
             log.exception("scheduler tick failed; retrying next period")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), settings.scheduler_period_seconds)

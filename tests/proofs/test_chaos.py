@@ -198,3 +198,24 @@ def test_agent_clock_30_s_ahead_report_is_still_right(tmp_path):
     # A start-up inside the job's own wall time: an uncorrected clock would put it 30 s before the job.
     assert 0 < report["time_to_start_seconds"] < report["wall_seconds"] == pytest.approx(end - start)
     assert sum(report["seconds"].values()) == pytest.approx(report["wall_seconds"])
+
+
+def test_a_database_outage_longer_than_the_deadline_fails_no_attempt_and_loses_no_event(tmp_path):
+    """PostgreSQL stopped for three heartbeat deadlines mid-job, then started again: no heartbeat
+    could be written meanwhile, and no node is declared lost for it (the service counts silence
+    from the database's return), no attempt fails, and every event arrives once."""
+    from tests.support.postgres import postgres_instance
+
+    timeout, steps = 5.0, 250
+    with postgres_instance() as database, cluster(tmp_path, database.url, ETT_HEARTBEAT_TIMEOUT_SECONDS=timeout) as c:
+        c.start_agent("node-0")
+        job_id = c.submit(fake_rank_job(steps=steps, step_seconds=STEP_SECONDS))
+        wait_for(lambda: len(c.events(job_id, kind="step")) >= 5, 60, "the first steps to be stored")
+        database.stop()
+        time.sleep(3 * timeout)  # the ranks go on; heartbeats and events fail and are retried
+        database.start()
+        c.engine.dispose()  # the test's own connections died with the server (the service's own recover)
+        job = c.wait_job(job_id)
+        assert job["state"] == "succeeded" and len(job["attempts"]) == 1, (job, c.logs())
+        assert c.node("node-0").state == "idle"
+        assert rank_events(c, job_id) == fake_rank_timeline(steps=steps)
