@@ -18,7 +18,7 @@ from pathlib import Path
 
 from agent.beneath import open_folder_beneath, replace_beneath
 from agent.spool import AttemptPaths
-from ett.protocol import CONTROL_DIR, fault_exit_file
+from ett.protocol import AGENT_FAULT_ACTIONS, CONTROL_DIR, fault_exit_file
 from ett.protocol.messages import Fault
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 class FaultInjector:
     def __init__(self, faults: list[Fault], paths: AttemptPaths, owns: Callable[[int], bool]) -> None:
-        self.pending = sorted(faults, key=lambda f: f.at_step)
+        self.pending = sorted((f for f in faults if f.action in AGENT_FAULT_ACTIONS), key=lambda f: f.at_step)
         self.paths = paths
         self.owns = owns
 

@@ -11,7 +11,7 @@ from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
 from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths
 from agent.warm_client import WARM_SOCKET_ENV, python_module
-from ett.protocol import JobEnv
+from ett.protocol import LIBRARY_FAULT_ACTIONS, JobEnv
 from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 
 
@@ -75,6 +75,8 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
     """What every rank of every job is handed, entrypoint or trainer (docs/library.md, "The job's
     environment"); `ett.init()` reads it. Unset values are left out."""
     ckpt = command.checkpoint
+    # The faults the ranks' own ett.Run sets off (ett/faults.py); the agent's are agent/faults.py's.
+    library_faults = [f.model_dump(exclude_none=True) for f in command.faults if f.action in LIBRARY_FAULT_ACTIONS]
     env = {
         JobEnv.JOB_ID: command.job_id,
         JobEnv.ATTEMPT: str(command.attempt),
@@ -86,6 +88,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
         JobEnv.CHECKPOINT_KEEP: str(ckpt.keep),
         JobEnv.CHECKPOINT_INTERVAL_FILE: str(paths.interval_file),
         JobEnv.CHECKPOINT_SNAPSHOTS: "1" if ckpt.snapshots and ckpt.local_dir else None,
+        JobEnv.FAULTS: json.dumps(library_faults) if library_faults else None,
     }
     return {name: value for name, value in env.items() if value is not None}
 

@@ -32,6 +32,7 @@ from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.events import EventWriter
+from ett.faults import faults_of, set_off
 from ett.folders import step_of
 from ett.paths import inside
 from ett.protocol import EXIT_STOPPED, RANK_KINDS
@@ -67,6 +68,9 @@ class Step:
         self._start = 0.0
 
     def __enter__(self) -> "Step":
+        fault = self.run._faults.pop(self.step, None)
+        if fault is not None:  # a drill's: as the step's own code would fail
+            set_off(fault, self.run.rank)
         self._start = time.perf_counter()
         return self
 
@@ -103,6 +107,7 @@ class Run:
         if self.checkpoint_dir:
             _check_writable(self.checkpoint_dir)
         self._events = EventWriter(env.event_dir, env.rank, env.attempt)
+        self._faults = faults_of(self.rank)  # injected ones meant for this rank, by step (ett/faults.py)
         self._checkpointer: Checkpointer | None = None
         self._last_step: int | None = None
         self._init_marked = False

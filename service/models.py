@@ -21,6 +21,14 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship,
 
 from service.column_types import JobSpecJSON, UTCDateTime
 from service.schemas.job_spec import JobSpec
+from service.states import (  # noqa: F401 (the states are the models' vocabulary: imported from here)
+    ACTIVE_ATTEMPT_STATES,
+    AttemptState,
+    JobState,
+    NodeState,
+    Role,
+    SlurmState,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -38,38 +46,6 @@ def utcnow() -> datetime:
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime, JobSpec: JobSpecJSON}
-
-
-class Role(enum.StrEnum):
-    admin = "admin"
-    user = "user"
-    agent = "agent"
-
-
-class JobState(enum.StrEnum):
-    queued = "queued"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-    cancelled = "cancelled"
-
-
-class AttemptState(enum.StrEnum):
-    allocated = "allocated"
-    running = "running"
-    succeeded = "succeeded"
-    failed = "failed"
-    stopped = "stopped"
-
-
-ACTIVE_ATTEMPT_STATES = (AttemptState.allocated, AttemptState.running)  # an attempt or share that holds its nodes
-
-
-class NodeState(enum.StrEnum):
-    idle = "idle"
-    busy = "busy"
-    leaving = "leaving"  # its agent is stopping (SIGTERM): never given new work, gone when it stops
-    lost = "lost"
 
 
 def _enum(cls: type[enum.Enum]) -> Enum:
@@ -192,10 +168,6 @@ class AttemptNode(Base):
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
-
-
-class SlurmState(enum.StrEnum):
-    submitted, running, ended = "submitted", "running", "ended"  # ended: by Slurm, or released (scancel)
 
 
 class SlurmAllocation(Base):

@@ -24,7 +24,8 @@ LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol", "ett.protocol
 
 # The service's layers, lowest first; a module sits in the first whose prefix it starts with.
 LAYERS = (
-    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.column_types",
+    ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.states",
+                                      "service.column_types",
                                       "service.outcomes",
                                       "service.migrat",
                                       "service.security", "service.group_commit", "service.schemas",

@@ -60,6 +60,11 @@ def progress_file(rank: int) -> str:
     return f"progress-rank-{rank}"
 
 
+# -- injected faults (docs/jobspec.md, "faults") -------------------------------------------------
+AGENT_FAULT_ACTIONS = ("kill", "hang", "exit")  # the agent sets these off (agent/faults.py)
+LIBRARY_FAULT_ACTIONS = ("raise", "fill_memory", "fill_disk")  # the rank's ett.Run does (ett/faults.py)
+
+
 def fault_exit_file(rank: int) -> str:
     """The exit code an injected `exit` fault ends the rank with, in CONTROL_DIR."""
     return f"rank-{rank}.exit"
@@ -77,3 +82,5 @@ class JobEnv:
     CHECKPOINT_KEEP = "ETT_CHECKPOINT_KEEP"
     CHECKPOINT_INTERVAL_FILE = "ETT_CHECKPOINT_INTERVAL_FILE"
     CHECKPOINT_SNAPSHOTS = "ETT_CHECKPOINT_SNAPSHOTS"
+    # The faults a rank's own code sets off (ett/faults.py): a JSON list, only where the job has some.
+    FAULTS = "ETT_FAULTS"

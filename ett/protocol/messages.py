@@ -26,8 +26,11 @@ class Fault(Incoming):
     attempt: int = Field(ge=0)
     rank: int = Field(ge=0)
     at_step: int = Field(ge=1)
-    action: Literal["kill", "hang", "exit"]
+    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk"]
     code: int | None = Field(None, ge=0, le=255)  # only for exit; 1 when not given
+    exception: str | None = None  # raise: a built-in exception's name (default RuntimeError)
+    message: str | None = None  # raise: its message
+    path: str | None = None  # fill_disk: the folder to fill
 
 
 class TrainerSpec(Incoming):

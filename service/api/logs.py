@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query
 from service.agents.nodes import own_node
 from service.api.deps import AgentCallerDep, VisibleJobDep
 from service.context import SessionDep
-from service.jobs.logs import read_log, store_pieces
+from service.jobs.logs import Piece, read_log, store_pieces
 from service.schemas.logs import AgentLogBatch, RankLogOut
 
 router = APIRouter(tags=["logs"])
@@ -18,7 +18,7 @@ def agent_logs(body: AgentLogBatch, name: str, caller: AgentCallerDep, session: 
     """New output of the agent's ranks, each piece naming its job, attempt and rank; 403 for an
     attempt the scheduler did not give this node."""
     node, _ = own_node(session, name, caller)
-    store_pieces(session, node, [piece.piece() for piece in body.logs])
+    store_pieces(session, node, [Piece(p.job_id, p.attempt, p.rank, p.text, p.skipped) for p in body.logs])
     session.commit()
     return {"accepted": len(body.logs)}
 

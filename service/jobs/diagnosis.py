@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from ett.protocol import EXIT_CONFIG_ERROR
 from service.jobs.logs import rank_named
-from service.models import Attempt, RankLog
+from service.models import Attempt, Job, RankLog
 
 # (diagnosis, pattern): the first diagnosis whose pattern matches a line of the rank's last
 # output wins (so the specific before the general: a CUDA out-of-memory is also an exception);
@@ -99,3 +99,21 @@ def restart_loop(attempts: Sequence[Attempt], newest_checkpoint: str | None, lim
     return (f"the same failure {limit} times in a row, with no progress past it (each attempt resumed from "
             f"{first.resume_from or 'the start'}): {first.diagnosis}: {first.summary}; not restarted again "
             "(max_same_failures)")
+
+
+def no_restart_reason(job: Job, diagnosis: Diagnosis, detail: str, exit_code: int | None,
+                      newest_checkpoint: str | None) -> str | None:
+    """Why a job whose attempt just failed must not restart (None: it may): a failure no restart
+    fixes, its restarts spent, or the same failure again and again."""
+    if exit_code == EXIT_CONFIG_ERROR:
+        return f"configuration error (exit code {exit_code}), not retried: {detail}"
+    if diagnosis.kind in NEVER_RETRIED:
+        return f"{diagnosis.kind}, not retried: {diagnosis.summary}"
+    if exit_code in job.spec.no_retry_exit_codes:
+        return f"exit code {exit_code} is in the job's no_retry_exit_codes, not retried: {detail}"
+    looping = restart_loop(job.attempts, newest_checkpoint, job.spec.max_same_failures)
+    if looping is not None:
+        return looping
+    if job.restarts >= job.spec.max_restarts:
+        return f"failed after {job.restarts} restarts: {detail}"
+    return None

@@ -14,12 +14,11 @@ from typing import Any
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
-from ett.protocol import EXIT_CONFIG_ERROR
 from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
-from service.jobs.diagnosis import DEFAULT_COMPILED, NEVER_RETRIED, Diagnosis, diagnose, restart_loop, without_logs
+from service.jobs.diagnosis import DEFAULT_COMPILED, Diagnosis, diagnose, no_restart_reason, without_logs
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
@@ -132,19 +131,9 @@ def fail_attempt(
     job = attempt.job
     if job.state != JobState.running:
         return
-    looping = restart_loop(job.attempts, newest_checkpoint(session, job.id), job.spec.max_same_failures)
-    if diagnosis.kind in NEVER_RETRIED and exit_code != EXIT_CONFIG_ERROR:
-        finish_job(session, job, JobState.failed, f"{diagnosis.kind}, not retried: {diagnosis.summary}", now)
-    elif looping is not None:
-        finish_job(session, job, JobState.failed, looping, now)
-    elif exit_code == EXIT_CONFIG_ERROR:
-        finish_job(session, job, JobState.failed, f"configuration error (exit code {exit_code}), not retried: {detail}",
-                   now)
-    elif exit_code in job.spec.no_retry_exit_codes:
-        finish_job(session, job, JobState.failed, f"exit code {exit_code} is in the job's no_retry_exit_codes, not "
-                   f"retried: {detail}", now)
-    elif job.restarts >= job.spec.max_restarts:
-        finish_job(session, job, JobState.failed, f"failed after {job.restarts} restarts: {detail}", now)
+    refusal = no_restart_reason(job, diagnosis, detail, exit_code, newest_checkpoint(session, job.id))
+    if refusal is not None:
+        finish_job(session, job, JobState.failed, refusal, now)
 
 
 def _names_the_root_cause(cause: str, recorded: str | None) -> bool:

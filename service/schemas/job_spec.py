@@ -46,13 +46,22 @@ class FaultSpec(Strict):
     attempt: Annotated[int, Field(ge=0)]
     rank: Annotated[int, Field(ge=0)]
     at_step: Annotated[int, Field(ge=1)]
-    action: Literal["kill", "hang", "exit"]
+    # kill, hang, exit: by the agent, any job; raise, fill_memory, fill_disk: by the rank's
+    # ett.Run as it enters the step (a script on the library, the trainer).
+    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk"]
     code: Annotated[int, Field(ge=1, le=255)] | None = None
+    exception: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z]{0,63}$")] | None = None
+    message: Annotated[str, StringConstraints(max_length=1024)] | None = None
+    path: Annotated[str, StringConstraints(pattern=r"^/", max_length=1024)] | None = None
 
     @model_validator(mode="after")
-    def _code_only_for_exit(self) -> Self:
+    def _fields_of_the_action(self) -> Self:
         if (self.action == "exit") != (self.code is not None):
             raise ValueError("code is required for action 'exit' and only for it")
+        if self.action != "raise" and (self.exception is not None or self.message is not None):
+            raise ValueError("exception and message are for action 'raise' only")
+        if (self.action == "fill_disk") != (self.path is not None):
+            raise ValueError("path (an absolute folder) is required for action 'fill_disk' and only for it")
         return self
 
 

@@ -4,8 +4,6 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, StringConstraints
 
-from service.jobs.logs import Piece
-
 # An agent ships at most 64 KiB of a rank's output a round (agent/log_shipper.py); decoded, a
 # byte may take up to 4 characters' room in the worst case of replacement characters.
 PIECE_MAX_CHARS = 256 << 10
@@ -17,9 +15,6 @@ class LogPiece(BaseModel):
     rank: int = Field(ge=0)
     text: Annotated[str, StringConstraints(max_length=PIECE_MAX_CHARS)]
     skipped: int = Field(0, ge=0)
-
-    def piece(self) -> Piece:
-        return Piece(self.job_id, self.attempt, self.rank, self.text, self.skipped)
 
 
 class AgentLogBatch(BaseModel):

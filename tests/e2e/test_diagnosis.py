@@ -1,11 +1,15 @@
 """Failures diagnosed from the evidence, with real agents and torchrun ranks: an exception gives
 `exception` and its line, a memory hog under a memory cap `out_of_memory`, a missing module ends the
-job at its first attempt, and a job that fails the same way at the same step stops restarting."""
+job at its first attempt, and a job that fails the same way at the same step stops restarting. The
+library's injected faults (raise, fill_memory, fill_disk) fail a script on ett the same ways."""
 
+import os
+import subprocess
 import sys
 
 import pytest
 
+from tests.agent.helpers import ETT_RANK
 from tests.support.cluster import cluster
 
 pytestmark = pytest.mark.slow
@@ -52,3 +56,31 @@ def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop
 
         fleet = c.user.get("/api/v1/ett").json()
         assert fleet["failure_diagnoses"] == {"exception": 4, "import_error": 1, "out_of_memory": 1}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small file system")
+def test_injected_faults_fail_a_script_on_the_library_as_real_ones_would(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], check=True)
+    try:
+        with cluster(tmp_path) as c:
+            c.start_agent("node-a")
+            script = [sys.executable, str(ETT_RANK), "--steps", "5"]
+
+            def drill(name: str, fault: dict, argv: list[str] = script) -> dict:
+                spec = {"name": name, "nodes": 1, "procs_per_node": 1, "max_restarts": 0, "entrypoint": argv,
+                        "faults": [{"attempt": 0, "rank": 0, "at_step": 3} | fault]}
+                job = c.wait_job(c.submit(**spec))
+                assert job["state"] == "failed", job
+                [failure] = c.report(job["id"])["failures"]
+                return failure
+
+            raised = drill("raise", {"action": "raise", "exception": "ValueError", "message": "bad batch"})
+            assert (raised["diagnosis"], raised["summary"]) == ("exception", "ValueError: bad batch")
+            capped = ["prlimit", "--as=3000000000", *script]  # the rank's memory cap: 3 GB of address space
+            assert drill("memory", {"action": "fill_memory"}, capped)["diagnosis"] == "out_of_memory"
+            full = drill("disk", {"action": "fill_disk", "path": str(small)})
+            assert full["diagnosis"] == "disk_full" and "No space left on device" in full["summary"], full
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

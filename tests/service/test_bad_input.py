@@ -24,6 +24,9 @@ BAD_SPECS = [
     ({"trainer": {"preset": "tiny", "overrides": {"moe.num_experts": [1]}}}, "trainer.overrides"),
     ({"faults": [{"attempt": 0, "rank": 0, "at_step": 3, "action": "explode"}]}, "faults.0.action"),
     ({"faults": [{"attempt": 0, "rank": 0, "at_step": 3, "action": "exit"}]}, "faults.0"),
+    ({"faults": [{"attempt": 0, "rank": 0, "at_step": 3, "action": "fill_disk"}]}, "faults.0"),  # no path
+    ({"faults": [{"attempt": 0, "rank": 0, "at_step": 3, "action": "raise", "exception": "os.system"}]},
+     "faults.0.exception"),
     ({"faults": [{"attempt": 0, "rank": 9, "at_step": 3, "action": "kill"}]}, "faults"),
     ({"env": {"1BAD": "x"}}, "env"),
     ({"env": {"OK": 1}}, "env.OK"),

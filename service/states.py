@@ -1,0 +1,39 @@
+"""The states of tokens' roles, jobs, attempts, nodes and Slurm allocations, stored as strings."""
+
+import enum
+
+
+class Role(enum.StrEnum):
+    admin = "admin"
+    user = "user"
+    agent = "agent"
+
+
+class JobState(enum.StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+class AttemptState(enum.StrEnum):
+    allocated = "allocated"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    stopped = "stopped"
+
+
+ACTIVE_ATTEMPT_STATES = (AttemptState.allocated, AttemptState.running)  # an attempt or share that holds its nodes
+
+
+class NodeState(enum.StrEnum):
+    idle = "idle"
+    busy = "busy"
+    leaving = "leaving"  # its agent is stopping (SIGTERM): never given new work, gone when it stops
+    lost = "lost"
+
+
+class SlurmState(enum.StrEnum):
+    submitted, running, ended = "submitted", "running", "ended"  # ended: by Slurm, or released (scancel)
