@@ -14,8 +14,8 @@ pure v2 machine, /sys/fs/cgroup/unified beside v1 controllers):
 
 Only cgroup.procs files (and an attempt's cgroup.kill, for its guard) are given to the job's user:
 a warm-forked process moves itself into its attempt's cgroup (the kernel lets a user move its
-processes between cgroups whose common ancestor's cgroup.procs it may write: owner-UID), and nothing of the user's can leave owner-UID. At the end
-the attempt's cgroup is killed (`cgroup.kill`: every process in it, atomically) and removed, and
+processes between cgroups whose common ancestor's cgroup.procs it may write: owner-UID), and
+nothing of the user's can leave owner-UID. At the end the attempt's cgroup is killed (`cgroup.kill`: every process in it, atomically) and removed, and
 owner-UID and warm/ are swept of whatever moved there. Without a writable cgroup v2 (no v2 mount,
 an agent that is not root, a read-only cgroupfs) the agent falls back to the marker scan and says
 so once (docs/agent.md, "Clean-up").

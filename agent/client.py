@@ -18,8 +18,9 @@ class ServiceClient:
             timeout=settings.request_timeout_seconds,
         )
 
-    def register(self, address: str, slots: int) -> dict[str, Any]:
-        response = self._http.post("/agents/register", json={"name": self.name, "address": address, "slots": slots})
+    def register(self, address: str, slots: int, health: str | None = None) -> dict[str, Any]:
+        body = {"name": self.name, "address": address, "slots": slots, "health": health}
+        response = self._http.post("/agents/register", json=body)
         response.raise_for_status()
         return response.json()
 

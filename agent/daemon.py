@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from agent.cgroups import NodeCgroups, agent_cgroup_name
 from agent.client import ServiceClient
 from agent.forward import ForwardConfig, Forwarder
+from agent.health import HealthCheck
 from agent.job_user import make_passable, resolve_job_users
 from agent.log_shipper import LogShipper
 from agent.metrics import AgentStats, serve_metrics
@@ -47,10 +48,11 @@ class Agent:
                                            settings.job_uid_base, settings.job_uid_count, settings.data_dir / "homes")
         self.cgroups = NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir)) if os.geteuid() == 0 else None
         self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
+        self.health = HealthCheck(settings.health_check, settings.health_check_interval_seconds)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
                                      settings.local_checkpoint_root, self.warm if settings.warm_start else None,
                                      settings.checkpoint_root, self.job_users, self.cgroups,
-                                     settings.rank_log_max_bytes)  # fmt: skip
+                                     settings.rank_log_max_bytes, self.health)  # fmt: skip
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,
@@ -79,6 +81,8 @@ class Agent:
         if self.settings.metrics_port:
             serve_metrics(self.stats, self.settings.metrics_port)
         self.supervisor.recover()
+        if self.health.run() is not None:  # said at registration: no work comes until it passes
+            log.warning("%s; this node takes no new work until it passes", self.health.problem)
         if self.supervisor.warm is not None and self.job_users.fixed is not None:
             self.warm.for_user(preflight).ensure_running()  # its imports overlap registration
         if not self._register():
@@ -88,6 +92,8 @@ class Agent:
             threading.Thread(target=self._long_poll, name="long-poll", daemon=True),
             threading.Thread(target=self._report_changes, name="reporter", daemon=True),
             threading.Thread(target=self.forwarder.run, args=(self._forwarding_done,), name="forwarder"),
+            threading.Thread(target=self.health.run_every_interval, args=(self._heartbeats_done,), name="health",
+                             daemon=True),
         ]  # fmt: skip
         for thread in threads:
             thread.start()
@@ -154,7 +160,7 @@ class Agent:
         failures = 0
         while not self.stopping.is_set():
             try:
-                self.client.register(self.settings.address, self.settings.slots)
+                self.client.register(self.settings.address, self.settings.slots, self.health.problem)
                 log.info("agent %s registered with %s", self.settings.name, self.settings.service_url)
                 return True
             except httpx.HTTPStatusError as exc:
@@ -199,7 +205,7 @@ class Agent:
         attempts = self.supervisor.reports.to_send()
         body = {"clock": time.time(), "attempts": [report.model_dump() for report in attempts],
                 "stats": self.stats.heartbeat_figures(),
-                "leaving": self.leaving}
+                "leaving": self.leaving, "health": self.health.problem}
         try:
             answer = self.client.heartbeat(body, wait)
         except httpx.HTTPStatusError as exc:

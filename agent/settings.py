@@ -62,6 +62,10 @@ class AgentSettings(BaseSettings):
     retry_max_seconds: float = Field(30.0, gt=0)
     # Forwarded spool data is given back to the disk; past this much unforwarded, the agent warns.
     spool_max_bytes: int = Field(1 << 30, ge=1)
+    # The operator's node health check, a command line (e.g. "nvidia-smi"): run at start, before
+    # each launch and every interval; failing, the node takes no new work (agent/health.py).
+    health_check: str | None = None
+    health_check_interval_seconds: float = Field(300.0, gt=0)
     # Each rank's output is kept in a file rotated at this size (at most twice it per rank on the
     # node) and shipped to the service, which keeps its last part (agent/rank_log.py).
     rank_log_max_bytes: int = Field(16 << 20, ge=4096)

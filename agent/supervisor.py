@@ -12,6 +12,7 @@ from pathlib import Path
 from agent.beneath import open_folder_beneath, read_beneath, replace_beneath
 from agent.cgroups import NodeCgroups
 from agent.confine import launch_refusal
+from agent.health import HealthCheck
 from agent.job_user import JobUser, JobUserError, JobUsers, RunAs
 from agent.launch import starts_warm
 from agent.rank_log import DEFAULT_MAX_BYTES
@@ -91,6 +92,7 @@ class Supervisor:
         self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
         warm: WarmServers | None = None, checkpoint_root: Path | None = None, job_users: JobUsers | None = None,
         cgroups: NodeCgroups | None = None, rank_log_max_bytes: int = DEFAULT_MAX_BYTES,
+        health: HealthCheck | None = None,
     ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
@@ -101,6 +103,7 @@ class Supervisor:
         self.job_users = job_users or JobUsers(sys.executable, JobUser.of(pwd.getpwuid(os.geteuid())))
         self.cgroups = cgroups  # each attempt's own (agent.cgroups); None: the marker scan only
         self.rank_log_max_bytes = rank_log_max_bytes
+        self.health = health  # the operator's node check, run again before each launch (agent/health.py)
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
@@ -178,6 +181,11 @@ class Supervisor:
         if refusal is not None or run_as is None:
             log.warning("attempt %s/%d: %s", command.job_id, command.attempt, refusal)
             self.refuse(command.job_id, command.attempt, str(refusal), exit_code=EXIT_CONFIG_ERROR)
+            return
+        unhealthy = self.health.run() if self.health is not None else None
+        if unhealthy is not None:  # the node's fault, not the job's: it restarts elsewhere
+            log.warning("attempt %s/%d refused: %s", command.job_id, command.attempt, unhealthy)
+            self.refuse(command.job_id, command.attempt, f"node unhealthy: {unhealthy}")
             return
         paths = AttemptPaths.of(self.spool_root, command.job_id, command.attempt)
         command = self._with_local_checkpoints(command)

@@ -1,4 +1,5 @@
-"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`, `ett logs`, `ett fleet`: the user's side, over the REST API."""
+"""`ett submit`, `ett jobs`, `ett cancel`, `ett report`, `ett logs`, `ett nodes`, `ett fleet`: the users' and
+operators' side, over the REST API."""
 
 import argparse
 import itertools
@@ -51,6 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     logs.add_argument("--follow", action="store_true", help="keep printing what the rank prints until the job ends")
     logs.add_argument("--interval", type=float, default=1.0, help="seconds between reads with --follow")
     logs.set_defaults(run=run_logs)
+    nodes = client_parser("nodes", "the nodes (admin): state, health, drain, jobs, recent failures; "
+                                   "`ett nodes drain NAME` keeps new work off one, `ett nodes return NAME` gives it back")
+    nodes.add_argument("action", nargs="?", choices=["drain", "return"])
+    nodes.add_argument("name", nargs="?", help="the node to drain or return")
+    nodes.add_argument("--reason", help="why it is drained (shown in `ett nodes`)")
+    nodes.set_defaults(run=run_nodes)
     fleet = client_parser("fleet", "print the fleet's ETT over a window (your jobs; every job for an admin)")
     fleet.add_argument("--since", help="window start: ISO 8601 (UTC if no zone) or unix seconds (default: all time)")
     fleet.add_argument("--until", help="window end (default: now)")
@@ -157,6 +164,23 @@ def run_logs(args: argparse.Namespace) -> int:
             return 130
         log = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/logs", params=params | {"since": log["end"]})
         print(log["text"], end="", flush=True)
+    return 0
+
+
+def run_nodes(args: argparse.Namespace) -> int:
+    if args.action is not None:
+        if not args.name:
+            print(f"ett: `ett nodes {args.action}` needs the node's name", file=sys.stderr)
+            return 2
+        body = {"reason": args.reason} if args.action == "drain" else None
+        node = _call(args, "POST", f"/api/v1/nodes/{args.name}/{args.action}", json=body)
+        print(f"{node['name']}: {node['drained'] or 'returned: it takes new work'}")
+        return 0
+    print(f"{'NAME':24}  {'STATE':8}  {'SLOTS':>5}  {'FAILURES':>8}  {'JOBS':32}  WHY NO NEW WORK")
+    for node in _call(args, "GET", "/api/v1/nodes"):
+        why = "; ".join(filter(None, (node["drained"], node["health"])))
+        print(f"{node['name'][:24]:24}  {node['state']:8}  {node['slots']:>5}  {node['failures']:>8}  "
+              f"{','.join(node['jobs'])[:32]:32}  {why}")
     return 0
 
 

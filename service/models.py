@@ -84,6 +84,10 @@ class Node(Base):
     clock_offset_seconds: Mapped[float] = mapped_column(default=0.0)
     clock_skew_flagged: Mapped[bool] = mapped_column(default=False)
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Why its agent's health check fails (None: it passes): no new work meanwhile.
+    health: Mapped[str | None] = mapped_column(String(512), default=None)
+    # Why it takes no new work until an admin returns it (`ett nodes drain`, or its failures).
+    drained: Mapped[str | None] = mapped_column(String(512), default=None)
     # The one job this node serves (an agent of that job's Slurm allocation); None: any job.
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True)
 
@@ -140,6 +144,7 @@ class Attempt(Base):
     # Why it failed, from the evidence (service/jobs/diagnosis.py): e.g. exception, "ValueError: bad batch".
     diagnosis: Mapped[str | None] = mapped_column(String(32))
     summary: Mapped[str | None] = mapped_column(String(256))
+    failed_node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id"), default=None)  # whose report tells
     master_addr: Mapped[str] = mapped_column(String(255))
     master_port: Mapped[int]
     resume_from: Mapped[str | None] = mapped_column(String(1024))

@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     # A failure's diagnosis is read from its rank's last lines (service/jobs/diagnosis.py): these
     # [diagnosis, regular expression] pairs are tried first, before the built-in table.
     failure_patterns: list[tuple[str, str]] = []
+    # A node whose reports tell this many failures within the window (not of the jobs' own making:
+    # an exception, an import error) is drained until an admin returns it (`ett nodes return`).
+    node_failure_limit: int = Field(3, ge=1)
+    node_failure_window_seconds: float = Field(3600.0, gt=0)
 
     @field_validator("database_url")
     @classmethod
@@ -115,7 +119,8 @@ class Settings(BaseSettings):
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise ValueError(f"ETT_FAILURE_PATTERNS[{index}]: {pattern!r} is no regular expression: {exc}") from None
+                raise ValueError(f"ETT_FAILURE_PATTERNS[{index}]: {pattern!r} is no regular expression: "
+                                 f"{exc}") from None
         return patterns
 
     @property

@@ -1,17 +1,20 @@
-"""An agent's claim on its node: the check every hot agent endpoint runs first."""
+"""Nodes: an agent's claim on its node (the check every hot agent endpoint runs first), the fleet's
+capacity, and what an operator sees and does (`ett nodes`: drain, return)."""
 
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from service.agents.commands import WAITING_FOR_NODE
-from service.models import Node, NodeState, Token, utcnow
+from service.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.outcomes import Forbidden, NotFound, Refused
 from service.security import Caller, unauthorized
 
 
-def register_node(session: Session, name: str, address: str, slots: int, token: Token) -> Node:
+def register_node(session: Session, name: str, address: str, slots: int, token: Token,
+                  health: str | None = None) -> Node:
     """The node, made or updated; a node registered with another token stays that token's (403).
     A lost or leaving node that registers again is back. A token made for one job's Slurm
     allocation binds its nodes to that job. The caller commits."""
@@ -25,7 +28,7 @@ def register_node(session: Session, name: str, address: str, slots: int, token: 
         node.address, node.slots = address, slots
         if node.state in (NodeState.lost, NodeState.leaving):
             node.state = NodeState.idle
-    node.last_heartbeat_at = utcnow()
+    node.last_heartbeat_at, node.health = utcnow(), health
     return node
 
 
@@ -78,3 +81,49 @@ def own_node(session: Session, name: str, caller: Caller) -> tuple[Node, bool]:
     if node.token_id != caller.token_id:
         raise Forbidden(f"agent {name} was registered with another token")
     return node, bool(row[2])
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node as an operator sees it (`ett nodes`)."""
+
+    node: Node
+    jobs: list[str]  # the jobs of its active attempts
+    failures: int  # failures its reports told within the window, of any kind
+
+
+def node_views(session: Session, failure_window_seconds: float, now: datetime) -> list[NodeView]:
+    nodes = session.scalars(select(Node).order_by(Node.name)).all()
+    running = session.execute(
+        select(AttemptNode.node_id, Attempt.job_id).join(Attempt)
+        .where(AttemptNode.state.in_(ACTIVE_ATTEMPT_STATES)).order_by(Attempt.job_id)
+    ).all()  # fmt: skip
+    since = now - timedelta(seconds=failure_window_seconds)
+    failures = dict(session.execute(
+        select(Attempt.failed_node_id, func.count())
+        .where(Attempt.failed_node_id.is_not(None), Attempt.ended_at >= since)
+        .group_by(Attempt.failed_node_id)
+    ).all())  # fmt: skip
+    return [NodeView(node, [job for node_id, job in running if node_id == node.id], failures.get(node.id, 0))
+            for node in nodes]
+
+
+def drain_node(session: Session, name: str, reason: str | None, admin: str) -> Node:
+    """Takes the node out of the scheduler's choice (its running attempt goes on) until returned."""
+    node = _named(session, name)
+    node.drained = f"drained by {admin}" + (f": {reason}" if reason else "")
+    return node
+
+
+def return_node(session: Session, name: str) -> Node:
+    """Gives a drained node back to the scheduler (a failing health check still keeps it out)."""
+    node = _named(session, name)
+    node.drained = None
+    return node
+
+
+def _named(session: Session, name: str) -> Node:
+    node = session.scalar(select(Node).where(Node.name == name))
+    if node is None:
+        raise NotFound(f"no node {name}")
+    return node

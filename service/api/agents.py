@@ -20,7 +20,7 @@ def node_out(node: Node) -> NodeOut:
 
 @router.post("/register")
 def register(body: AgentRegister, session: SessionDep, caller: AgentDep) -> NodeOut:
-    node = register_node(session, body.name, body.address, body.slots, caller)
+    node = register_node(session, body.name, body.address, body.slots, caller, body.health)
     session.commit()
     return node_out(node)
 

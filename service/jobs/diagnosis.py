@@ -10,13 +10,15 @@ told by its cause (a hang, a lost node, Slurm's end) or its exit code, else `unk
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ett.protocol import EXIT_CONFIG_ERROR
 from service.jobs.logs import rank_named
-from service.models import Attempt, Job, RankLog
+from service.models import Attempt, Job, Node, RankLog
+from service.settings import Settings
 
 # (diagnosis, pattern): the first diagnosis whose pattern matches a line of the rank's last
 # output wins (so the specific before the general: a CUDA out-of-memory is also an exception);
@@ -51,6 +53,35 @@ def compile_patterns(extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, r
 
 
 DEFAULT_COMPILED = compile_patterns()
+# Diagnoses of the job's own making: they do not count against the node that reported them.
+JOBS_OWN = frozenset({"exception", "import_error", "configuration"})
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """The operator's settings for failures (service/settings.py): the extra patterns, and how many
+    failures a node may report within a window before it is drained."""
+
+    patterns: Sequence[tuple[str, re.Pattern[str]]] = tuple(DEFAULT_COMPILED)
+    node_failure_limit: int = 3
+    node_failure_window_seconds: float = 3600.0
+
+    @classmethod
+    def of(cls, settings: Settings) -> "FailurePolicy":
+        return cls(compile_patterns(settings.failure_patterns), settings.node_failure_limit,
+                   settings.node_failure_window_seconds)
+
+
+def drain_if_failing(session: Session, node: Node, policy: FailurePolicy, now: float) -> None:
+    """Drains the node when its reports told `node_failure_limit` failures within the window
+    that are not of the jobs' own making (an exception, an import error, a configuration)."""
+    since = datetime.fromtimestamp(now - policy.node_failure_window_seconds, UTC)
+    failures = session.scalars(select(Attempt.diagnosis).where(
+        Attempt.failed_node_id == node.id, Attempt.ended_at >= since)).all()  # fmt: skip
+    counted = [d for d in failures if d not in JOBS_OWN]
+    if len(counted) >= policy.node_failure_limit and node.drained is None:
+        node.drained = (f"{len(counted)} failures within {policy.node_failure_window_seconds:g} s "
+                        f"({', '.join(sorted(set(map(str, counted))))}): drained until an admin returns it")
 
 
 def without_logs(cause: str, detail: str, exit_code: int | None) -> Diagnosis:

@@ -24,7 +24,7 @@ from service.agents import commands
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
-from service.jobs.diagnosis import compile_patterns
+from service.jobs.diagnosis import FailurePolicy
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.outcomes import Refused
 from service.schemas.agents import Heartbeat
@@ -62,6 +62,7 @@ def node_update(
         "clock_skew_flagged": abs(offset) > settings.max_clock_skew_seconds,
         "stats": dict(beat.stats),
         "state": node_state_after(node.state, beat.leaving),
+        "health": beat.health,
     }
 
 
@@ -114,7 +115,7 @@ class HeartbeatWriter:
         self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512, pace: float = 0.025
     ) -> None:
         self.sessions, self.settings = sessions, settings
-        self.failure_patterns = compile_patterns(settings.failure_patterns)  # service/jobs/diagnosis.py
+        self.failure_policy = FailurePolicy.of(settings)  # service/jobs/diagnosis.py
         # Threads of their own (one a lane): heartbeats never queue behind event batches for a thread.
         threads = anyio.CapacityLimiter(2)
         self.held = GroupWriter(partial(self._write_batch, skip_locked=False), threads, most=max_batch, pace=pace)
@@ -195,4 +196,4 @@ class HeartbeatWriter:
         loaded = {share.id: share for share in session.scalars(query)}
         for share_id, item, report in changing:
             share = loaded[share_id]
-            scheduler.apply_report(session, share.node, share, report, item.received, self.failure_patterns)
+            scheduler.apply_report(session, share.node, share, report, item.received, self.failure_policy)

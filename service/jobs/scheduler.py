@@ -5,7 +5,6 @@ locks the job and the nodes it takes (FOR UPDATE SKIP LOCKED on PostgreSQL), so 
 processes never hand one node two attempts; SQLite has a single writer and one process.
 """
 
-import re
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
@@ -18,7 +17,7 @@ from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
-from service.jobs.diagnosis import DEFAULT_COMPILED, Diagnosis, diagnose, no_restart_reason, without_logs
+from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose, drain_if_failing, no_restart_reason, without_logs
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
@@ -66,10 +65,10 @@ def report_changes_nothing(share_state: AttemptState, attempt_state: AttemptStat
 
 
 def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float,
-                 patterns: Sequence[tuple[str, re.Pattern[str]]] = DEFAULT_COMPILED) -> None:
-    """Applies one report to the node's share of the attempt it names (loaded with its attempt).
-    Heartbeats written in a batch (service/jobs/heartbeats.py) load their shares at once and call
-    this. A failure is diagnosed from its rank's output with `patterns` (service/jobs/diagnosis.py)."""
+                 policy: FailurePolicy = FailurePolicy()) -> None:
+    """Applies one report to the node's share of the attempt it names (loaded with its attempt; the
+    heartbeats' batches load theirs at once). A failure is diagnosed from its rank's output, and
+    counted against the node, by `policy` (service/jobs/diagnosis.py)."""
     if share.state not in ACTIVE:
         return
     share.state = AttemptState(report.state)
@@ -78,8 +77,9 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
         attempt.state = AttemptState.running
     elif share.state == AttemptState.failed:
         detail, cause = report.detail or f"{report.cause} on {node.name}", report.cause or "exit"
-        diagnosis = diagnose(session, attempt, cause, detail, report.exit_code, patterns)
-        fail_attempt(session, attempt, cause, detail, now, exit_code=report.exit_code, diagnosis=diagnosis)
+        diagnosis = diagnose(session, attempt, cause, detail, report.exit_code, policy.patterns)
+        fail_attempt(session, attempt, cause, detail, now, report.exit_code, diagnosis, node)
+        drain_if_failing(session, node, policy, now)
     elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
         # The agent stopped it without being told to (an agent restart): the attempt is lost.
         fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
@@ -91,10 +91,9 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
 
 
 def _every_share_succeeded(session: Session, attempt: Attempt) -> bool:
-    """Whether the attempt, still active, has every share succeeded, as committed by now. Two
-    nodes' last successes applied at once by two service processes each saw the other share still
-    running, and the job never ended: this share's state is written and the attempt locked first,
-    so the second to come waits for the first and then reads both."""
+    """Whether the attempt, still active, has every share succeeded, as committed: this share's state
+    is written and the attempt locked first, so of two nodes' last successes applied at once by two
+    service processes the second waits for the first and reads both (each saw the other running)."""
     session.flush()
     locked_state = session.scalar(select(Attempt.state).where(Attempt.id == attempt.id).with_for_update())
     states = session.scalars(select(AttemptNode.state).where(AttemptNode.attempt_id == attempt.id)).all()
@@ -108,7 +107,7 @@ def _release(node: Node) -> None:
 
 def fail_attempt(
     session: Session, attempt: Attempt, cause: str, detail: str, now: float, exit_code: int | None = None,
-    diagnosis: Diagnosis | None = None,
+    diagnosis: Diagnosis | None = None, node: Node | None = None,
 ) -> None:
     """Ends an attempt as failed, stops its other nodes, and fails the job if it may not restart:
     its budget spent, a failure no restart fixes, or the same failure again and again."""
@@ -119,6 +118,7 @@ def fail_attempt(
         # first ends the attempt, and the root cause corrects the record when it arrives.
         attempt.cause, attempt.detail = cause, detail
         attempt.diagnosis, attempt.summary = diagnosis.kind, diagnosis.summary
+        attempt.failed_node_id = node.id if node is not None else None
         first_report = session.scalar(select(func.min(JobEvent.ts)).where(
             JobEvent.job_id == attempt.job_id, JobEvent.attempt == attempt.number, JobEvent.kind == "attempt_failed"))
         emit(session, attempt.job_id, attempt.number, "attempt_failed", first_report, data)
@@ -126,6 +126,7 @@ def fail_attempt(
         return
     attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, _at(now)
     attempt.diagnosis, attempt.summary = diagnosis.kind, diagnosis.summary
+    attempt.failed_node_id = node.id if node is not None else None
     emit(session, attempt.job_id, attempt.number, "attempt_failed", now, data)
     _stop_shares(session, attempt, "attempt failed")
     job = attempt.job
@@ -166,8 +167,8 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
 
 
 def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> None:
-    """One pass of the scheduler: lost nodes, stragglers, then allocation. `up_since`: when this
-    service started; a service that was down gives its agents a full deadline to call back."""
+    """One pass: lost nodes, stragglers, allocation. `up_since`: from when nodes may be lost (the
+    service's start or its database's return, service/asgi/background.py)."""
     now = time.time() if now is None else now
     if up_since is None or now - up_since >= settings.heartbeat_timeout_seconds:
         _declare_lost_nodes(session, settings, now)
@@ -244,7 +245,8 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
             continue
         if idle is None:
             idle = list(session.scalars(
-                select(Node).where(Node.state == NodeState.idle, Node.last_heartbeat_at >= fresh)
+                select(Node).where(Node.state == NodeState.idle, Node.last_heartbeat_at >= fresh,
+                                   Node.health.is_(None), Node.drained.is_(None))
                 .order_by(Node.name).with_for_update(skip_locked=True)
             ))  # fmt: skip
         spec = job.spec

@@ -1,4 +1,5 @@
-"""Rank logs: the last part of each rank's output, shipped by its agent; a failure's diagnosis
+"""Rank logs: the last part of each rank's output, shipped by its agent; a failure's diagnosis and
+the node whose report told it; a node's health and drain
 
 Revision ID: 0008_rank_logs
 Revises: 0007_owners
@@ -34,10 +35,20 @@ def upgrade() -> None:
     with op.batch_alter_table('attempts') as batch:
         batch.add_column(sa.Column('diagnosis', sa.String(length=32), nullable=True))
         batch.add_column(sa.Column('summary', sa.String(length=256), nullable=True))
+        batch.add_column(sa.Column('failed_node_id', sa.Integer(), nullable=True))
+        batch.create_foreign_key(op.f('fk_attempts_failed_node_id_nodes'), 'nodes', ['failed_node_id'], ['id'])
+    with op.batch_alter_table('nodes') as batch:
+        batch.add_column(sa.Column('health', sa.String(length=512), nullable=True))
+        batch.add_column(sa.Column('drained', sa.String(length=512), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('nodes') as batch:
+        batch.drop_column('drained')
+        batch.drop_column('health')
     with op.batch_alter_table('attempts') as batch:
+        batch.drop_constraint(op.f('fk_attempts_failed_node_id_nodes'), type_='foreignkey')
+        batch.drop_column('failed_node_id')
         batch.drop_column('summary')
         batch.drop_column('diagnosis')
     op.drop_table('rank_logs')
