@@ -34,6 +34,7 @@ from agent.faults import FaultInjector
 from agent.hang import HangLimit
 from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
+from agent.oom import oom_kills
 from agent.procs import GROUP_MARKER_ENV, process_uid, signal_group, signal_marked
 from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
@@ -45,7 +46,7 @@ from ett.protocol.messages import LaunchCommand
 log = logging.getLogger(__name__)
 
 # What a rank runner's exit record passes on in a worker_exited event.
-WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error")
+WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error", "oom")
 
 
 class WorkerState(enum.StrEnum):
@@ -78,7 +79,8 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
     """The failure a rank runner's exit record describes, or None for a clean exit."""
     rank = record["rank"]
     if "signal" in record:
-        return GroupEnd(WorkerState.FAILED, "signal", f"rank {rank} killed by {record['signal']}")
+        oom = f": the kernel's out-of-memory killer ({record['oom']})" if record.get("oom") else ""
+        return GroupEnd(WorkerState.FAILED, "signal", f"rank {rank} killed by {record['signal']}{oom}")
     code = record.get("exit_code")
     if code == 0:
         return None
@@ -244,6 +246,11 @@ class WorkerGroup:
                     if self.owns(runner_pid):
                         self._watch(runner_pid)
                 continue
+            record = {k: v for k, v in record.items() if k != "oom"}  # the kernel's word, not the job's
+            if record.get("signal") == "SIGKILL" and rank in self.rank_pids:
+                killed = oom_kills({self.rank_pids[rank]})  # by the out-of-memory killer? (agent/oom.py)
+                if killed:
+                    record["oom"] = next(iter(killed.values()))
             self.exited[rank] = record
             self.events.emit("worker_exited", {k: v for k, v in record.items() if k in WORKER_EXITED_FIELDS})
             failure = end_of_rank(record)

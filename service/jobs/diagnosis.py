@@ -26,7 +26,7 @@ from service.settings import Settings
 DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
     ("import_error", r"^(?:ModuleNotFoundError|ImportError): .+"),
     ("cuda_out_of_memory", r"(?:torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory)"),
-    ("out_of_memory", r"^MemoryError\b|Cannot allocate memory|std::bad_alloc"),
+    ("out_of_memory", r"^MemoryError\b|Cannot allocate memory|std::bad_alloc|out-of-memory killer"),
     ("collective_timeout", r"Watchdog caught collective operation timeout|NCCL.*[Tt]imed? ?out|[Gg]loo.*[Tt]imed out"),
     ("hardware_error",
      r"\bXid\b|uncorrectable ECC|CUDA error: (?:an illegal memory access|unspecified launch failure)"),
@@ -102,7 +102,8 @@ def diagnose(session: Session, attempt: Attempt, cause: str, detail: str, exit_c
     if rank is not None:
         text = session.scalar(select(RankLog.text).where(
             RankLog.job_id == attempt.job_id, RankLog.attempt == attempt.number, RankLog.rank == rank))  # fmt: skip
-        found = read_lines((text or "").splitlines()[-TAIL_LINES:], patterns)
+        # The detail last: the agent's word on a kill (the kernel's out-of-memory killer).
+        found = read_lines([*(text or "").splitlines()[-TAIL_LINES:], detail], patterns)
         if found is not None:
             return found
     return without_logs(cause, detail, exit_code)

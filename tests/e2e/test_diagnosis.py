@@ -3,9 +3,11 @@
 job at its first attempt, and a job that fails the same way at the same step stops restarting. The
 library's injected faults (raise, fill_memory, fill_disk) fail a script on ett the same ways."""
 
+import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +86,29 @@ def test_injected_faults_fail_a_script_on_the_library_as_real_ones_would(tmp_pat
             assert full["diagnosis"] == "disk_full" and "No space left on device" in full["summary"], full
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+MEMORY_CGROUP = Path("/sys/fs/cgroup/memory")
+OOM_HOG = "h = []\nwhile True:\n    h.append(bytearray(16 << 20)); h[-1][::4096] = b'x' * (4 << 10)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not MEMORY_CGROUP.is_dir(), reason="a v1 memory cgroup to cap a rank")
+def test_a_rank_the_kernels_out_of_memory_killer_ends_is_diagnosed_so(tmp_path):
+    """No traceback, only SIGKILL: the agent reads the kernel's log for the kill of that rank."""
+    cap = MEMORY_CGROUP / f"ett-test-{os.getpid()}"
+    cap.mkdir()
+    try:
+        (cap / "memory.limit_in_bytes").write_text(str(1536 << 20))
+        with cluster(tmp_path) as c:
+            agent = c.start_agent("node-a")
+            (cap / "cgroup.procs").write_text(str(agent.pid))  # what it starts from now on is capped
+            killed = c.wait_job(c.submit(**job("oom", OOM_HOG, max_restarts=0)))
+            [failure] = c.report(killed["id"])["failures"]
+        assert failure["cause"] == "signal" and failure["diagnosis"] == "out_of_memory", failure
+        assert "killed by SIGKILL: the kernel's out-of-memory killer (Memory cgroup out of memory: Killed process" in (
+            failure["summary"]), failure
+    finally:
+        for pid in (cap / "cgroup.procs").read_text().split():  # the agent and what is left of its processes
+            with contextlib.suppress(OSError):
+                (MEMORY_CGROUP / "cgroup.procs").write_text(pid)
+        cap.rmdir()

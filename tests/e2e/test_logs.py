@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.support.browser import chromium
 from tests.support.cluster import cluster
 from tests.support.waiting import wait_for
 
@@ -51,8 +51,9 @@ def test_ett_logs_shows_the_failed_ranks_traceback_and_follows_a_running_rank(tm
         out, _ = ett_logs(c, failing, "--rank", "0").communicate(timeout=60)
         assert out.startswith("hello from rank 0") and "Traceback" not in out
 
-        page = httpx.get(f"{c.service.url}/jobs/{failing}", params={"token": c.service.token("user", "alice")},
-                         follow_redirects=True).text
+        # The job page in a real browser: the failed rank's last lines under its failure.
+        url = f"{c.service.url}/jobs/{failing}?token={c.service.token('user', 'alice')}"
+        page = chromium("--dump-dom", url, profile=tmp_path / "browser")
         assert 'class="rank-log" data-attempt="0" data-rank="1"' in page and "ValueError: bad batch" in page
 
         chatty = c.submit(name="chatty", nodes=1, procs_per_node=2, max_restarts=0, hang_timeout_seconds=None,

@@ -3,8 +3,6 @@ timeline in a real headless Chromium, and a drawing that stays small at 10 attem
 
 import logging
 import re
-import shutil
-import subprocess
 import time
 from collections import Counter, defaultdict
 from html.parser import HTMLParser
@@ -20,6 +18,7 @@ from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
 from tests.deploy.replayed import clean_success, failed_at_start, replayed_job
 from tests.service.accounting.timelines import Timeline
 from tests.service.factories import submit
+from tests.support.browser import chromium
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -194,17 +193,6 @@ def test_access_log_masks_the_query_token(service, caplog):
     finally:
         access.removeHandler(caplog.handler)
     assert "/jobs?token=***" in caplog.text and secret not in caplog.text
-
-
-def chromium(*args: str, profile: Path) -> str:
-    binary = shutil.which("chromium")
-    assert binary, "headless Chromium is needed: apt-get install chromium (.ci/run does)"
-    argv = [
-        binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", *args,
-    ]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
 
 
 @SQLITE_ONLY
