@@ -85,16 +85,18 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGUSR1, fault_exit)
 
     returncode = child.wait()
-    if copying is not None:
-        copying.join(LOG_DRAIN_SECONDS)  # its last lines (a child of the rank may hold the pipe: not waited for)
+    # The record first: the first failure recorded is the attempt's cause (a killed rank's, not the
+    # broken collective's of a peer that exits a moment later); then the rank's last lines.
     if fault_code is not None:
-        append_json_line(args.ranks_file, {"rank": rank, "exit_code": fault_code, "fault": "exit"})
-        return fault_code
-    if returncode < 0:
-        append_json_line(args.ranks_file, {"rank": rank, "signal": signal.Signals(-returncode).name})
-        return 128 - returncode
-    append_json_line(args.ranks_file, {"rank": rank, "exit_code": returncode})
-    return returncode
+        record, code = {"rank": rank, "exit_code": fault_code, "fault": "exit"}, fault_code
+    elif returncode < 0:
+        record, code = {"rank": rank, "signal": signal.Signals(-returncode).name}, 128 - returncode
+    else:
+        record, code = {"rank": rank, "exit_code": returncode}, returncode
+    append_json_line(args.ranks_file, record)
+    if copying is not None:
+        copying.join(LOG_DRAIN_SECONDS)  # a child of the rank may hold the pipe: not waited for long
+    return code
 
 
 if __name__ == "__main__":

@@ -60,10 +60,11 @@ def test_ett_logs_shows_the_failed_ranks_traceback_and_follows_a_running_rank(tm
                           entrypoint=[sys.executable, "-c", CHATTY])
         wait_for(lambda: c.job(chatty)["state"] == "running", 60, "the chatty job to run")
         follow = ett_logs(c, chatty, "--rank", "1", "--follow")
-        first = follow.stdout.readline()
-        seen_at = time.monotonic()
-        rest, _ = follow.communicate(timeout=60)
-        lines = [first, *rest.splitlines(keepends=True)]
+        lines, seen_at = [], 0.0
+        for line in follow.stdout:  # line by line as they come, until the command ends with the job
+            seen_at = seen_at or time.monotonic()
+            lines.append(line)
+        assert follow.wait(timeout=60) == 0
         assert [line.strip() for line in lines] == [f"rank 1 line {i}" for i in range(12)], lines
         assert c.job(chatty)["state"] == "succeeded"
         # The first line came while the rank still printed (12 lines, 0.5 s apart), not at the end.
