@@ -2,18 +2,16 @@
 could not run at all (an agent started as root; the tests here are run as root on CI)."""
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.job_user import PASSABLE, RunAs, make_passable, resolve_job_user
-from tests.support.job_user import closed_folder, job_python
+from tests.support.job_user import closed_folder, job_python, open_folder
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an agent started as root")
 
@@ -51,11 +49,9 @@ def test_an_interpreter_the_job_user_cannot_run_stops_the_agent_with_what_to_set
 @pytest.fixture(scope="module")
 def open_root() -> Iterator[Path]:
     """A folder other users may enter (pytest's are closed to them), with a job interpreter."""
-    root = Path(tempfile.mkdtemp(prefix="ett-job-user-"))
-    root.chmod(0o755)
-    job_python(root / "python")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with open_folder("ett-job-user-") as root:
+        job_python(root / "python")
+        yield root
 
 
 def test_the_agents_folders_let_the_job_user_through_whatever_the_umask(open_root):

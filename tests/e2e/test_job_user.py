@@ -3,9 +3,7 @@ as the owner's own uid (the first job uid plus the owner's number), with an inte
 can run, and still checkpoint and resume. Real agents, real torchrun ranks, real uids."""
 
 import os
-import shutil
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from agent.settings import AgentSettings
 from service.models import Owner
 from tests.e2e.test_own_scripts import run_with_a_kill
 from tests.support.cluster import REPO, Cluster, cluster, example_job, trainer_job
-from tests.support.job_user import job_python
+from tests.support.job_user import job_python, open_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs agents started as root")]
 
@@ -32,10 +30,8 @@ def owner_uid(c: Cluster, owner: str) -> int:
 def open_root() -> Iterator[Path]:
     """A folder any user may enter (pytest's own are closed to others): agents' data, checkpoints,
     the job interpreter."""
-    root = Path(tempfile.mkdtemp(prefix="ett-job-user-"))
-    root.chmod(0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with open_folder("ett-job-user-") as root:
+        yield root
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,7 @@ Real agents, real torchrun ranks, real uids (docs/reliability.md, "Security").""
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 
 from tests.e2e.test_job_user import owner_uid
 from tests.support.cluster import cluster
-from tests.support.job_user import job_python
+from tests.support.job_user import job_python, open_folder
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs agents started as root")]
@@ -63,10 +61,8 @@ with open(out, "w") as f:
 
 @pytest.fixture(scope="module")
 def open_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="ett-apart-"))
-    root.chmod(0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with open_folder("ett-apart-") as root:
+        yield root
 
 
 def test_two_owners_jobs_cannot_touch_each_other(open_root):

@@ -9,10 +9,8 @@ URL variables), so the test can run beside anything else on this machine.
 
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import REPO
-from tests.support.job_user import job_python
+from tests.support.job_user import job_python, open_folder
 from tests.support.postgres import free_port
 
 pytestmark = pytest.mark.slow
@@ -50,39 +48,37 @@ def as_one_script(blocks: list[str]) -> str:
 
 
 @pytest.fixture
-def open_folder() -> Iterator[Path]:
+def home_folder() -> Iterator[Path]:
     """A folder the job's user may enter (pytest's are closed to other users), as a home folder is."""
-    folder = Path(tempfile.mkdtemp(prefix="ett-readme-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    with open_folder("ett-readme-") as folder:
+        yield folder
 
 
-def test_the_readme_walkthrough_runs_as_written_and_its_job_has_a_page(open_folder):
+def test_the_readme_walkthrough_runs_as_written_and_its_job_has_a_page(home_folder):
     blocks = walkthrough_blocks()
     assert len(blocks) == 4 and "ett agent" in blocks[1] and "ett submit" in blocks[2], blocks
-    (open_folder / ".venv").symlink_to(REPO / ".venv")
-    (open_folder / "examples").symlink_to(REPO / "examples")
+    (home_folder / ".venv").symlink_to(REPO / ".venv")
+    (home_folder / "examples").symlink_to(REPO / "examples")
     url = f"http://127.0.0.1:{free_port()}"
     env = {**os.environ, "ETT_PORT": url.rsplit(":", 1)[1], "ETT_SERVICE_URL": url, "ETT_AGENT_SERVICE_URL": url,
-           "ETT_AGENT_JOB_PYTHON": str(job_python(open_folder / "job-python"))}  # fmt: skip
+           "ETT_AGENT_JOB_PYTHON": str(job_python(home_folder / "job-python"))}  # fmt: skip
     for name in [n for n in env if n.startswith(("ETT_AGENT_JOB_USER", "ETT_AGENT_ALLOW", "ETT_DATA"))]:
         del env[name]
     # Into a file: the agents it leaves running keep their standard output open.
-    with open(open_folder / "walkthrough.log", "w") as out:
-        script = subprocess.Popen(["bash", "-c", as_one_script(blocks)], cwd=open_folder, env=env, stdout=out,
+    with open(home_folder / "walkthrough.log", "w") as out:
+        script = subprocess.Popen(["bash", "-c", as_one_script(blocks)], cwd=home_folder, env=env, stdout=out,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         script.wait(timeout=240)  # step 5's `ett report --follow` returns once the job has ended
-        out = (open_folder / "walkthrough.log").read_text()
-        assert script.returncode == 0, out + logs(open_folder)
+        out = (home_folder / "walkthrough.log").read_text()
+        assert script.returncode == 0, out + logs(home_folder)
         token, job_id = re.search(r"^TOKEN=(\S+)$", out, re.M)[1], re.search(r"^JOB=(\w+)$", out, re.M)[1]
-        assert f"job {job_id}  state succeeded" in out, out + logs(open_folder)
+        assert f"job {job_id}  state succeeded" in out, out + logs(home_folder)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as api:
             job = api.get(f"/api/v1/jobs/{job_id}").json()
         assert job["state"] == "succeeded" and job["name"] == "plain-ddp"
         if os.geteuid() == 0:  # the README's agents ran it as its owner's uid, through the folders umask 077 made
-            assert (open_folder / "agent-node-0").stat().st_mode & 0o001
+            assert (home_folder / "agent-node-0").stat().st_mode & 0o001
         # Step 6: the page, signed in with the token in the address, then by its cookie.
         with httpx.Client(base_url=url, follow_redirects=True) as browser:
             page = browser.get(f"/jobs/{job_id}", params={"token": token})

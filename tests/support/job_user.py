@@ -7,12 +7,28 @@ deployment would build one, outside root's home folder.
 """
 
 import getpass
+import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SUITE_USER_JOBS = {"ETT_AGENT_JOB_USER": getpass.getuser(), "ETT_AGENT_ALLOW_ROOT_JOBS": "true"}
+
+
+@contextmanager
+def open_folder(prefix: str) -> Iterator[Path]:
+    """A folder other users may enter (pytest's own are closed to them, as root's home is): for the
+    agents' data, checkpoints and a job interpreter of a job's user. Removed at the end."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def closed_folder(path: Path) -> Path | None:
