@@ -5,7 +5,6 @@ import os
 import pwd
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -16,75 +15,16 @@ from agent.health import HealthCheck
 from agent.job_user import JobUser, JobUserError, JobUsers, RunAs
 from agent.launch import starts_warm
 from agent.rank_log import DEFAULT_MAX_BYTES
+from agent.report_book import AttemptKey, ReportBook, attempt_report
 from agent.spool import AttemptPaths, write_private
 from agent.warm import WarmServer, WarmServers
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
-from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport, IntervalCommand, LaunchCommand, StopCommand
+from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
 
 log = logging.getLogger(__name__)
 INTERVAL_FILE_MAX_BYTES = 1 << 20  # a line per change: far less in any real job
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
-AttemptKey = tuple[str, int]
-
-
-class ReportBook:
-    """The latest report of each attempt, shared by the monitor loop and the heartbeat threads.
-
-    An ended attempt's report is held back (heartbeats say `running`) until the reporter has
-    forwarded the events its ranks wrote, or for at most END_WAIT_SECONDS: the service restarts
-    from the newest checkpoint it knows of and counts a job done once its nodes report the end,
-    so those events must be there first (after a service outage the forwarder may still be in
-    backoff). It then stays in every heartbeat until one carrying it is answered 200.
-    """
-
-    END_WAIT_SECONDS = 30.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reports: dict[AttemptKey, AttemptReport] = {}
-        self._held: dict[AttemptKey, float] = {}  # ended attempts not yet released, since when
-
-    def set(self, key: AttemptKey, report: AttemptReport) -> None:
-        with self._lock:
-            self._reports[key] = report
-            if report.state != "running":
-                self._held.setdefault(key, time.monotonic())
-
-    def snapshot(self) -> list[AttemptReport]:
-        """Every attempt's latest report, held or not."""
-        with self._lock:
-            return list(self._reports.values())
-
-    def to_send(self) -> list[AttemptReport]:
-        """What a heartbeat carries: a held end still as `running`."""
-        with self._lock:
-            return [report if key not in self._held else attempt_report(*key, "running", None)
-                    for key, report in self._reports.items()]
-
-    def held(self) -> list[AttemptKey]:
-        with self._lock:
-            return list(self._held)
-
-    def overdue(self) -> bool:
-        with self._lock:
-            return any(time.monotonic() - since >= self.END_WAIT_SECONDS for since in self._held.values())
-
-    def release(self, keys: list[AttemptKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._held.pop(key, None)
-
-    def acknowledge(self, sent: list[AttemptReport]) -> None:
-        with self._lock:
-            for report in sent:
-                if report.state != "running" and self._reports.get(report.key) is report:
-                    del self._reports[report.key]
-
-
-def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) -> AttemptReport:
-    return AttemptReport(job_id=job_id, attempt=attempt, state=state, cause=end.cause if end else None,
-                         detail=end.detail[:REPORT_DETAIL_CHARS] if end else "", exit_code=end.exit_code if end else None)
 
 
 class Supervisor:
@@ -191,10 +131,15 @@ class Supervisor:
         command = self._with_local_checkpoints(command)
         server = self._warm_server(command, run_as)
         warm_socket = server.socket_path if server is not None and not server.starting else None
-        group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=warm_socket,
-                            run_as=run_as, cgroups=self.cgroups,
-                            spare=self.warm.pids if self.warm is not None else set,
-                            rank_log_max_bytes=self.rank_log_max_bytes)  # fmt: skip
+        try:  # its folders made: a disk full or a folder the job left in the way stays this launch's
+            group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=warm_socket,
+                                run_as=run_as, cgroups=self.cgroups,
+                                spare=self.warm.pids if self.warm is not None else set,
+                                rank_log_max_bytes=self.rank_log_max_bytes)  # fmt: skip
+        except OSError as exc:
+            log.warning("attempt %s/%d: launch failed: %s", command.job_id, command.attempt, exc)
+            self.refuse(command.job_id, command.attempt, f"launch failed: {exc}")
+            return
         self.groups[command.key] = group
         try:
             for folder in (command.checkpoint.dir, command.checkpoint.local_dir):

@@ -176,7 +176,7 @@ def test_flush_sends_what_is_written_without_waiting_for_a_batch(fake_service, t
 
 
 def test_a_flush_tries_again_at_once_when_the_forwarder_is_in_backoff(fake_service, tmp_path):
-    # An attempt's end is reported once its events are in (agent.supervisor.ReportBook): after an
+    # An attempt's end is reported once its events are in (agent.report_book.ReportBook): after an
     # outage the reporter's flush must not wait out the forwarder's backoff (here a minute).
     forwarder = forwarder_for(fake_service, tmp_path, retry_base_seconds=120.0, retry_max_seconds=120.0)
     stop = threading.Event()

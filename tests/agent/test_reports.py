@@ -1,7 +1,7 @@
 """An ended attempt's report waits for the node's events: heartbeats say `running` until the
 reporter releases it (after a flush), then carry it until a heartbeat with it is acknowledged."""
 
-from agent.supervisor import ReportBook, attempt_report
+from agent.report_book import ReportBook, attempt_report
 from agent.workers import GroupEnd, WorkerState
 
 
