@@ -1,4 +1,4 @@
-"""All worker groups of this node, and the attempt reports the heartbeats carry to the service."""
+"""All worker groups of this node: launched as their owner's user, in cgroups of their own, stopped, polled."""
 
 import logging
 import os
