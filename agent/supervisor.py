@@ -203,13 +203,13 @@ class Supervisor:
         """Polls every group once; True when an attempt's reported state changed."""
         changed = False
         for key, group in list(self.groups.items()):
-            before = group.reported_state
+            before = group.reported_state, group.outcome  # a failure's cause may be corrected (its root cause)
             try:
                 group.poll()
             except Exception:  # one group's trouble (its folders are its job's) must not end the agent
                 log.exception("attempt %s/%d: poll failed; trying again at the next", *key)
                 continue
-            if group.reported_state != before:
+            if (group.reported_state, group.outcome) != before:
                 self._report(group)
                 changed = True
             if group.state.is_terminal:

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # What a rank runner's exit record passes on in a worker_exited event.
 WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error", "oom")
+# How soon after a peer's plain exit a rank's SIGKILL is still taken for the cause (_is_root_cause).
+ROOT_CAUSE_SECONDS = 1.0
 
 
 class WorkerState(enum.StrEnum):
@@ -129,6 +131,8 @@ class WorkerGroup:
         self.spool_trouble: dict[str, tuple[int, int]] = {}
         self._marked_at: float | None = None  # the last change of any rank's progress mark
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
+        self._ending_at: float | None = None
+        self._killed_at: float | None = None  # when the agent SIGKILLed the group
         self._kill_at: float | None = None
         self._pidfds: dict[int, int] = {}  # pid -> pidfd: torchrun's guard and the rank runners (agent.wakeup)
 
@@ -219,7 +223,7 @@ class WorkerGroup:
 
     def kill(self) -> None:
         """SIGKILL to every process of the group; poll() then sees torchrun gone."""
-        self._kill_at = None
+        self._kill_at, self._killed_at = None, self.clock()
         if self._proc is not None:
             signal_group(self._proc.pid, SIGKILL)
         signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
@@ -256,14 +260,26 @@ class WorkerGroup:
             failure = end_of_rank(record)
             if failure is not None and self._ending is None:
                 log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, failure.detail)
-                self._ending = failure
+                self._ending, self._ending_at = failure, now
                 self._kill_at = now + self.stop_grace_seconds  # torchrun tears the rest down itself first
+            elif failure is not None and self._is_root_cause(failure, now):
+                log.warning("attempt %s/%d: %s, the cause of %s", self.command.job_id, self.command.attempt,
+                            failure.detail, self._ending.detail if self._ending else "")
+                self._ending = failure
         if self.state == WorkerState.LAUNCHING and len(self.rank_pids) == self.command.nproc_per_node:
             self.state = WorkerState.RUNNING
         if self._all_exited and self._kill_at is None:
             self._kill_at = now + self.stop_grace_seconds  # torchrun should follow its ranks out
         if self._all_exited and self._ending is not None:
             self._kill_at = now  # a failed or stopped group: nothing of torchrun's own teardown is needed
+
+    def _is_root_cause(self, failure: GroupEnd, now: float) -> bool:
+        """A rank SIGKILLed from outside (a fault, the kernel's out-of-memory killer) breaks its
+        peers' collectives, and a peer's plain exit may be recorded a moment before its runner
+        records the kill: the kill is the cause. Not once the agent itself has killed the group."""
+        return (self._ending is not None and self._ending.state == WorkerState.FAILED and self._ending.cause == "exit"
+                and failure.cause == "signal" and "SIGKILL" in failure.detail and self._killed_at is None
+                and now - (self._ending_at or now) <= ROOT_CAUSE_SECONDS)
 
     def _read_progress(self, now: float) -> None:
         for path in sorted(self.paths.events_dir.glob(RANK_SPOOL_GLOB)):

@@ -283,6 +283,21 @@ def test_fault_injection_at_a_step(supervisor, action, rank, expected):
     assert not pids_with_env("ETT_JOB_ID", command.job_id)
 
 
+def test_a_rank_killed_from_outside_is_the_cause_though_a_peer_exited_a_moment_before(supervisor):
+    """A killed rank breaks its peers' collectives, and a peer's exit may be recorded before the
+    kill is: the SIGKILL is the attempt's cause (rank 1 ignores torchrun's SIGTERM, so only the kill
+    ends it)."""
+    command = launch_command("--steps", "100000", "--fail-rank", "0", "--fail-at-step", "3", "--fail-code", "1",
+                             "--ignore-sigterm")
+    supervisor.launch(command)
+    group = supervisor.groups[command.key]
+    wait_for(lambda: group.outcome is not None, 60, "rank 0's exit", while_waiting=supervisor.poll)
+    assert group.outcome.detail == "rank 0 exit code 1"
+    os.kill(group.rank_pids[1], signal.SIGKILL)  # as a fault or the kernel's out-of-memory killer would
+    report = run_to_end(supervisor)
+    assert (report["state"], report["cause"], report["detail"]) == ("failed", "signal", "rank 1 killed by SIGKILL")
+
+
 def test_a_pid_the_job_writes_into_its_records_is_not_signalled(supervisor):
     """The runners' records are the job's to write: a fault for rank 1, whose record a rank forged
     to name a process outside the group, signals nothing (pids are the kernel's word)."""
