@@ -36,7 +36,7 @@ import httpx
 from agent.jsonl import append_json_line
 from agent.log_shipper import LogShipper
 from agent.metrics import AgentStats
-from agent.spool import AttemptPaths, disk_bytes, read_complete_lines, release_prefix
+from agent.spool import AttemptPaths, disk_bytes, read_complete_lines, release_prefix, save_private_json
 from agent.stamp import RANK_SPOOL_NAME, Stamper
 from ett.protocol import EVENTS_DIR, NODE_SPOOL_GLOB, RANK_SPOOL_GLOB
 
@@ -274,12 +274,7 @@ class Forwarder:
             log.warning("spool %s: forwarded part not released: %s", name, exc)
 
     def _save_offsets(self) -> None:
-        temporary = self.offsets_file.with_suffix(".tmp")
-        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # names every job
-            json.dump(self.acked, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, self.offsets_file)
+        save_private_json(self.offsets_file, self.acked)
 
     def _tidy_spools(self) -> None:
         """Deletes the spools of ended attempts once forwarded; counts the disk the rest use."""

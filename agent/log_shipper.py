@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from agent.spool import open_job_file
+from agent.spool import open_job_file, save_private_json
 from ett.protocol import LOGS_DIR
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,4 @@ class LogShipper:
         self._save()
 
     def _save(self) -> None:
-        temporary = self.positions_file.with_suffix(".tmp")
-        with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(self.positions, f)
-        os.replace(temporary, self.positions_file)
+        save_private_json(self.positions_file, self.positions)

@@ -144,6 +144,17 @@ def write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
+def save_private_json(path: Path, value: Any) -> None:
+    """The agent's own state (read positions): written whole and durable, then renamed over the
+    old (a crash leaves one or the other), readable by the agent alone (it names every job)."""
+    temporary = path.with_suffix(".tmp")
+    with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
