@@ -7,7 +7,11 @@ row of x_TD they read and the row of the output they add to:
     out_TD[index_S[s]] += weights_S[s] * (silu(x w1[e]) * x w3[e]) w2[e],  x = x_TD[index_S[s]]
 
 On CUDA `torch._grouped_mm` runs each matmul for all experts in one kernel (bf16, 16-byte
-aligned rows), between a full-size gather and a full-size scatter-add. Elsewhere (CPU) one
+aligned rows), between a full-size gather and a full-size sum back. Where every row is read the
+same number of times (no assignment dropped), that sum is a gather and a reshaped sum, in the
+forward and in the gather's backward: a scatter-add there adds bf16 rows atomically, which was the
+layer's largest kernel on an H200 (17% of its CUDA time, above each grouped matmul; see
+bench/gpu/moe_profile.py). Elsewhere (CPU) one
 autograd Function loops over the experts and, for each, gathers its rows, runs its MLP and adds
 the weighted result back while the rows are still in cache, and does the same in the backward:
 no full-size passes, and only the two pre-activations saved. Both paths run the same per-expert
@@ -24,6 +28,52 @@ def grouped_mm_supported(x_TK: torch.Tensor, w_EKN: torch.Tensor) -> bool:
     return x_TK.is_cuda and x_TK.dtype == w_EKN.dtype == torch.bfloat16 and aligned
 
 
+def gather_rows(x_TD: torch.Tensor, index_S: torch.Tensor, reads_per_row: int | None) -> torch.Tensor:
+    """x_TD.index_select(0, index_S). reads_per_row: every row of x_TD appears exactly that many
+    times in index_S (None: not known), which lets the backward gather instead of scatter-add."""
+    if reads_per_row is None:
+        return x_TD.index_select(0, index_S)  # backward: one index_add
+    return _GatherRows.apply(x_TD, index_S, reads_per_row)
+
+
+def sum_rows(y_SD: torch.Tensor, index_S: torch.Tensor, num_rows: int, reads_per_row: int | None) -> torch.Tensor:
+    """out[index_S[s]] += y_SD[s] for num_rows output rows: the adjoint of gather_rows."""
+    if reads_per_row is None:
+        return y_SD.new_zeros(num_rows, y_SD.shape[1]).index_add(0, index_S, y_SD)
+    return _SumRows.apply(y_SD, index_S, reads_per_row)
+
+
+def _sum_by_row(y_SD: torch.Tensor, index_S: torch.Tensor, reads_per_row: int) -> torch.Tensor:
+    """Each row's reads_per_row entries, found by a stable sort of index_S, gathered and summed."""
+    by_row_S = torch.argsort(index_S, stable=True)
+    return y_SD.index_select(0, by_row_S).view(-1, reads_per_row, y_SD.shape[1]).sum(dim=1)
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, index_S, reads_per_row: int):
+        ctx.save_for_backward(index_S)
+        ctx.reads_per_row = reads_per_row
+        return x_TD.index_select(0, index_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (index_S,) = ctx.saved_tensors
+        return _sum_by_row(grad_SD, index_S, ctx.reads_per_row), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_SD, index_S, reads_per_row: int):
+        ctx.save_for_backward(index_S)
+        return _sum_by_row(y_SD, index_S, reads_per_row)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        (index_S,) = ctx.saved_tensors
+        return grad_TD.index_select(0, index_S), None, None
+
+
 def routed_swiglu(
     x_TD: torch.Tensor,
     index_S: torch.Tensor,
@@ -33,8 +83,10 @@ def routed_swiglu(
     w3_EDF: torch.Tensor,
     counts_E: torch.Tensor,
     use_grouped_mm: bool | None = None,
+    reads_per_row: int | None = None,
 ) -> torch.Tensor:
     """out_TD (shaped like x_TD) as in the module docstring; weights_S None means all ones.
+    reads_per_row: see gather_rows (top-k without drops: k; a permutation: 1).
 
     use_grouped_mm: None picks `torch._grouped_mm` where `grouped_mm_supported`; True forces it
     (PyTorch also has a CPU kernel, used by the tests); False forces the per-expert loop.
@@ -43,13 +95,13 @@ def routed_swiglu(
         use_grouped_mm = grouped_mm_supported(x_TD, w1_EDF)
     if not use_grouped_mm:
         return _SliceLoopRoutedSwiGLU.apply(x_TD, index_S, weights_S, w1_EDF, w2_EFD, w3_EDF, counts_E.tolist())
-    x_SD = x_TD.index_select(0, index_S)  # backward: one index_add
+    x_SD = gather_rows(x_TD, index_S, reads_per_row)
     offsets_E = counts_E.cumsum(0).to(torch.int32)
     h_SF = F.silu(torch._grouped_mm(x_SD, w1_EDF, offs=offsets_E)) * torch._grouped_mm(x_SD, w3_EDF, offs=offsets_E)
     y_SD = torch._grouped_mm(h_SF, w2_EFD, offs=offsets_E)
     if weights_S is not None:
         y_SD = y_SD * weights_S.unsqueeze(-1)
-    return torch.zeros_like(x_TD).index_add(0, index_S, y_SD)
+    return sum_rows(y_SD, index_S, x_TD.shape[0], reads_per_row)
 
 
 class _SliceLoopRoutedSwiGLU(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.grouped_gemm import routed_swiglu
+from trainer.grouped_gemm import gather_rows, routed_swiglu, sum_rows
 
 
 @dataclass
@@ -97,14 +97,19 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0  # 1/ep under expert parallelism, see trainer.parallel.parallelize
 
     def forward(
-        self, x_TD: torch.Tensor, index_S: torch.Tensor, weights_S: torch.Tensor | None, counts_E: torch.Tensor
+        self,
+        x_TD: torch.Tensor,
+        index_S: torch.Tensor,
+        weights_S: torch.Tensor | None,
+        counts_E: torch.Tensor,
+        reads_per_row: int | None = None,
     ) -> torch.Tensor:
         """out_TD[index_S[s]] += weights_S[s] * expert(x_TD[index_S[s]]), s sorted by expert,
         counts_E[e] rows for local expert e (see trainer.grouped_gemm.routed_swiglu)."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EDF, self.w2_EFD, self.w3_EDF))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        return routed_swiglu(x_TD, index_S, weights_S, w1, w2, w3, counts_E, self.use_grouped_mm)
+        return routed_swiglu(x_TD, index_S, weights_S, w1, w2, w3, counts_E, self.use_grouped_mm, reads_per_row)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -158,15 +163,16 @@ class MoE(nn.Module):
         counts_E = torch.bincount(experts_A, minlength=num_experts)
         if self.cfg.capacity_factor is not None:
             order_S, kept_counts_E = self._drop_over_capacity(order_S, counts_E, x_TD.shape[0])
+            reads_per_row = None  # some tokens may have lost an assignment
         else:
-            kept_counts_E = counts_E
+            kept_counts_E, reads_per_row = counts_E, k
         token_S = order_S // k
         weights_S = routing.weights_TK.flatten()[order_S].to(x_TD.dtype)
 
         if self.ep_group is None:
-            out_TD = self.experts(x_TD, token_S, weights_S, kept_counts_E)
+            out_TD = self.experts(x_TD, token_S, weights_S, kept_counts_E, reads_per_row)
         else:
-            out_TD = self._experts_parallel(x_TD, token_S, weights_S, kept_counts_E)
+            out_TD = self._experts_parallel(x_TD, token_S, weights_S, kept_counts_E, reads_per_row)
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
 
@@ -183,7 +189,12 @@ class MoE(nn.Module):
         return order_S[rank_in_expert_S < capacity], counts_E.clamp(max=capacity)
 
     def _experts_parallel(
-        self, x_TD: torch.Tensor, token_S: torch.Tensor, weights_S: torch.Tensor, counts_E: torch.Tensor
+        self,
+        x_TD: torch.Tensor,
+        token_S: torch.Tensor,
+        weights_S: torch.Tensor,
+        counts_E: torch.Tensor,
+        reads_per_row: int | None,
     ) -> torch.Tensor:
         """Send each assignment's token to the rank owning its expert, run the local experts, send
         the results back, and add them, weighted, to their tokens."""
@@ -197,15 +208,15 @@ class MoE(nn.Module):
         send_splits = counts_E.view(ep, local_experts).sum(dim=1).tolist()
         recv_splits = recv_counts_RL.sum(dim=1).tolist()
 
-        x_SD = x_TD.index_select(0, token_S)  # backward: one index_add
+        x_SD = gather_rows(x_TD, token_S, reads_per_row)
         x_recv_RD = funcol.all_to_all_single_autograd(x_SD, recv_splits, send_splits, group)
         # Arrivals are ordered (source rank, local expert); the experts take them in the order
         # (local expert, source rank) and add each result back at its arrival row.
         local_ids_R = torch.arange(local_experts, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts_RL.flatten())
         perm_R = torch.argsort(local_ids_R, stable=True)
-        y_recv_RD = self.experts(x_recv_RD, perm_R, None, recv_counts_RL.sum(dim=0))
+        y_recv_RD = self.experts(x_recv_RD, perm_R, None, recv_counts_RL.sum(dim=0), reads_per_row=1)
         y_SD = funcol.all_to_all_single_autograd(y_recv_RD, send_splits, recv_splits, group)
-        return torch.zeros_like(x_TD).index_add(0, token_S, y_SD * weights_S.unsqueeze(-1))
+        return sum_rows(y_SD * weights_S.unsqueeze(-1), token_S, x_TD.shape[0], reads_per_row)
 
     @torch.no_grad()
     def _update_load(self, counts_E: torch.Tensor, dropped: int) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.grouped_gemm import routed_swiglu
+from trainer.grouped_gemm import gather_rows, routed_swiglu, sum_rows
 from trainer.model import ModelConfig, Transformer
 from trainer.moe import MoE, MoEConfig, expert_capacity
 
@@ -99,7 +99,7 @@ def test_unweighted_permutation_matches_grouped_mm():
     results = []
     for use_grouped_mm in (True, False):
         inputs = [t.clone().requires_grad_() for t in (x_RD, *weights)]
-        out_RD = routed_swiglu(inputs[0], perm_R, None, *inputs[1:], counts_E, use_grouped_mm)
+        out_RD = routed_swiglu(inputs[0], perm_R, None, *inputs[1:], counts_E, use_grouped_mm, reads_per_row=1)
         (out_RD * torch.linspace(-1, 1, out_RD.numel()).view_as(out_RD)).sum().backward()
         results.append([out_RD.detach(), *(t.grad for t in inputs)])
     for grouped, looped in zip(*results, strict=True):
@@ -182,3 +182,20 @@ def test_transformer_forward_stats_and_counts():
     dense = tiny_transformer("dense")
     _, dense_aux = dense(tokens_BT)
     assert dense_aux.item() == 0.0 and dense.moe_stats()["dropped_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("reads_per_row", [1, 2, 3])
+def test_gather_and_sum_by_row_match_index_add_and_their_gradients(reads_per_row):
+    """Rows each read reads_per_row times, in a shuffled order: the gather-and-sum path gives the
+    scatter-add's values and gradients (float64 gradcheck), and sum_rows is gather_rows' adjoint."""
+    generator = torch.Generator().manual_seed(3)
+    index_S = torch.arange(5).repeat(reads_per_row)[torch.randperm(5 * reads_per_row, generator=generator)]
+    x_TD = torch.randn(5, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    y_SD = torch.randn(5 * reads_per_row, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    torch.testing.assert_close(gather_rows(x_TD, index_S, reads_per_row), gather_rows(x_TD, index_S, None))
+    torch.testing.assert_close(sum_rows(y_SD, index_S, 5, reads_per_row), sum_rows(y_SD, index_S, 5, None))
+    assert torch.autograd.gradcheck(lambda x: gather_rows(x, index_S, reads_per_row), (x_TD,))
+    assert torch.autograd.gradcheck(lambda y: sum_rows(y, index_S, 5, reads_per_row), (y_SD,))
+    inner_gathered = (gather_rows(x_TD, index_S, reads_per_row) * y_SD).sum()
+    inner_summed = (x_TD * sum_rows(y_SD, index_S, 5, reads_per_row)).sum()
+    torch.testing.assert_close(inner_gathered, inner_summed)
