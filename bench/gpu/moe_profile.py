@@ -39,10 +39,12 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total_us = sum(e.self_device_time_total for e in events)
     grouped_us = sum(e.self_device_time_total for e in events if "grouped" in e.key.lower() or "gemm" in e.key.lower())
-    print(f"CUDA time per fwd+bwd: {total_us / args.reps / 1000:.2f} ms; matmul kernels {100 * grouped_us / total_us:.0f}%")
+    per_step_ms = total_us / args.reps / 1000
+    print(f"CUDA time per fwd+bwd: {per_step_ms:.2f} ms; matmul kernels {100 * grouped_us / total_us:.0f}%")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
         share = 100 * e.self_device_time_total / total_us
-        print(f"  {share:5.1f}%  {e.self_device_time_total / args.reps / 1000:7.3f} ms  x{e.count // args.reps:<4d} {e.key[:90]}")
+        ms = e.self_device_time_total / args.reps / 1000
+        print(f"  {share:5.1f}%  {ms:7.3f} ms  x{e.count // args.reps:<4d} {e.key[:90]}")
 
 
 if __name__ == "__main__":
