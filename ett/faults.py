@@ -1,11 +1,14 @@
 """Faults a rank's own code sets off, for tests and drills (docs/jobspec.md, "faults").
 
-The agent hands each rank the `raise`, `fill_memory` and `fill_disk` faults of its job that are
-meant for its node, in ETT_FAULTS; `ett.Run` sets off the one of its rank as it enters the step:
+The agent hands each rank the `raise`, `fill_memory`, `fill_disk` and `slow` faults of its job that
+are meant for its node, in ETT_FAULTS; `ett.Run` sets off the one of its rank as it enters the step:
 - raise: the built-in exception named (RuntimeError by default) with the message, as a bug would;
 - fill_memory: allocates until the memory runs out (a MemoryError under a cap, else the kernel's
   out-of-memory kill);
-- fill_disk: writes into `path` until the file system is full, and raises what the write raised.
+- fill_disk: writes into `path` until the file system is full, and raises what the write raised;
+- slow: from `at_step` on, each step of the rank first sleeps (factor - 1) times its step before
+  (its own sleep left out), before the step's synchronisation, as a slow data loader or a
+  throttled device would: the rank runs `factor` times slower and its peers wait for it.
 The agent's own faults (kill, hang, exit: agent/faults.py) need no library.
 """
 
@@ -20,14 +23,29 @@ from ett.protocol import LIBRARY_FAULT_ACTIONS, JobEnv
 CHUNK_BYTES = 64 << 20
 
 
-def faults_of(rank: int, environ: Mapping[str, str] = os.environ) -> dict[int, dict[str, Any]]:
-    """This rank's faults by step; none when the variable is absent or not a list of faults."""
+def _rank_faults(rank: int, environ: Mapping[str, str]) -> list[dict[str, Any]]:
+    """This rank's faults; none when the variable is absent or not a list of faults."""
     try:
         faults = json.loads(environ.get(JobEnv.FAULTS) or "[]")
     except ValueError:
-        return {}
-    return {f["at_step"]: f for f in faults if isinstance(f, dict) and f.get("rank") == rank
-            and f.get("action") in LIBRARY_FAULT_ACTIONS and isinstance(f.get("at_step"), int)}
+        return []
+    if not isinstance(faults, list):
+        return []
+    return [f for f in faults if isinstance(f, dict) and f.get("rank") == rank
+            and f.get("action") in LIBRARY_FAULT_ACTIONS and isinstance(f.get("at_step"), int)]
+
+
+def faults_of(rank: int, environ: Mapping[str, str] = os.environ) -> dict[int, dict[str, Any]]:
+    """This rank's faults set off once, by step (all but `slow`)."""
+    return {f["at_step"]: f for f in _rank_faults(rank, environ) if f["action"] != "slow"}
+
+
+def slowdown_of(rank: int, environ: Mapping[str, str] = os.environ) -> tuple[int, float] | None:
+    """This rank's `slow` fault: (from step, factor), or None."""
+    for f in _rank_faults(rank, environ):
+        if f["action"] == "slow" and isinstance(f.get("factor"), int | float) and f["factor"] > 1:
+            return f["at_step"], float(f["factor"])
+    return None
 
 
 def set_off(fault: dict[str, Any], rank: int) -> None:

@@ -32,10 +32,11 @@ from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.events import EventWriter
-from ett.faults import faults_of, set_off
+from ett.faults import faults_of, set_off, slowdown_of
 from ett.folders import step_of
 from ett.paths import inside
 from ett.protocol import EXIT_STOPPED, RANK_KINDS
+from ett.timing import DDPWatch, SyncClock, TimingWindow
 
 logger = logging.getLogger("ett")
 
@@ -66,17 +67,30 @@ class Step:
         self.run, self.step, self.tokens = run, step, tokens
         self.loss: Any = None
         self._start = 0.0
+        self._slept = 0.0  # an injected slowdown's sleep (ett/faults.py, slow)
 
     def __enter__(self) -> "Step":
         fault = self.run._faults.pop(self.step, None)
         if fault is not None:  # a drill's: as the step's own code would fail
             set_off(fault, self.run.rank)
         self._start = time.perf_counter()
+        slow = self.run._slowdown
+        if slow is not None and self.step >= slow[0] and self.run._own_seconds:
+            self._slept = (slow[1] - 1.0) * self.run._own_seconds
+            time.sleep(self._slept)
         return self
+
+    def synchronizing(self) -> None:
+        """Marks that this rank has done its own work of the step and now synchronises with its
+        peers (its gradient all-reduce): the time until here is its work, the rest its wait
+        (ett/timing.py). DDP modules are marked without it."""
+        self.run._sync.mark()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:  # a step that raised did not happen
-            self.run._step_done(self, time.perf_counter() - self._start)
+            reached = self.run._sync.reached_at
+            work = reached - self._start if reached is not None and reached > self._start else None
+            self.run._step_done(self, time.perf_counter() - self._start, work)
 
 
 class Run:
@@ -108,6 +122,15 @@ class Run:
             _check_writable(self.checkpoint_dir)
         self._events = EventWriter(env.event_dir, env.rank, env.attempt)
         self._faults = faults_of(self.rank)  # injected ones meant for this rank, by step (ett/faults.py)
+        self._slowdown = slowdown_of(self.rank)
+        self._own_seconds = 0.0  # the last step's time, an injected slowdown's sleep left out
+        self._sync = SyncClock()
+        self._ddp_watch = DDPWatch(self._sync) if self.in_job and self.world_size > 1 else None
+        self._timing = TimingWindow(self._events.emit) if self.in_job else None
+        self._steps_done = 0
+        # The job's planned steps, where the script knows them: the service weighs a straggler's
+        # cost over the steps left (service/jobs/stragglers.py). The trainer and the Trainer set it.
+        self.total_steps: int | None = None
         self._checkpointer: Checkpointer | None = None
         self._last_step: int | None = None
         self._init_marked = False
@@ -199,9 +222,15 @@ class Run:
             raise UsageError(f"run.step({step}): step numbers must increase; the last step was {self._last_step}")
         return Step(self, step, tokens)
 
-    def _step_done(self, step: Step, duration: float) -> None:
+    def _step_done(self, step: Step, duration: float, work: float | None) -> None:
         self._last_step = step.step
         self._events.progress(step.step)  # every rank: its agent watches it for hangs and faults
+        self._own_seconds = max(0.0, duration - step._slept)
+        self._steps_done += 1
+        if self._ddp_watch is not None:
+            self._ddp_watch.step_ended(self._steps_done)
+        if self._timing is not None:
+            self._timing.add(step.step, duration, work, self.total_steps)
         if self.rank == 0:  # the report takes its timings from rank 0
             data: dict[str, Any] = {"duration": duration}
             if step.tokens is not None:
@@ -291,6 +320,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self._stop_watching()
         if self._checkpointer is not None:
             self._checkpointer.close()
         self._events.emit("train_end", step=self._last_step)
@@ -306,7 +336,14 @@ class Run:
                 raise Stopped()
         else:  # a failing run: its events are written out, and a save in flight is not waited for
             self._closed = True
+            self._stop_watching()
             self._events.close()
+
+    def _stop_watching(self) -> None:
+        if self._ddp_watch is not None:
+            self._ddp_watch.stop()
+        if self._timing is not None:
+            self._timing.flush()
 
     def _get_checkpointer(self) -> Checkpointer:
         if self._checkpointer is None:

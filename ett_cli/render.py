@@ -16,6 +16,8 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         f"job {report['job_id']}  state {report['state']}",
         f"ETT {report['ett_percent']:.1f}%  wall {_seconds(wall)}  queued {_seconds(report['queued_seconds'])}"
         f"  time to start {_seconds(report['time_to_start_seconds'])}",
+        f"at full speed {report['full_speed_percent']:.1f}%  slow {_seconds(report['slow_seconds'])}"
+        "  ideal step " + ("-" if report["ideal_step_seconds"] is None else f"{report['ideal_step_seconds']:.3f} s"),
         "",
         f"  {'category':16} {'seconds':>10} {'share':>7}",
     ]
@@ -23,6 +25,9 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         seconds = report["seconds"][category]
         share = 100 * seconds / wall if wall else 0.0
         lines.append(f"  {category:16} {seconds:>10.2f} {share:>6.1f}%")
+    for s in report.get("stragglers", []):
+        lines.append(f"straggler: rank {s['rank']} on {s['node']} (attempt {s['attempt']}) since step {s['since_step']}:"
+                     f" {s['relative']:.1f}x its peers' work, {s['action']}")
     failures = report["failures"]
     lines += ["", f"failures {len(failures)}  restarts {report['restarts']}  MTBF {_seconds(report['mtbf_seconds'])}"]
     for failure in failures[:max_failures]:
@@ -62,7 +67,8 @@ def fleet_table(fleet: dict[str, Any]) -> str:
     wall = fleet["wall_seconds"]
     lines = [
         f"fleet from {_utc(fleet['since'])} to {_utc(fleet['until'])}: {fleet['jobs']} jobs",
-        f"ETT {fleet['ett_percent']:.1f}%  job time {_seconds(wall)}  failures {fleet['failures']}"
+        f"ETT {fleet['ett_percent']:.1f}%  at full speed {fleet['full_speed_percent']:.1f}%  job time {_seconds(wall)}"
+        f"  failures {fleet['failures']}"
         f"  mean time to recover {_seconds(fleet['mean_time_to_recover_seconds'])}",
         "",
         "where the rest of the time went:",

@@ -39,6 +39,7 @@ def train(args: argparse.Namespace) -> None:
             state = {"app": ett.ModelOptimizerState(model, optimizer), "rng": ett.RNGState(rank)}
 
         start = run.restore(state)
+        run.total_steps = args.steps  # the service weighs a straggler's cost over the steps left
         for step in range(start + 1, args.steps + 1):
             with run.step(step, tokens=16 * dist.get_world_size()) as s:
                 inputs_BD, targets_B1 = batch(step, rank)

@@ -1,25 +1,23 @@
 """SQLAlchemy 2.0 typed models: the service's whole state."""
 
-import enum
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
-    Enum,
     ForeignKey,
     Index,
     Integer,
-    MetaData,
     String,
-    Text,
     UniqueConstraint,
     text,
 )  # fmt: skip
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
+from sqlalchemy.orm import Mapped, mapped_column, relationship, validates
 
-from service.column_types import JobSpecJSON, UTCDateTime
+from service.column_types import UTCDateTime  # noqa: F401 (the migrations name it service.models.UTCDateTime)
+from service.evidence_models import RankLog, StragglerFlag  # noqa: F401 (every table is imported from here)
+from service.model_base import Base, enum_column, utcnow
 from service.schemas.job_spec import JobSpec
 from service.states import (  # noqa: F401 (the states are the models' vocabulary: imported from here)
     ACTIVE_ATTEMPT_STATES,
@@ -30,35 +28,13 @@ from service.states import (  # noqa: F401 (the states are the models' vocabular
     SlurmState,
 )
 
-NAMING_CONVENTION = {
-    "ix": "ix_%(column_0_label)s",
-    "uq": "uq_%(table_name)s_%(column_0_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime, JobSpec: JobSpecJSON}
-
-
-def _enum(cls: type[enum.Enum]) -> Enum:
-    # Stored as plain strings: adding a state needs no ALTER TYPE on PostgreSQL.
-    return Enum(cls, native_enum=False, length=16, validate_strings=True)
-
 
 class Token(Base):
     __tablename__ = "tokens"
 
     id: Mapped[int] = mapped_column(primary_key=True)
     subject: Mapped[str] = mapped_column(String(128))
-    role: Mapped[Role] = mapped_column(_enum(Role))
+    role: Mapped[Role] = mapped_column(enum_column(Role))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked: Mapped[bool] = mapped_column(default=False)
@@ -76,7 +52,7 @@ class Node(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     address: Mapped[str] = mapped_column(String(255))
     slots: Mapped[int] = mapped_column(Integer)
-    state: Mapped[NodeState] = mapped_column(_enum(NodeState), default=NodeState.idle, index=True)
+    state: Mapped[NodeState] = mapped_column(enum_column(NodeState), default=NodeState.idle, index=True)
     token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id"))
     registered_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -108,7 +84,7 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), index=True)
     owner: Mapped[str] = mapped_column(String(128), index=True)
-    state: Mapped[JobState] = mapped_column(_enum(JobState), default=JobState.queued, index=True)
+    state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
     spec: Mapped[JobSpec]
     submitted_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
@@ -136,7 +112,7 @@ class Attempt(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     number: Mapped[int]
-    state: Mapped[AttemptState] = mapped_column(_enum(AttemptState), default=AttemptState.allocated)
+    state: Mapped[AttemptState] = mapped_column(enum_column(AttemptState), default=AttemptState.allocated)
     allocated_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None]
     cause: Mapped[str | None] = mapped_column(String(16))
@@ -169,7 +145,7 @@ class AttemptNode(Base):
     attempt_id: Mapped[int] = mapped_column(ForeignKey("attempts.id", ondelete="CASCADE"))
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
     node_rank: Mapped[int]
-    state: Mapped[AttemptState] = mapped_column(_enum(AttemptState), default=AttemptState.allocated)
+    state: Mapped[AttemptState] = mapped_column(enum_column(AttemptState), default=AttemptState.allocated)
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()
@@ -185,7 +161,7 @@ class SlurmAllocation(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int]  # 0, 1, ...: the job's allocations in order
     slurm_job_id: Mapped[str] = mapped_column(String(32))
-    state: Mapped[SlurmState] = mapped_column(_enum(SlurmState), default=SlurmState.submitted, index=True)
+    state: Mapped[SlurmState] = mapped_column(enum_column(SlurmState), default=SlurmState.submitted, index=True)
     # What Slurm last said: its state (PENDING, RUNNING, TIMEOUT, ...), its reason, its nodes.
     slurm_state: Mapped[str] = mapped_column(String(32), default="PENDING")
     slurm_reason: Mapped[str | None] = mapped_column(String(256))
@@ -218,6 +194,7 @@ class AgentCommand(Base):
 # The rows of rank 0's step events (TIMING_SOURCE in service/accounting/engine.py), as a literal SQL
 # condition: a partial index serves only queries that state its condition in the same words.
 RANK0_STEPS = text("kind = 'step' AND source = 'rank:0'")
+STEP_TIMINGS = text("kind = 'step_timing'")  # every rank's windows (service/jobs/stragglers.py)
 
 
 class JobEvent(Base):
@@ -230,6 +207,8 @@ class JobEvent(Base):
         # index of those rows alone, so the other events (most of a big job's) update one index less.
         Index("ix_events_rank0_steps", "job_id", "attempt", "step", postgresql_where=RANK0_STEPS,
               sqlite_where=RANK0_STEPS),  # fmt: skip
+        Index("ix_events_step_timings", "job_id", "attempt", "step", postgresql_where=STEP_TIMINGS,
+              sqlite_where=STEP_TIMINGS),  # fmt: skip
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
@@ -263,23 +242,6 @@ class Checkpoint(Base):
     failed_at: Mapped[float | None]
     path: Mapped[str | None] = mapped_column(String(1024))
     bytes: Mapped[int | None] = mapped_column(BigInteger)
-
-
-class RankLog(Base):
-    """The last part of one rank's output in one attempt, as its node's agent shipped it
-    (service/jobs/logs.py): `text` holds the stream's characters from `end - len(text)` to `end`."""
-
-    __tablename__ = "rank_logs"
-    __table_args__ = (UniqueConstraint("job_id", "attempt", "rank"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
-    attempt: Mapped[int]
-    rank: Mapped[int]
-    node: Mapped[str] = mapped_column(String(128))
-    text: Mapped[str] = mapped_column(Text, default="")
-    end: Mapped[int] = mapped_column(BigInteger, default=0)
-    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class JobAccountRow(Base):

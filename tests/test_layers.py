@@ -25,12 +25,14 @@ LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol", "ett.protocol
 # The service's layers, lowest first; a module sits in the first whose prefix it starts with.
 LAYERS = (
     ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.states",
+                                      "service.model_base", "service.evidence_models",
                                       "service.column_types",
                                       "service.outcomes",
                                       "service.migrat",
                                       "service.security", "service.group_commit", "service.schemas",
                                       "service.accounting.engine", "service.accounting.report", "service.accounting.fleet",
-                                      "service.accounting.fold", "service.accounting.memory", "service.accounting.simulate")),
+                                      "service.accounting.fold", "service.accounting.memory", "service.accounting.simulate",
+                                      "service.accounting.step_times")),
     ("domain", ("service.agents", "service.ingest", "service.jobs", "service.accounting", "service.slurm")),
     ("HTTP", ("service.context", "service.api", "service.pages", "service.asgi")),
     ("assembly", ("service.main", "service")),

@@ -116,11 +116,13 @@ def train(cfg: JobConfig, run: ett.Run, t: Training) -> int:
     t.progress.step = run.restore(t.state)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * world_size
+    run.total_steps = cfg.train.steps
     stopped = False
     try:
         for step in range(t.progress.step + 1, cfg.train.steps + 1):
             with run.step(step, tokens=tokens_per_step) as s:
                 inputs_BT, targets_BT = (x.to(t.device) for x in t.data.next_batch())
+                s.synchronizing()  # the forward's first collective: the rank's own work so far (ett/timing.py)
                 lr = cfg.train.lr_at(step)
                 for group in t.optimizer.param_groups:
                     group["lr"] = lr

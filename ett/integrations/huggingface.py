@@ -58,6 +58,7 @@ class ETTCallback(TrainerCallback):
         # scheduler; RNG states follow at the epoch's start).
         if state.global_step > 0:
             self.run.restored(state.global_step)
+        self.run.total_steps = state.max_steps or None  # a straggler's cost is weighed over the steps left
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self._step = self.run.step(state.global_step + 1, tokens=self.tokens_per_step).__enter__()

@@ -8,7 +8,7 @@ Standard library only: the rank runner, started fresh for every rank, imports th
 # -- event kinds (docs/events.md) -------------------------------------------------------------
 # Written by a rank (the library, the trainer): timings, saves and restores.
 RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
-                        "ckpt_committed", "ckpt_failed", "train_end"})  # fmt: skip
+                        "ckpt_committed", "ckpt_failed", "train_end", "step_timing"})  # fmt: skip
 # Written by a node's agent: its ranks' start, exit and hang.
 AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
 # Written by the service: allocation, failure, stop and finish of attempts and jobs.
@@ -62,7 +62,7 @@ def progress_file(rank: int) -> str:
 
 # -- injected faults (docs/jobspec.md, "faults") -------------------------------------------------
 AGENT_FAULT_ACTIONS = ("kill", "hang", "exit")  # the agent sets these off (agent/faults.py)
-LIBRARY_FAULT_ACTIONS = ("raise", "fill_memory", "fill_disk")  # the rank's ett.Run does (ett/faults.py)
+LIBRARY_FAULT_ACTIONS = ("raise", "fill_memory", "fill_disk", "slow")  # the rank's ett.Run does (ett/faults.py)
 
 
 def fault_exit_file(rank: int) -> str:

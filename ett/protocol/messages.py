@@ -26,11 +26,12 @@ class Fault(Incoming):
     attempt: int = Field(ge=0)
     rank: int = Field(ge=0)
     at_step: int = Field(ge=1)
-    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk"]
+    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk", "slow"]
     code: int | None = Field(None, ge=0, le=255)  # only for exit; 1 when not given
     exception: str | None = None  # raise: a built-in exception's name (default RuntimeError)
     message: str | None = None  # raise: its message
     path: str | None = None  # fill_disk: the folder to fill
+    factor: float | None = None  # slow: how many times slower the rank's steps run
 
 
 class TrainerSpec(Incoming):

@@ -9,7 +9,10 @@ from sqlalchemy.orm import Session
 from service.accounting.engine import JobAccount
 from service.accounting.fleet import FleetJob, fleet_report
 from service.accounting.report import build_report
-from service.models import Job, JobAccountRow, Role, Token
+from service.models import Job, JobAccountRow, Role, StragglerFlag, Token
+
+STRAGGLER_FIELDS = ("attempt", "rank", "node", "since_step", "flagged_step", "relative", "individual", "work_seconds",
+                    "peer_seconds", "action")  # fmt: skip
 
 
 def job_account(session: Session, job_id: str) -> JobAccount:
@@ -41,11 +44,15 @@ def job_report(session: Session, job: Job, now: float, fleet_mtbf: float | None 
     account = JobAccount.from_dict(row.account) if row is not None else JobAccount()
     if fleet_mtbf is None and not (row is not None and row.failures):  # Young's formula takes the fleet's
         fleet_mtbf = fleet_mtbf_seconds(session, now)
-    return build_report(
+    report = build_report(
         account, job_id=job.id, state=job.state.value, now=now,
         submitted_at=job.submitted_at.timestamp(), fleet_mtbf_seconds=fleet_mtbf,
         ended_at=job.finished_at.timestamp() if job.finished_at else None,
     )  # fmt: skip
+    flags = session.scalars(select(StragglerFlag).where(StragglerFlag.job_id == job.id)
+                            .order_by(StragglerFlag.attempt, StragglerFlag.rank))
+    report["stragglers"] = [{field: getattr(f, field) for field in STRAGGLER_FIELDS} for f in flags]
+    return report
 
 
 def fleet_figures(session: Session, caller: Token, now: float, since: float | None, until: float | None

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ett.protocol import CHECKPOINT_KINDS
+from service.accounting.step_times import add_steps, ideal_step, slow_seconds
 
 CATEGORIES = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
 TIMING_SOURCE = "rank:0"  # timings come from rank 0; allocation, failure and finish from the service
-
-
 @dataclass(frozen=True, slots=True)
 class Event:
     kind: str
@@ -113,6 +112,7 @@ class AttemptSummary:
     commit_seconds: float = 0.0
     committed: int = 0
     last_committed_step: int | None = None
+    step_buckets: dict[str, list[float]] = field(default_factory=dict)  # bucket -> [steps, seconds]
 
     @property
     def start(self) -> float | None:
@@ -130,6 +130,14 @@ class AttemptSummary:
         if self.restored_step is not None:
             return self.restored_step
         return 0 if self.steps else None
+
+    @property
+    def ideal_step_seconds(self) -> float | None:
+        return ideal_step(self.step_buckets, self.steps)
+
+    @property
+    def slow_seconds(self) -> float:
+        return slow_seconds(self.step_buckets, self.steps, self.wasted_steps, self.wasted_seconds)
 
     @property
     def last_activity(self) -> float | None:
@@ -191,6 +199,7 @@ class JobAccount:
         a.first_step_start = _min(a.first_step_start, min(map(operator.sub, ends, durations)))
         a.last_step_end = _max(a.last_step_end, last_end)
         a.last_step = max(a.last_step or 0, max(numbers))
+        add_steps(a.step_buckets, durations)
         if a.rolled_back_to is not None:
             wasted = [d for s, d in zip(numbers, durations, strict=True) if s > a.rolled_back_to]
             a.wasted_steps += len(wasted)
@@ -272,7 +281,8 @@ class JobAccount:
             "last_event_at": self.last_event_at,
             # Every field of a summary is a number, a string or None: a copy of its __dict__ is
             # what dataclasses.asdict gives, at a tenth of its cost (it runs per job per batch).
-            "attempts": [dict(a.__dict__) for _, a in sorted(self.attempts.items())],
+            "attempts": [dict(a.__dict__, step_buckets={k: list(v) for k, v in a.step_buckets.items()})
+                         for _, a in sorted(self.attempts.items())],
         }
 
     @classmethod

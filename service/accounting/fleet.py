@@ -30,7 +30,7 @@ class _Totals:
         self.failures = self.restarts = self.committed = self.blocking_count = 0
         self.recover: list[float] = []
         self.starts: list[float] = []
-        self.blocking_seconds = 0.0
+        self.blocking_seconds = self.slow_seconds = 0.0
         self.causes: dict[str, int] = defaultdict(int)
         self.diagnoses: dict[str, int] = defaultdict(int)
 
@@ -41,6 +41,8 @@ class _Totals:
             "wall_seconds": wall,
             "ett_percent": 100.0 * self.seconds["productive"] / wall if wall > 0 else 0.0,
             "seconds": self.seconds,
+            "slow_seconds": self.slow_seconds,
+            "full_speed_percent": 100.0 * (self.seconds["productive"] - self.slow_seconds) / wall if wall > 0 else 0.0,
             "failures": self.failures,
             "failure_causes": dict(sorted(self.causes.items(), key=lambda item: (-item[1], item[0]))),
             "failure_diagnoses": dict(sorted(self.diagnoses.items(), key=lambda item: (-item[1], item[0]))),
@@ -64,10 +66,15 @@ def _add_job(totals: _Totals, account: JobAccount, now: float, since: float, unt
     for i, span in enumerate(spans):
         if span.end < since or span.start >= until:
             continue
+        a = span.summary
+        productive = 0.0
         for piece in attempt_pieces(span, account.finished_at is not None):
             for k, v in piece.clipped(since, until).items():
                 totals.seconds[k] += v
-        a = span.summary
+                productive += v if k == "productive" else 0.0
+        # An attempt's slow time, in the share of its productive time the window holds.
+        kept = a.step_seconds - a.wasted_seconds
+        totals.slow_seconds += min(productive, a.slow_seconds * productive / kept) if kept > 0 else 0.0
         totals.restarts += int(i > 0 and since <= span.start < until)
         totals.committed += a.committed
         totals.blocking_count += a.blocking_count

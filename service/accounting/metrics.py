@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.accounting.accounts import fleet_mtbf_seconds
 from service.accounting.engine import CATEGORIES, JobAccount
 from service.accounting.report import build_report
-from service.models import Checkpoint, Job, JobAccountRow, JobState
+from service.models import Attempt, AttemptState, Checkpoint, Job, JobAccountRow, JobState, StragglerFlag
 from service.settings import Settings
 
 BLOCKING_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -61,6 +61,8 @@ class EttCollector(Collector):
         fleet_mtbf = fleet_mtbf_seconds(session, now)
         g = {name: GaugeMetricFamily(f"ett_job_{name}", text, labels=JOB_LABELS) for name, text in (
             ("ett_ratio", "Share of the job's wall time in kept training steps (0-1)."),
+            ("full_speed_ratio", "The ETT ratio less the slow share: kept steps at the ideal step time (0-1)."),
+            ("slow_seconds", "Kept steps' time above each attempt's ideal step (docs/ett.md, Slow time)."),
             ("wall_seconds", "The job's accounted wall time: first allocation to finish (or now)."),
             ("queued_seconds", "Time from submission to the first allocation."),
             ("time_to_start_seconds", "First allocation to the first step's start."),
@@ -98,6 +100,8 @@ class EttCollector(Collector):
             recovered = [t for t in recovered if t is not None]
             values = {
                 "ett_ratio": r["ett_percent"] / 100.0,
+                "full_speed_ratio": r["full_speed_percent"] / 100.0,
+                "slow_seconds": r["slow_seconds"],
                 "wall_seconds": r["wall_seconds"],
                 "queued_seconds": r["queued_seconds"],
                 "time_to_start_seconds": r["time_to_start_seconds"],
@@ -125,6 +129,7 @@ class EttCollector(Collector):
         yield seconds
         yield from c.values()
         yield self._blocking_histogram(session, names)
+        yield self._stragglers(session, names)
         yield self._failed_saves(session, names)
         wall = sum(fleet.values())
         yield GaugeMetricFamily(
@@ -140,6 +145,18 @@ class EttCollector(Collector):
         for kind, count in sorted(by_diagnosis.items()):
             diagnoses.add_metric([kind], count)
         yield diagnoses
+
+    @staticmethod
+    def _stragglers(session: Session, names: dict[str, str]) -> GaugeMetricFamily:
+        """The ranks flagged as stragglers in each job's running attempt, by node and rank."""
+        gauge = GaugeMetricFamily("ett_job_straggler", "A rank of the job's running attempt its peers wait for "
+                                  "(its work over theirs).", labels=[*JOB_LABELS, "node", "rank"])
+        running = select(StragglerFlag).join(Attempt, (Attempt.job_id == StragglerFlag.job_id)
+                                             & (Attempt.number == StragglerFlag.attempt))
+        for flag in session.scalars(running.where(Attempt.state == AttemptState.running)):
+            if flag.job_id in names:
+                gauge.add_metric([flag.job_id, names[flag.job_id], flag.node, str(flag.rank)], flag.relative)
+        return gauge
 
     @staticmethod
     def _failed_saves(session: Session, names: dict[str, str]) -> CounterMetricFamily:

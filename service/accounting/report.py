@@ -192,6 +192,8 @@ def build_report(
     commit_count = sum(a.commit_count for a in attempts)
     mean_blocking = sum(a.blocking_seconds for a in attempts) / blocking_count if blocking_count else None
     mtbf = wall / len(failures) if failures else None
+    slow = min(seconds["productive"], sum(a.slow_seconds for a in attempts))
+    ideal = next((a.ideal_step_seconds for a in reversed(attempts) if a.ideal_step_seconds is not None), None)
     return {
         "job_id": job_id,
         "state": state,
@@ -199,6 +201,11 @@ def build_report(
         "queued_seconds": max(0.0, queue_end - submitted_at) if submitted_at is not None else 0.0,
         "ett_percent": 100.0 * seconds["productive"] / wall if wall > 0 else 0.0,
         "seconds": seconds,
+        # Productive time above each attempt's ideal step (docs/ett.md, "Slow time"), and what was
+        # productive at full speed: ETT% less the slow share.
+        "slow_seconds": slow,
+        "full_speed_percent": 100.0 * (seconds["productive"] - slow) / wall if wall > 0 else 0.0,
+        "ideal_step_seconds": ideal,
         "time_to_start_seconds": min(first_steps) - window[0] if first_steps and window else None,
         "failures": failures,
         "restarts": max(0, len(attempts) - 1),

@@ -10,7 +10,8 @@ import time
 from fastapi.concurrency import run_in_threadpool
 
 from service.context import ServiceContext
-from service.jobs import scheduler
+from service.jobs import scheduler, stragglers
+from service.jobs.diagnosis import FailurePolicy
 from service.slurm.allocations import SlurmBridge
 
 log = logging.getLogger("ett.service")
@@ -25,6 +26,7 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
     # written (the agents retry; a node is not lost for the service's own outage).
     up_since = time.time()
     failed = False
+    policy = FailurePolicy.of(settings)
 
     def tick_once() -> None:
         nonlocal up_since, failed
@@ -32,6 +34,7 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
             up_since = time.time()
         with context.sessions() as session:
             scheduler.tick(session, settings, up_since=up_since)
+            stragglers.watch(session, policy, time.time())
             session.commit()
         failed = False
 

@@ -101,8 +101,7 @@ def _every_share_succeeded(session: Session, attempt: Attempt) -> bool:
 
 
 def _release(node: Node) -> None:
-    if node.state == NodeState.busy:
-        node.state = NodeState.idle
+    node.state = NodeState.idle if node.state == NodeState.busy else node.state
 
 
 def fail_attempt(
@@ -167,12 +166,12 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
 
 
 def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> None:
-    """One pass: lost nodes, stragglers, allocation. `up_since`: from when nodes may be lost (the
+    """One pass: lost nodes, unconfirmed stops, allocation. `up_since`: from when nodes may be lost (the
     service's start or its database's return, service/asgi/background.py)."""
     now = time.time() if now is None else now
     if up_since is None or now - up_since >= settings.heartbeat_timeout_seconds:
         _declare_lost_nodes(session, settings, now)
-    _give_up_stragglers(session, settings, now)
+    _give_up_unconfirmed_stops(session, settings, now)
     _allocate(session, settings, now)
     retune_auto_intervals(session, settings, now)
 
@@ -194,14 +193,14 @@ def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> Non
             share.state = AttemptState.failed  # not waited for: the next attempt may start without it
 
 
-def _give_up_stragglers(session: Session, settings: Settings, now: float) -> None:
+def _give_up_unconfirmed_stops(session: Session, settings: Settings, now: float) -> None:
     """Shares of ended attempts whose agent never confirmed the stop stop holding their node."""
     deadline = _at(now) - timedelta(seconds=settings.stop_grace_seconds)
-    stragglers = session.scalars(
+    unconfirmed = session.scalars(
         select(AttemptNode).join(Attempt)
         .where(AttemptNode.state.in_(ACTIVE), Attempt.state.not_in(ACTIVE), Attempt.ended_at < deadline)
     ).all()  # fmt: skip
-    for share in stragglers:
+    for share in unconfirmed:
         share.state = AttemptState.stopped
         _release(share.node)
 
@@ -254,7 +253,8 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         serves = job.id if spec.slurm is not None else None
         if serves and not (job.slurm_allocations and job.slurm_allocations[-1].state == SlurmState.running):
             continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
-        fitting = [node for node in idle if node.job_id == serves and node.slots >= spec.procs_per_node]
+        avoided = {a.failed_node_id for a in job.attempts if a.cause == "straggler"}  # service/jobs/stragglers.py
+        fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node and n.id not in avoided]
         if len(fitting) < spec.nodes:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
                 slots = spec.procs_per_node

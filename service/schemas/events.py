@@ -101,6 +101,19 @@ class CheckpointFigures(BaseModel):
     mean_commit_seconds: float | None
 
 
+class StragglerOut(BaseModel):
+    attempt: int
+    rank: int
+    node: str
+    since_step: int
+    flagged_step: int
+    relative: float  # its work over its peers' median
+    individual: float | None  # its work over its own early in the attempt
+    work_seconds: float
+    peer_seconds: float
+    action: str  # reported, replaced
+
+
 class EttReport(BaseModel):
     job_id: str
     state: str
@@ -108,6 +121,10 @@ class EttReport(BaseModel):
     queued_seconds: float
     ett_percent: float
     seconds: Seconds
+    slow_seconds: float  # productive time above the ideal step (docs/ett.md, "Slow time")
+    full_speed_percent: float  # ETT% less the slow share
+    ideal_step_seconds: float | None  # the latest attempt's ideal step that tells one
+    stragglers: list[StragglerOut] = []
     time_to_start_seconds: float | None
     failures: list[FailureOut]
     restarts: int
@@ -127,6 +144,8 @@ class FleetFigures(BaseModel):
     wall_seconds: float
     ett_percent: float
     seconds: Seconds
+    slow_seconds: float
+    full_speed_percent: float
     failures: int
     failure_causes: dict[str, int]  # failures in the window by cause, the most frequent first
     failure_diagnoses: dict[str, int]  # the same by diagnosis (exception, out_of_memory, ...)

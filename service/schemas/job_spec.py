@@ -46,16 +46,19 @@ class FaultSpec(Strict):
     attempt: Annotated[int, Field(ge=0)]
     rank: Annotated[int, Field(ge=0)]
     at_step: Annotated[int, Field(ge=1)]
-    # kill, hang, exit: by the agent, any job; raise, fill_memory, fill_disk: by the rank's
+    # kill, hang, exit: by the agent, any job; raise, fill_memory, fill_disk, slow: by the rank's
     # ett.Run as it enters the step (a script on the library, the trainer).
-    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk"]
+    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk", "slow"]
     code: Annotated[int, Field(ge=1, le=255)] | None = None
     exception: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z]{0,63}$")] | None = None
     message: Annotated[str, StringConstraints(max_length=1024)] | None = None
     path: Annotated[str, StringConstraints(pattern=r"^/", max_length=1024)] | None = None
+    factor: Annotated[float, Field(gt=1, le=100)] | None = None  # slow: the rank's steps take this many times longer
 
     @model_validator(mode="after")
     def _fields_of_the_action(self) -> Self:
+        if (self.action == "slow") != (self.factor is not None):
+            raise ValueError("factor (above 1) is required for action 'slow' and only for it")
         if (self.action == "exit") != (self.code is not None):
             raise ValueError("code is required for action 'exit' and only for it")
         if self.action != "raise" and (self.exception is not None or self.message is not None):
@@ -124,6 +127,9 @@ class JobSpec(Strict):
     # This many attempts in a row failing alike (the same diagnosis and summary, each resumed from
     # the same checkpoint, none newer committed): the job stops restarting (service/jobs/diagnosis.py).
     max_same_failures: Annotated[int, Field(ge=1, le=1000)] = 3
+    # A rank its peers keep waiting for (docs/reliability.md, "Stragglers"): report it, or also
+    # replace its node when the slowdown would cost more than a restart.
+    stragglers: Literal["report", "replace"] = "report"
     checkpoint: CheckpointSpec = CheckpointSpec()
     # null (TOML, which has no null: "off"): no hang detection, neither the init timeout nor this one
     hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120

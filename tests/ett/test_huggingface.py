@@ -91,7 +91,7 @@ def test_the_callback_marks_the_start_up_when_the_script_does_not(tmp_path, monk
                                  save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
         Trainer(model=model, args=args, train_dataset=example.SyntheticText(8), callbacks=[ETTCallback(run)]).train()
     kinds = [e["kind"] for e in read_events(tmp_path / "events" / "rank-0.jsonl")]
-    assert kinds == ["init_start", "init_end", "step", "step", "train_end"]
+    assert kinds == ["init_start", "init_end", "step", "step", "step_timing", "train_end"]
 
 
 def test_the_commit_marker_waits_for_every_ranks_part(tmp_path):

@@ -24,7 +24,7 @@ CASES = {
                       ["misspelt.toml:2: max_restart: not a field; did you mean 'max_restarts'?",
                        "misspelt.toml:5: checkpoint.interval: not a field; did you mean 'interval_steps'?",
                        "misspelt.toml:12: faults.0.signal: not a field (the fields here: attempt, rank, at_step, "
-                       "action, code, exception, message, path)"]),
+                       "action, code, exception, message, path, factor)"]),
     "env.toml": ('name = "x"\n\n[env]\nOMP_NUM_THREADS = "1"\nLD_PRELOAD = "/tmp/evil.so"\n',
                  ["env.toml:5: env.LD_PRELOAD: refused: it changes how the interpreter, the loader or the shell "
                   "starts, or the job's own ETT_ environment (docs/jobspec.md, \"env\")"]),

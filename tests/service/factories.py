@@ -14,6 +14,7 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "max_restarts": 2,
         "no_retry_exit_codes": [],
         "max_same_failures": 3,
+        "stragglers": "report",
         "checkpoint": {"interval_steps": 5, "keep": 2, "dir": None, "snapshots": False},
         "hang_timeout_seconds": 30,
         "faults": [],

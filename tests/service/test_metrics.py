@@ -24,6 +24,9 @@ def scrape(client) -> dict[tuple[str, frozenset], float]:
     }
 
 
+FLAGGED_ONLY = {"ett_job_straggler"}
+
+
 def documented_metrics() -> set[str]:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "ett.md").read_text()
     return set(re.findall(r"^\| `(ett_[a-z_]+)` \|", doc, re.M))
@@ -65,7 +68,8 @@ def test_job_series_come_from_the_database_whichever_app_serves_them(service, se
         # Every series is documented for the dashboards, and every documented one is served
         # (by the first process, which has served requests by now).
         names = [name for name, _ in scrape(service.client()) if not name.endswith("_created")]
-        assert {re.sub(r"_(bucket|sum|count)$", "", name) for name in names} == documented_metrics()
+        # ett_job_straggler has a series only while a rank is flagged (tests/e2e/test_stragglers.py scrapes one).
+        assert {re.sub(r"_(bucket|sum|count)$", "", name) for name in names} == documented_metrics() - FLAGGED_ONLY
 
 
 def test_request_series_by_route_template(service):

@@ -83,6 +83,7 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
     api = alice.get(f"/api/v1/jobs/{job.id}/ett").json()
     expected = {
         "ett_percent": api["ett_percent"], "wall_seconds": api["wall_seconds"],
+        "full_speed_percent": api["full_speed_percent"], "slow_seconds": api["slow_seconds"],
         "queued_seconds": api["queued_seconds"], "time_to_start_seconds": api["time_to_start_seconds"],
         "restarts": api["restarts"], "mtbf_seconds": api["mtbf_seconds"],
         "recommended_checkpoint_interval_seconds": api["recommended_checkpoint_interval_seconds"],

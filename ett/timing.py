@@ -1,0 +1,116 @@
+"""Per-rank step timing (docs/library.md, "Per-rank timing"): how long each rank worked in a step
+before it reached the step's synchronisation, apart from the time it then waited for its peers.
+
+In a synchronous job every rank leaves the gradient synchronisation at the same moment, so the
+step's length says nothing of which rank held the others up; the moment each one *arrived* does.
+A rank marks its arrival with `step.synchronizing()`, or the library marks it itself:
+
+- a script on DistributedDataParallel (the Hugging Face Trainer's too): the first forward of a
+  DDP module installs a communication hook that notes the time each gradient bucket is ready;
+  the last bucket of a step is the end of this rank's backward, where it starts to wait. A
+  module with its own hook keeps it (the script can call `synchronizing()` itself);
+- the built-in trainer marks where its step's collectives begin.
+
+Every `WINDOW` steps each rank writes one `step_timing` event: the window's median step time and
+median work (the time before the mark, where there was one). The service compares ranks against
+their peers and their own history (service/jobs/stragglers.py).
+"""
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+logger = logging.getLogger("ett")
+
+WINDOW = 5  # steps per step_timing event: at 16,384 ranks and a step a second, 3,277 events/s
+LOOKOUT_STEPS = 3  # with no DDP module seen in this many steps, stop looking (the hook costs a call per module)
+
+
+class SyncClock:
+    """When this rank last reached a synchronisation (perf_counter seconds), by any marker."""
+
+    def __init__(self) -> None:
+        self.reached_at: float | None = None
+
+    def mark(self) -> None:
+        self.reached_at = time.perf_counter()
+
+
+class _TimedAllReduce:
+    """A DDP communication hook's state: the default all-reduce, and the time each bucket is ready."""
+
+    def __init__(self, clock: SyncClock, process_group: Any) -> None:
+        self.clock, self.process_group = clock, process_group
+
+    @staticmethod
+    def hook(state: "_TimedAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        state.clock.mark()
+        return allreduce_hook(state.process_group, bucket)
+
+
+class DDPWatch:
+    """Finds the DDP modules a script runs (a global forward pre-hook, removed once one is found
+    or after LOOKOUT_STEPS steps) and times their gradient buckets into `clock`."""
+
+    def __init__(self, clock: SyncClock) -> None:
+        self.clock = clock
+        self.found = False
+        self._handle: RemovableHandle | None = nn.modules.module.register_module_forward_pre_hook(self._on_forward)
+
+    def _on_forward(self, module: nn.Module, _args: Any) -> None:
+        if not isinstance(module, DistributedDataParallel) or getattr(module, "_ett_timed", False):
+            return
+        module._ett_timed = True  # type: ignore[attr-defined]
+        try:
+            module.register_comm_hook(_TimedAllReduce(self.clock, module.process_group), _TimedAllReduce.hook)
+            self.found = True
+            self.stop()
+        except (RuntimeError, ValueError, AssertionError) as exc:  # the script's own hook: it stays
+            logger.info("per-rank timing: this DDP module has a communication hook already (%s); "
+                        "call step.synchronizing() where the step synchronises", exc)
+
+    def step_ended(self, steps_done: int) -> None:
+        if not self.found and steps_done >= LOOKOUT_STEPS:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+class TimingWindow:
+    """A rank's step times and work times, summarised every WINDOW steps by `emit`."""
+
+    def __init__(self, emit: Callable[..., None]) -> None:
+        self._emit = emit
+        self._steps: list[tuple[int, float, float | None]] = []
+        self._total_steps: int | None = None
+
+    def add(self, step: int, duration: float, work: float | None, total_steps: int | None = None) -> None:
+        """One step's time and work; `total_steps`: the job's planned steps, where the script knows them."""
+        self._steps.append((step, duration, work))
+        self._total_steps = total_steps
+        if step % WINDOW == 0 or len(self._steps) >= 2 * WINDOW:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._steps:
+            return
+        steps, durations, works = zip(*self._steps)
+        data: dict[str, Any] = {"first_step": steps[0], "steps": len(steps), "duration": statistics.median(durations)}
+        if all(w is not None for w in works):
+            data["work"] = statistics.median(works)
+        if self._total_steps is not None:
+            data["total_steps"] = self._total_steps
+        self._emit("step_timing", step=steps[-1], **data)
+        self._steps = []

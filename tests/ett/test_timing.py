@@ -1,0 +1,61 @@
+"""Per-rank step timing (ett/timing.py): the windows a rank writes, the work it marks, the DDP
+hook that marks it for a script, and the injected slowdown."""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ett
+from ett.timing import WINDOW, DDPWatch, SyncClock, TimingWindow
+from tests.ett.test_run import in_job, no_ett_environment  # noqa: F401 (fixtures)
+from tests.trainer.trainer_runs import read_events
+
+
+def test_a_window_is_summarised_every_five_steps_and_a_partial_one_at_the_end():
+    emitted = []
+    window = TimingWindow(lambda kind, step, **data: emitted.append((kind, step, data)))
+    for step, work in zip(range(3, 13), [0.1, 0.2, 0.3, 0.1, 0.1, 0.5, 0.1, 0.1, 0.1, 0.2], strict=True):
+        window.add(step, duration=1.0 + work, work=work if step != 12 else None)
+    window.flush()
+    assert [(step, data["first_step"], data["steps"]) for _, step, data in emitted] == [(5, 3, 3), (10, 6, 5), (12, 11, 2)]
+    assert emitted[0][2]["work"] == pytest.approx(0.2) and emitted[1][2]["work"] == pytest.approx(0.1)
+    assert emitted[1][2]["duration"] == pytest.approx(1.1)
+    assert "work" not in emitted[2][2]  # a step without a mark: the window's work is not known
+    assert {kind for kind, _, _ in emitted} == {"step_timing"}
+
+
+def test_ddp_buckets_mark_where_the_rank_starts_to_wait():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    clock = SyncClock()
+    watch = DDPWatch(clock)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+    before_backward = None
+    for _ in range(2):
+        loss = model(torch.randn(4, 8)).sum()
+        before_backward = time.perf_counter()
+        loss.backward()
+        after_backward = time.perf_counter()
+        assert clock.reached_at is not None and before_backward <= clock.reached_at <= after_backward
+    assert watch.found and watch._handle is None  # the global hook is gone once the module is timed
+
+
+def test_a_job_run_writes_each_window_with_the_work_it_marked(in_job, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("ETT_FAULTS", json.dumps([{"action": "slow", "rank": 0, "at_step": 6, "factor": 3.0,
+                                                  "attempt": 2}]))
+    with ett.init() as run:
+        for step in range(1, 2 * WINDOW + 1):
+            with run.step(step) as s:
+                time.sleep(0.01)
+                s.synchronizing()
+                time.sleep(0.01)
+    timings = [e for e in read_events(in_job / "events" / "rank-0.jsonl") if e["kind"] == "step_timing"]
+    assert [(e["step"], e["data"]["first_step"]) for e in timings] == [(5, 1), (10, 6)]
+    before, slowed = (e["data"] for e in timings)
+    assert 0.009 < before["work"] < before["duration"]
+    # From step 6 the rank sleeps twice its step before it reaches the mark: about 3x the step.
+    assert slowed["work"] > 0.04 and slowed["duration"] > 2.5 * before["duration"]
