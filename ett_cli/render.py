@@ -26,7 +26,8 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         share = 100 * seconds / wall if wall else 0.0
         lines.append(f"  {category:16} {seconds:>10.2f} {share:>6.1f}%")
     for s in report.get("stragglers", []):
-        lines.append(f"straggler: rank {s['rank']} on {s['node']} (attempt {s['attempt']}) since step {s['since_step']}:"
+        lines.append(f"straggler: rank {s['rank']} on {s['node']} (attempt {s['attempt']})"
+                     f" since step {s['since_step']}:"
                      f" {s['relative']:.1f}x its peers' work, {s['action']}")
     failures = report["failures"]
     lines += ["", f"failures {len(failures)}  restarts {report['restarts']}  MTBF {_seconds(report['mtbf_seconds'])}"]

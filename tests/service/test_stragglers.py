@@ -42,7 +42,8 @@ def test_two_ranks_compare_with_each_other_and_incomplete_windows_wait():
 
 
 def test_steps_without_a_mark_are_compared_by_their_step_time():
-    timings = [Timing(rank, step, 0.3 if rank == 1 and step > 5 else 0.1, None) for step in (5, 10, 15) for rank in (0, 1, 2)]
+    timings = [Timing(rank, step, 0.3 if rank == 1 and step > 5 else 0.1, None)
+               for step in (5, 10, 15) for rank in (0, 1, 2)]
     assert [f.rank for f in find_stragglers(timings, 3)] == [1]
 
 
