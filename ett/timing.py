@@ -11,8 +11,8 @@ A rank marks its arrival with `step.synchronizing()`, or the library marks it it
   module with its own hook keeps it (the script can call `synchronizing()` itself);
 - the built-in trainer marks where its step's collectives begin.
 
-Every `WINDOW` steps each rank writes one `step_timing` event: the window's median step time and
-median work (the time before the mark, where there was one). The service compares ranks against
+Every `WINDOW` steps each rank writes one `step_timing` event: the window's median step time,
+median work (the time before the mark, where there was one) and second-lowest work. The service compares ranks against
 their peers and their own history (service/jobs/stragglers.py).
 """
 
@@ -110,6 +110,9 @@ class TimingWindow:
         data: dict[str, Any] = {"first_step": steps[0], "steps": len(steps), "duration": statistics.median(durations)}
         if all(w is not None for w in works):
             data["work"] = statistics.median(works)
+            # Its second-fastest step: what a rank slow at every step shows and a few hiccups
+            # (another process taking the core for a moment) do not.
+            data["work_low"] = sorted(works)[1] if len(works) > 2 else min(works)
         if self._total_steps is not None:
             data["total_steps"] = self._total_steps
         self._emit("step_timing", step=steps[-1], **data)

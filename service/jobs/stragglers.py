@@ -1,10 +1,12 @@
 """Stragglers: the ranks whose peers wait for them (docs/reliability.md, "Stragglers").
 
 Every WINDOW steps each rank reports its window's median work, the time before it reached the
-step's synchronisation (ett/timing.py; the step's time where it marks none). In a window every
-rank reported, a rank is slow when its work exceeds its peers' median by RELATIVE_LIMIT times
-*and* by STEP_SHARE of the step: a lag too small to cost the job a tenth of its step is left
-alone, however large its ratio (on a shared machine a 2 ms mark can read 6 ms). WINDOWS_IN_A_ROW
+step's synchronisation (ett/timing.py; the step's time where it marks none), and its second-
+lowest. In a window every rank reported, a rank is slow when both its median and its second-
+lowest work exceed its peers' by RELATIVE_LIMIT times *and* by STEP_SHARE of the step: a lag too
+small to cost the job that share of its step is left alone, however large its ratio (on a shared
+machine a 2 ms mark can read 6 ms), and so is a rank that was slow in a step or two of the five
+(another process took its core for a moment). WINDOWS_IN_A_ROW
 such windows flag it, naming its node; the individual score (its work over its own early in the
 attempt) says whether the node became slow or always was.
 
@@ -31,7 +33,7 @@ from service.jobs.scheduler import fail_attempt
 from service.models import STEP_TIMINGS, Attempt, AttemptNode, AttemptState, JobEvent, Node, StragglerFlag
 
 RELATIVE_LIMIT = 1.5
-STEP_SHARE = 0.1
+STEP_SHARE = 0.15
 WINDOWS_IN_A_ROW = 2
 LOOKBACK_STEPS = 60  # the windows read each pass: enough for WINDOWS_IN_A_ROW complete ones
 EARLY_WINDOWS = 3  # a rank's own baseline: its median over the attempt's first complete windows but one
@@ -46,10 +48,16 @@ class Timing:
     duration: float
     work: float | None
     total_steps: int | None = None
+    work_low: float | None = None  # the window's second-lowest work
 
     @property
     def value(self) -> float:
         return self.work if self.work is not None else self.duration
+
+    @property
+    def steady(self) -> float:
+        """What is compared: the second-lowest work, which hiccups leave alone, where known."""
+        return self.work_low if self.work_low is not None else self.value
 
 
 @dataclass(frozen=True)
@@ -72,11 +80,13 @@ def complete_windows(timings: Sequence[Timing], world: int) -> list[dict[int, Ti
 
 
 def _slow_in(window: dict[int, Timing], rank: int) -> Straggler | None:
-    peers = statistics.median(t.value for r, t in window.items() if r != rank)
     mine = window[rank]
     step_seconds = statistics.median(t.duration for t in window.values())
-    if mine.value - peers < STEP_SHARE * step_seconds or mine.value < RELATIVE_LIMIT * peers:
-        return None
+    for value, peer_value in ((mine.value, statistics.median(t.value for r, t in window.items() if r != rank)),
+                              (mine.steady, statistics.median(t.steady for r, t in window.items() if r != rank))):
+        if value - peer_value < STEP_SHARE * step_seconds or value < RELATIVE_LIMIT * peer_value:
+            return None
+    peers = statistics.median(t.value for r, t in window.items() if r != rank)
     relative = mine.value / peers if peers > 0 else float("inf")
     return Straggler(rank, mine.step, mine.step, relative, mine.value, peers, step_seconds)
 
@@ -112,8 +122,9 @@ def _timings(session: Session, attempt: Attempt, since_step: int | None = None, 
     found = []
     for source, step, data in session.execute(query.order_by(JobEvent.step)):
         try:
-            found.append(Timing(int(source.removeprefix("rank:")), int(step), float(data["duration"]),
-                                None if data.get("work") is None else float(data["work"]), data.get("total_steps")))
+            work, low = (None if data.get(k) is None else float(data[k]) for k in ("work", "work_low"))
+            found.append(Timing(int(source.removeprefix("rank:")), int(step), float(data["duration"]), work,
+                                data.get("total_steps"), low))
         except (KeyError, TypeError, ValueError):
             continue  # not a window a rank of ours wrote: nothing to compare
     return found

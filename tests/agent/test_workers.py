@@ -195,7 +195,7 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
         "ETT_CHECKPOINT_INTERVAL_FILE": str(paths.interval_file),
     }  # fmt: skip
     kinds = [e["kind"] for e in spool_events(supervisor, command, "rank:0")]
-    assert kinds == ["init_start", "init_end", "step", "step", "step", "train_end"]
+    assert kinds == ["init_start", "init_end", "step", "step", "step", "step_timing", "train_end"]
 
 
 def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(supervisor):

@@ -1,0 +1,119 @@
+"""Stragglers (issue #36): the same job with one rank slowed at mid-run, under `report` and under
+`replace`, side by side in one run; and what per-rank timing costs a step.
+
+1. A live service and three real agents of one slot (tests/support/cluster.py), the job
+   examples/plain_ddp.py on 2 nodes x 1 rank (DDP over gloo), `--step-seconds` standing for the
+   step's compute; rank 1 slowed `--factor` times from the middle step on (the `slow` fault).
+   `report` runs it to the end on the same nodes; `replace` stops it, restarts on the spare and
+   runs it to the end. Wall time (first allocation to finish) and ETT of each, and the ratio.
+2. Per-rank timing alone: a DDP loop on two local ranks (torch.multiprocessing, gloo), the same
+   steps with the library's DDP hook and step windows (a Run in a job) and with none (a Run
+   outside a job, which times nothing), interleaved, the median step of each.
+
+    .venv/bin/python bench/stragglers.py --steps 120 --factor 2
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.support
+
+from tests.support.cluster import cluster, example_job  # noqa: E402
+
+
+def run_policy(policy: str, args) -> dict:
+    slow = {"attempt": 0, "rank": 1, "at_step": args.steps // 2, "action": "slow", "factor": args.factor}
+    spec = example_job("plain_ddp.toml", name=f"bench-{policy}", stragglers=policy, max_restarts=1, faults=[slow],
+                       entrypoint=["python", "examples/plain_ddp.py", "--steps", str(args.steps),
+                                   "--step-seconds", str(args.step_seconds)])  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix=f"ett-bench-{policy}-") as root, cluster(Path(root)) as c:
+        for name in ("node-a", "node-b", "node-spare"):
+            c.start_agent(name, slots=1)
+        job = c.wait_job(c.submit(**spec), timeout=900)
+        report = c.report(job["id"])
+    return {"state": job["state"], "attempts": len(job["attempts"]), "wall": report["wall_seconds"],
+            "ett": report["ett_percent"], "full_speed": report["full_speed_percent"],
+            "slow": report["slow_seconds"], "flags": report["stragglers"]}
+
+
+def _timing_worker(rank: int, world: int, port: int, steps: int, timed: bool, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ett
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if timed:  # a job's environment: the Run times the steps and writes windows
+        os.environ.update(ETT_JOB_ID="bench", ETT_ATTEMPT="0", ETT_EVENT_DIR=f"{out}.events-{rank}")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    inputs = torch.randn(64, 256)
+    durations = []
+    with ett.init() as run:
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            with run.step(step):
+                loss = model(inputs).square().mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            durations.append(time.perf_counter() - start)
+    if rank == 0:
+        Path(out).write_text(str(statistics.median(durations[10:])))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timing_overhead(rounds: int, steps: int) -> list[tuple[float, float]]:
+    import torch.multiprocessing as mp
+
+    pairs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(rounds):
+            medians = {}
+            for timed in (False, True):
+                out = f"{tmp}/median-{i}-{timed}"
+                mp.start_processes(_timing_worker, args=(2, 29500 + 2 * i + timed, steps, timed, out), nprocs=2,
+                                   start_method="spawn")
+                medians[timed] = float(Path(out).read_text())
+            pairs.append((medians[False], medians[True]))
+    return pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--step-seconds", type=float, default=0.05)
+    parser.add_argument("--factor", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the timing overhead measurement")
+    parser.add_argument("--timing-steps", type=int, default=300)
+    args = parser.parse_args()
+
+    results = {policy: run_policy(policy, args) for policy in ("report", "replace")}
+    print(f"plain_ddp, 2 ranks, {args.steps} steps of {args.step_seconds} s, rank 1 slowed {args.factor}x from step "
+          f"{args.steps // 2}")
+    print(f"  {'policy':8} {'state':10} {'attempts':>8} {'wall s':>8} {'ETT %':>6} {'full %':>6} {'slow s':>7}  flag")
+    for policy, r in results.items():
+        flag = r["flags"][0] if r["flags"] else None
+        said = f"rank {flag['rank']} on {flag['node']} at step {flag['flagged_step']}, {flag['action']}" if flag else "-"
+        print(f"  {policy:8} {r['state']:10} {r['attempts']:>8} {r['wall']:>8.1f} {r['ett']:>6.1f} "
+              f"{r['full_speed']:>6.1f} {r['slow']:>7.1f}  {said}")
+    print(f"  replace / report: wall {results['replace']['wall'] / results['report']['wall']:.2f}x")
+
+    pairs = timing_overhead(args.rounds, args.timing_steps)
+    print(f"per-rank timing, DDP on 2 gloo ranks, median step of {args.timing_steps} (10 warm-up left out):")
+    for none, timed in pairs:
+        print(f"  none {1000 * none:.3f} ms  timed {1000 * timed:.3f} ms  ({100 * (timed / none - 1):+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
