@@ -21,6 +21,7 @@ from service.accounting.simulate import (
     tier_models,
     young_interval_seconds,
 )
+from service.accounting.simulate_stragglers import StragglerModel, straggler_sweep
 
 HELP = {
     "nodes": "nodes of the job",
@@ -68,6 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--from-job", metavar="JOB", help="take init, restore, checkpoint and step times from a "
                         "job's report in the service at --service (they override the defaults; flags win); "
                         "implies --tiers")
+    parser.add_argument("--stragglers", action="store_true", help="slow nodes instead of failures: the job's "
+                        "full-speed share with stragglers reported against replaced when that pays, for slowdowns "
+                        "of several sizes (service/accounting/simulate_stragglers.py)")
+    parser.add_argument("--straggler-rate", type=float, default=StragglerModel.rate_per_node_day,
+                        help="slowdowns starting per node per day (default %(default)g)")
     parser.add_argument("--all-failures", action="store_true", help="list every failure (default: the first 5)")
     parser.add_argument("--json", action="store_true", help="print the raw report")
     parser.set_defaults(run=run)
@@ -150,6 +156,21 @@ def print_tiers(model: FleetModel, end_ts: float) -> None:
         print(f"  {name:26}" + "".join(f"{cell(m, r):>14}" for m, r in runs.values()))
 
 
+def print_stragglers(model: FleetModel, rate: float) -> None:
+    restart = model.restart_seconds + model.init_seconds + model.restore_seconds
+    m = StragglerModel(nodes=model.nodes, days=model.days, step_seconds=model.step_seconds, rate_per_node_day=rate,
+                       restart_seconds=restart, seed=model.seed)  # fmt: skip
+    print(f"ett simulate --stragglers: {m.days:g} days of a {m.nodes:,}-node job ({m.nodes * model.gpus_per_node:,} "
+          f"GPUs), step {m.step_seconds:g} s; {rate:g} slowdowns per node per day, flagged after "
+          f"{m.detection_steps} steps; a restart costs {restart:.0f} s; seed {m.seed}. Full-speed share of the wall:")
+    print(f"  {'lasting':>8} {'median slowdown':>15} {'slowdowns':>9} {'report':>8} {'replace':>8} {'replaced':>8} "
+          f"{'restarting h':>12}")
+    for median, hours, report, replace in straggler_sweep(m):
+        better = "<" if replace.full_speed_percent < report.full_speed_percent else " "
+        print(f"  {hours:>7g}h {median:>14.2f}x {report.slowdowns:>9} {report.full_speed_percent:>7.2f}% "
+              f"{replace.full_speed_percent:>7.2f}%{better}{replace.replaced:>8} {replace.restart_seconds / 3600:>12.1f}")
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.service or args.from_job) and not args.token:
         print("ett simulate: --service and --from-job need a token (--token or ETT_TOKEN)", file=sys.stderr)
@@ -174,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"ett simulate: {exc}", file=sys.stderr)
         return 2
     end_ts = time.time()
+    if args.stragglers:
+        print_stragglers(model, args.straggler_rate)
+        return 0
     if args.tiers or args.from_job:
         print(f"ett simulate: {model.days:g} days of a {model.nodes:,}-node job, "
               f"MTBF {model.mtbf_seconds / 3600:.2f} h, step {model.step_seconds:.3g} s, "
