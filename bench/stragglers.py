@@ -104,7 +104,9 @@ def main() -> None:
     print(f"  {'policy':8} {'state':10} {'attempts':>8} {'wall s':>8} {'ETT %':>6} {'full %':>6} {'slow s':>7}  flag")
     for policy, r in results.items():
         flag = r["flags"][0] if r["flags"] else None
-        said = f"rank {flag['rank']} on {flag['node']} at step {flag['flagged_step']}, {flag['action']}" if flag else "-"
+        said = "-"
+        if flag:
+            said = f"rank {flag['rank']} on {flag['node']} at step {flag['flagged_step']}, {flag['action']}"
         print(f"  {policy:8} {r['state']:10} {r['attempts']:>8} {r['wall']:>8.1f} {r['ett']:>6.1f} "
               f"{r['full_speed']:>6.1f} {r['slow']:>7.1f}  {said}")
     print(f"  replace / report: wall {results['replace']['wall'] / results['report']['wall']:.2f}x")

@@ -168,7 +168,8 @@ def print_stragglers(model: FleetModel, rate: float) -> None:
     for median, hours, report, replace in straggler_sweep(m):
         better = "<" if replace.full_speed_percent < report.full_speed_percent else " "
         print(f"  {hours:>7g}h {median:>14.2f}x {report.slowdowns:>9} {report.full_speed_percent:>7.2f}% "
-              f"{replace.full_speed_percent:>7.2f}%{better}{replace.replaced:>8} {replace.restart_seconds / 3600:>12.1f}")
+              f"{replace.full_speed_percent:>7.2f}%{better}{replace.replaced:>8} "
+              f"{replace.restart_seconds / 3600:>12.1f}")
 
 
 def run(args: argparse.Namespace) -> int:
