@@ -1,5 +1,5 @@
 """Stragglers with real agents and real torchrun ranks (examples/plain_ddp.py on DDP over gloo):
-a rank slowed 3x is flagged within 20 steps, naming its node and rank; with `replace` the job
+a rank slowed 3x (4x) is flagged within 20 steps, naming its node and rank; with `replace` the job
 finishes on a spare node and books one `straggler` failure, with `report` on its own nodes; a
 healthy job beside it, under a second process's load, is never flagged."""
 
@@ -29,7 +29,9 @@ def test_replace_restarts_without_the_slow_node_and_books_a_straggler_failure(tm
     with cluster(tmp_path) as c:
         for name in ("node-a", "node-b", "node-spare"):
             c.start_agent(name, slots=1)
-        job_id = c.submit(**ddp_job("replace", 90, faults=[SLOW], stragglers="replace"))
+        # 4x from step 20 of 120: the slowdown would cost about 14 s, far above a restart even on a
+        # loaded machine (the rule weighs the attempt's own start-up, which load stretches).
+        job_id = c.submit(**ddp_job("replace", 120, faults=[SLOW | {"factor": 4.0}], stragglers="replace"))
         wait_for(lambda: c.report(job_id)["stragglers"], 120, "the slow rank to be flagged")
         slow_node = node_of_rank_1(c, job_id)
         job = c.wait_job(job_id)
