@@ -52,8 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     logs.add_argument("--follow", action="store_true", help="keep printing what the rank prints until the job ends")
     logs.add_argument("--interval", type=float, default=1.0, help="seconds between reads with --follow")
     logs.set_defaults(run=run_logs)
-    nodes = client_parser("nodes", "the nodes (admin): state, health, drain, jobs, recent failures; "
-                                   "`ett nodes drain NAME` keeps new work off one, `ett nodes return NAME` gives it back")
+    nodes = client_parser("nodes", "the nodes (admin): state, health, drain, jobs, recent failures and straggler "
+                                   "flags; `ett nodes drain NAME` keeps new work off one, `ett nodes return NAME` "
+                                   "gives it back")
     nodes.add_argument("action", nargs="?", choices=["drain", "return"])
     nodes.add_argument("name", nargs="?", help="the node to drain or return")
     nodes.add_argument("--reason", help="why it is drained (shown in `ett nodes`)")
@@ -176,11 +177,11 @@ def run_nodes(args: argparse.Namespace) -> int:
         node = _call(args, "POST", f"/api/v1/nodes/{args.name}/{args.action}", json=body)
         print(f"{node['name']}: {node['drained'] or 'returned: it takes new work'}")
         return 0
-    print(f"{'NAME':24}  {'STATE':8}  {'SLOTS':>5}  {'FAILURES':>8}  {'JOBS':32}  WHY NO NEW WORK")
+    print(f"{'NAME':24}  {'STATE':8}  {'SLOTS':>5}  {'FAILURES':>8}  {'FLAGS':>5}  {'JOBS':32}  WHY NO NEW WORK")
     for node in _call(args, "GET", "/api/v1/nodes"):
         why = "; ".join(filter(None, (node["drained"], node["health"])))
         print(f"{node['name'][:24]:24}  {node['state']:8}  {node['slots']:>5}  {node['failures']:>8}  "
-              f"{','.join(node['jobs'])[:32]:32}  {why}")
+              f"{node.get('flags', 0):>5}  {','.join(node['jobs'])[:32]:32}  {why}")
     return 0
 
 

@@ -8,7 +8,7 @@ from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
 from service.agents.commands import WAITING_FOR_NODE
-from service.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Node, NodeState, Token, utcnow
+from service.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Node, NodeState, StragglerFlag, Token, utcnow
 from service.outcomes import Forbidden, NotFound, Refused
 from service.security import Caller, unauthorized
 
@@ -90,6 +90,7 @@ class NodeView:
     node: Node
     jobs: list[str]  # the jobs of its active attempts
     failures: int  # failures its reports told within the window, of any kind
+    flags: int = 0  # times a rank on it was flagged as a straggler within the window
 
 
 def node_views(session: Session, failure_window_seconds: float, now: datetime) -> list[NodeView]:
@@ -104,8 +105,10 @@ def node_views(session: Session, failure_window_seconds: float, now: datetime) -
         .where(Attempt.failed_node_id.is_not(None), Attempt.ended_at >= since)
         .group_by(Attempt.failed_node_id)
     ).all())  # fmt: skip
-    return [NodeView(node, [job for node_id, job in running if node_id == node.id], failures.get(node.id, 0))
-            for node in nodes]
+    flags = dict(session.execute(select(StragglerFlag.node, func.count()).where(StragglerFlag.flagged_at >= since)
+                                 .group_by(StragglerFlag.node)).all())  # fmt: skip
+    return [NodeView(node, [job for node_id, job in running if node_id == node.id], failures.get(node.id, 0),
+                     flags.get(node.name, 0)) for node in nodes]
 
 
 def drain_node(session: Session, name: str, reason: str | None, admin: str) -> Node:

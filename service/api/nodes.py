@@ -14,7 +14,7 @@ router = APIRouter(prefix="/nodes", tags=["nodes"])
 
 def detail(view: NodeView) -> NodeDetail:
     node = NodeOut.model_validate(view.node, from_attributes=True)
-    return NodeDetail(**node.model_dump(), jobs=view.jobs, failures=view.failures)
+    return NodeDetail(**node.model_dump(), jobs=view.jobs, failures=view.failures, flags=view.flags)
 
 
 @router.get("")

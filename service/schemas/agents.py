@@ -47,6 +47,7 @@ class NodeDetail(NodeOut):
 
     jobs: list[str] = Field(description="the jobs of its active attempts")
     failures: int = Field(description="failures its reports told within ETT_NODE_FAILURE_WINDOW_SECONDS")
+    flags: int = Field(0, description="straggler flags of its ranks within ETT_NODE_FAILURE_WINDOW_SECONDS")
 
 
 class DrainRequest(Strict):

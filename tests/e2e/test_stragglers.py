@@ -42,6 +42,8 @@ def test_replace_restarts_without_the_slow_node_and_books_a_straggler_failure(tm
         assert [a["cause"] for a in job["attempts"]] == ["straggler", None]
         assert slow_node not in job["attempts"][1]["nodes"] and "node-spare" in job["attempts"][1]["nodes"]
         report = c.report(job_id)
+        [slow] = [n for n in c.admin.get("/api/v1/nodes").json() if n["name"] == slow_node]
+        assert (slow["flags"], slow["failures"]) == (1, 1), slow  # `ett nodes` shows both
         assert [f["cause"] for f in report["failures"]] == ["straggler"]
         assert report["failures"][0]["lost_steps"] == 0  # the stop saved the step it stopped at
         assert report["slow_seconds"] > 0 and report["full_speed_percent"] < report["ett_percent"]
