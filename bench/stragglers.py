@@ -7,8 +7,8 @@
    `report` runs it to the end on the same nodes; `replace` stops it, restarts on the spare and
    runs it to the end. Wall time (first allocation to finish) and ETT of each, and the ratio.
 2. Per-rank timing alone: a DDP loop on two local ranks (torch.multiprocessing, gloo), the same
-   steps with the library's DDP hook and step windows (a Run in a job) and with none (a Run
-   outside a job, which times nothing), interleaved, the median step of each.
+   steps in a job's environment with per-rank timing (the DDP hook, the windows) and without it
+   (the Run's other work, its events, alike in both), in alternating order, the median step of each.
 
     .venv/bin/python bench/stragglers.py --steps 120 --factor 2
 """
@@ -50,13 +50,19 @@ def _timing_worker(rank: int, world: int, port: int, steps: int, timed: bool, ou
     import ett
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    if timed:  # a job's environment: the Run times the steps and writes windows
-        os.environ.update(ETT_JOB_ID="bench", ETT_ATTEMPT="0", ETT_EVENT_DIR=f"{out}.events-{rank}")
+    # Both in a job's environment (events written alike); without timing, the Run gets neither
+    # the DDP hook nor the windows: what per-rank timing alone costs.
+    os.environ.update(ETT_JOB_ID="bench", ETT_ATTEMPT="0", ETT_EVENT_DIR=f"{out}.events-{rank}")
+    if not timed:
+        import ett.run
+
+        ett.run.DDPWatch = lambda clock: None
+        ett.run.TimingWindow = lambda emit: None
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)))
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    inputs = torch.randn(64, 256)
+    inputs = torch.randn(128, 512)
     durations = []
     with ett.init() as run:
         for step in range(1, steps + 1):
@@ -73,6 +79,31 @@ def _timing_worker(rank: int, world: int, port: int, steps: int, timed: bool, ou
     dist.destroy_process_group()
 
 
+def own_cost_per_step(steps: int = 20000) -> tuple[float, float]:
+    """The Run's own CPU time per step in a job's environment (one process, no DDP, an empty step),
+    without per-rank timing and with it (a mark in every step, the windows): microseconds each."""
+    import ett
+    import ett.run
+    from ett.timing import TimingWindow
+
+    costs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.update(ETT_JOB_ID="bench", ETT_ATTEMPT="0", ETT_EVENT_DIR=tmp)
+        for timed in (False, True):
+            ett.run.TimingWindow = TimingWindow if timed else (lambda emit: None)
+            with ett.init() as run:
+                start = time.process_time()
+                for step in range(1, steps + 1):
+                    with run.step(step) as s:
+                        if timed:
+                            s.synchronizing()
+                costs.append((time.process_time() - start) / steps * 1e6)
+        ett.run.TimingWindow = TimingWindow
+        for name in ("ETT_JOB_ID", "ETT_ATTEMPT", "ETT_EVENT_DIR"):
+            del os.environ[name]
+    return costs[0], costs[1]
+
+
 def timing_overhead(rounds: int, steps: int) -> list[tuple[float, float]]:
     import torch.multiprocessing as mp
 
@@ -80,7 +111,7 @@ def timing_overhead(rounds: int, steps: int) -> list[tuple[float, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(rounds):
             medians = {}
-            for timed in (False, True):
+            for timed in ((False, True) if i % 2 == 0 else (True, False)):  # neither always first
                 out = f"{tmp}/median-{i}-{timed}"
                 mp.start_processes(_timing_worker, args=(2, 29500 + 2 * i + timed, steps, timed, out), nprocs=2,
                                    start_method="spawn")
@@ -94,10 +125,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--factor", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the timing overhead measurement")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the timing overhead measurement")
     parser.add_argument("--timing-steps", type=int, default=300)
+    parser.add_argument("--timing-only", action="store_true", help="only the timing overhead")
     args = parser.parse_args()
 
+    if args.timing_only:
+        return print_overhead(args)
     results = {policy: run_policy(policy, args) for policy in ("report", "replace")}
     print(f"plain_ddp, 2 ranks, {args.steps} steps of {args.step_seconds} s, rank 1 slowed {args.factor}x from step "
           f"{args.steps // 2}")
@@ -111,10 +145,19 @@ def main() -> None:
               f"{r['full_speed']:>6.1f} {r['slow']:>7.1f}  {said}")
     print(f"  replace / report: wall {results['replace']['wall'] / results['report']['wall']:.2f}x")
 
+    print_overhead(args)
+
+
+def print_overhead(args) -> None:
+    without, with_timing = own_cost_per_step()
+    print(f"the Run's own CPU time a step (20,000 empty steps, in a job): {without:.1f} us without per-rank "
+          f"timing, {with_timing:.1f} us with it: +{with_timing - without:.1f} us a step")
     pairs = timing_overhead(args.rounds, args.timing_steps)
     print(f"per-rank timing, DDP on 2 gloo ranks, median step of {args.timing_steps} (10 warm-up left out):")
     for none, timed in pairs:
         print(f"  none {1000 * none:.3f} ms  timed {1000 * timed:.3f} ms  ({100 * (timed / none - 1):+.1f}%)")
+    ratios = sorted(timed / none for none, timed in pairs)
+    print(f"  median ratio {statistics.median(ratios):.4f}")
 
 
 if __name__ == "__main__":
