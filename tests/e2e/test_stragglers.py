@@ -36,7 +36,8 @@ def test_a_slow_rank_is_flagged_then_reported_or_replaced_and_a_healthy_job_neve
             healthy = c.submit(**ddp_job("healthy", 30))
             def straggler_series() -> str | None:
                 lines = c.service.client().get("/metrics").text.splitlines()
-                return next((line for line in lines if line.startswith("ett_job_straggler{") and reported in line), None)
+                series = (line for line in lines if line.startswith("ett_job_straggler{") and reported in line)
+                return next(series, None)
 
             exported = wait_for(straggler_series, 120, "the reported job's flagged rank in the metrics")
             assert 'rank="1"' in exported, exported
