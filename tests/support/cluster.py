@@ -35,10 +35,18 @@ class Cluster:
     admin: httpx.Client
     agents: dict[str, subprocess.Popen] = field(default_factory=dict)
 
+    def start_agents(self, *names: str, slots: int = 1) -> None:
+        """Several agents started at once, then waited for: their start-ups overlap."""
+        for name in names:
+            self.start_agent(name, slots=slots, wait=False)
+        for name in names:
+            wait_for(lambda name=name: self._registered(name), 60, f"agent {name} to register")
+
     def start_agent(self, name: str, slots: int = 2, job_python: Path | None = None, cwd: Path = REPO,
-                    **settings: str) -> subprocess.Popen:
+                    wait: bool = True, **settings: str) -> subprocess.Popen:
         """An agent process (`ett agent`, started in `cwd`); with `job_python`, one that runs jobs as
-        its default job user with that interpreter (tests/support/job_user.py), else as the suite's own user."""
+        its default job user with that interpreter (tests/support/job_user.py), else as the suite's own user.
+        `wait`: until it has registered."""
         env = {
             **os.environ, **({"ETT_AGENT_JOB_PYTHON": str(job_python)} if job_python else SUITE_USER_JOBS),
             "ETT_AGENT_SERVICE_URL": self.service.url, "ETT_AGENT_TOKEN_FILE": str(self._token_file(name)),
@@ -51,7 +59,8 @@ class Cluster:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "ett"), "agent"], env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
         self.agents[name] = proc
-        wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
+        if wait:
+            wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
         return proc
 
     def _token_file(self, name: str) -> Path:
