@@ -16,9 +16,22 @@ so a hang between writes is caught as fast as the steps there allow (the ceiling
 regime until it has WARMUP_STEPS gaps). A rank that is slow but alive says so with
 `run.progress()` beats (the library) or its progress mark; any progress restarts the wait, so
 only silence is measured.
+
+A frozen rank (docs/agent.md, "Hang detection") is caught sooner than any limit: the library's
+writer thread counts its progress mark's pulse up every PULSE_SECONDS whatever the training loop
+does, so a pulse that stands still for FROZEN_SECONDS while the rank's process uses no CPU time
+either means no thread of it runs: stopped (SIGSTOP, a debugger), or blocked in C code that holds
+the GIL and waits. Its peers wait for it in their next collective, and nothing will end that. A
+rank that is slow but live is never taken for it: its pulse goes on while it sleeps, waits on I/O
+or waits for its peers, and its CPU time goes up while it computes with the GIL held. A rank
+without a pulse (a script not on the library, or one whose run has closed) is judged by the limit
+above only.
 """
 
 from collections import deque
+from dataclasses import dataclass
+
+from ett.protocol import FROZEN_SECONDS
 
 WARMUP_STEPS = 5  # steps seen before the limit follows them
 FACTOR = 4.0  # a step may take this many times the longest one seen
@@ -66,3 +79,29 @@ class HangLimit:
     @property
     def adaptive(self) -> bool:
         return self.seconds != self.ceiling
+
+
+@dataclass
+class _Vitals:
+    pulse: int
+    cpu_ticks: int
+    since: float  # when either last changed
+
+
+class FrozenRanks:
+    """The ranks of this node whose pulse and CPU time stood still for FROZEN_SECONDS."""
+
+    def __init__(self) -> None:
+        self._vitals: dict[int, _Vitals] = {}
+
+    def observe(self, rank: int, pulse: int, cpu_ticks: int | None, now: float) -> None:
+        """A rank's pulse (0: none to judge by) and CPU time (None: the process is gone), read at `now`."""
+        seen = self._vitals.get(rank)
+        if pulse == 0 or cpu_ticks is None:
+            self._vitals.pop(rank, None)
+        elif seen is None or (seen.pulse, seen.cpu_ticks) != (pulse, cpu_ticks):
+            self._vitals[rank] = _Vitals(pulse, cpu_ticks, now)
+
+    def frozen(self, now: float) -> dict[int, float]:
+        """{rank: seconds frozen} of the ranks frozen for FROZEN_SECONDS or more."""
+        return {rank: now - v.since for rank, v in self._vitals.items() if now - v.since >= FROZEN_SECONDS}

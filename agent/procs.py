@@ -70,3 +70,14 @@ def signal_group(pgid: int, signum: int) -> None:
         os.killpg(pgid, signum)
     except ProcessLookupError:
         pass
+
+
+def cpu_and_state(pid: int) -> tuple[int, str] | None:
+    """A process's CPU time so far (user + system, in clock ticks) and its state letter (R, S, D,
+    T for stopped, ...), by the kernel's word; None: gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat_file:
+            fields = stat_file.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12]), fields[0].decode()

@@ -31,16 +31,16 @@ from typing import Any
 
 from agent.cgroups import PROCS, NodeCgroups, kill_cgroup, pids_in
 from agent.faults import FaultInjector
-from agent.hang import HangLimit
+from agent.hang import FrozenRanks, HangLimit
 from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.oom import oom_kills
-from agent.procs import GROUP_MARKER_ENV, process_uid, signal_group, signal_marked
+from agent.procs import GROUP_MARKER_ENV, cpu_and_state, process_uid, signal_group, signal_marked
 from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
-from ett.protocol import PROGRESS_GLOB, RANK_SPOOL_GLOB
+from ett.protocol import FROZEN_SECONDS, PROGRESS_GLOB, RANK_SPOOL_GLOB, rank_of_progress_file
 from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class WorkerGroup:
         self._launched_at = self._last_progress = clock()
         self._last_step: int | None = None
         self._hang_limit = HangLimit(command.hang_timeout_seconds)  # adaptive once steps are seen (agent/hang.py)
+        self._frozen = FrozenRanks()  # ranks whose pulse and CPU time stand still (agent/hang.py)
         self._saving: set[str] = set()  # sources (ranks) in a checkpoint's blocking part
         self._progress_marks: dict[str, tuple[int, ...]] = {}
         # Per rank: events its writer could not write yet (a full disk), and events it dropped.
@@ -308,6 +309,10 @@ class WorkerGroup:
                 continue
             writing = writing or mark.writing
             self.spool_trouble[path.name] = (mark.unwritten, mark.dropped)
+            rank = rank_of_progress_file(path.name)
+            if rank is not None:
+                vitals = cpu_and_state(self.rank_pids[rank]) if rank in self.rank_pids.keys() - self.exited else None
+                self._frozen.observe(rank, mark.pulse, vitals[0] if vitals else None, now)
             if (mark.step, mark.beats) != self._progress_marks.get(path.name):
                 self._progress_marks[path.name] = (mark.step, mark.beats)
                 self._last_progress = self._marked_at = now
@@ -323,15 +328,18 @@ class WorkerGroup:
     def _check_hang(self, now: float) -> None:
         if self.command.hang_timeout_seconds is None:  # the job turned hang detection off
             return
-        if self._last_step is None:
+        phase = "init" if self._last_step is None else "train"
+        if frozen := self._frozen_rank(now):
+            waited, limit, detail = frozen
+        elif self._last_step is None:
             # Liveness marks (ett's run.progress) before the first step restart the init timeout.
             since = max(self._launched_at, self._marked_at or 0.0)
-            waited, limit, phase = now - since, self.command.init_timeout_seconds, "init"
+            waited, limit = now - since, self.command.init_timeout_seconds
             detail = (f"no first step within the init timeout of {limit:g}s: no rank reported a step or progress "
                       "(a script reports them with ett's run.step and run.progress, docs/library.md; "
                       "hang_timeout_seconds = null turns hang detection off)")
         else:
-            waited, limit, phase = now - self._last_progress, self._hang_limit.seconds or 0.0, "train"
+            waited, limit = now - self._last_progress, self._hang_limit.seconds or 0.0
             ceiling = self.command.hang_timeout_seconds
             how = (f"adaptive: {limit:.2f}s from this attempt's step times, ceiling {ceiling:g}s"
                    if self._hang_limit.adaptive else f"hang timeout {limit:g}s")
@@ -344,6 +352,19 @@ class WorkerGroup:
         self._ending = GroupEnd(WorkerState.FAILED, "hang", detail)
         self.state = WorkerState.STOPPING
         self.kill()
+
+    def _frozen_rank(self, now: float) -> tuple[float, float, str] | None:
+        """(seconds, limit, detail) of a rank of this group that froze (agent/hang.py), by the kernel's word."""
+        for rank, seconds in sorted(self._frozen.frozen(now).items()):
+            pid = self.rank_pids[rank]
+            vitals = cpu_and_state(pid)
+            if vitals is None or not self.owns(pid):
+                continue
+            how = "stopped" if vitals[1] in "Tt" else f"state {vitals[1]}"
+            after = f"after step {self._last_step}" if self._last_step is not None else "before its first step"
+            return seconds, FROZEN_SECONDS, (f"rank {rank} frozen {after}: its pulse and CPU time stood still for "
+                                             f"{seconds:.1f}s (process {how})")
+        return None
 
     @property
     def exit_fds(self) -> list[int]:

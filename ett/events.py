@@ -5,12 +5,14 @@ serialises, writes and flushes each line, so the agent sees it within millisecon
 disk never stalls a training step.
 
 Only rank 0 sends `step` events, so every rank also keeps a progress mark: its last finished
-step, a count of liveness beats (work outside steps, `Run.progress`), the spool's state, and
-whether a checkpoint of the rank is being written in the background (steps are slower then),
-`"<step> <beats> <unwritten> <dropped> <writing>"` overwritten in place in `progress-rank-{RANK}`
-beside the spool. It is not an event and is not forwarded; the agent of each node reads it to detect hangs
-(a new step or beat is progress), to time faults of its own ranks (by the step), and to report a
-full disk.
+step, a count of liveness beats (work outside steps, `Run.progress`), the spool's state, whether
+a checkpoint of the rank is being written in the background (steps are slower then), and a pulse
+the writer thread counts up every PULSE_SECONDS while the process runs (0 once closed),
+`"<step> <beats> <unwritten> <dropped> <writing> <pulse>"` overwritten in place in
+`progress-rank-{RANK}` beside the spool. It is not an event and is not forwarded; the agent of each
+node reads it to detect hangs (a new step or beat is progress; a pulse that stops with the
+process's CPU time is a frozen rank), to time faults of its own ranks (by the step), and to report
+a full disk.
 
 A full disk loses no event: the lines that cannot be written wait in memory, in order, and are
 written when space returns; only past MAX_UNWRITTEN_BYTES are lines dropped, and counted. The
@@ -28,12 +30,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ett.protocol import progress_file, rank_spool
+from ett.protocol import PULSE_SECONDS, progress_file, rank_spool
 
 _CLOSE = object()
 PROGRESS_WIDTH = 64  # fixed, so an overwrite never leaves digits of a longer mark behind
 # A full disk: lines wait in memory up to this many bytes (dropped and counted past it), and are
-# tried again every RETRY_SECONDS; closing waits at most CLOSE_RETRY_SECONDS for space.
+# tried again at every pulse (PULSE_SECONDS); closing waits at most CLOSE_RETRY_SECONDS for space,
+# trying every RETRY_SECONDS.
 MAX_UNWRITTEN_BYTES = 16 << 20
 RETRY_SECONDS = 0.5
 CLOSE_RETRY_SECONDS = 5.0
@@ -111,15 +114,17 @@ class EventWriter:
     def _write_loop(self) -> None:
         spool = _Spool(self.path)
         fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        mark = (0, 0, 0)
+        mark, pulse, next_pulse = (0, 0, 0), 1, time.monotonic() + PULSE_SECONDS
         try:
-            _write_mark(fd, mark, spool)  # its bytes exist from now on: overwriting them needs no free space
+            _write_mark(fd, mark, spool, pulse)  # its bytes exist from now on: overwriting them needs no free space
             closing = False
             while not closing:
-                try:  # while lines wait for space, try again every RETRY_SECONDS
-                    items = [self._queue.get(timeout=RETRY_SECONDS if spool.pending else None)]
+                try:  # the pulse's pace; while lines wait for space, they are tried again as often
+                    items = [self._queue.get(timeout=max(0.0, next_pulse - time.monotonic()))]
                 except queue.Empty:
                     items = []
+                if time.monotonic() >= next_pulse:
+                    pulse, next_pulse = pulse + 1, time.monotonic() + PULSE_SECONDS
                 while True:  # write whatever else is already queued at once
                     try:
                         items.append(self._queue.get_nowait())
@@ -130,12 +135,12 @@ class EventWriter:
                 mark = marks[-1] if marks else mark
                 spool.add(json.dumps(item).encode() + b"\n" for item in items if isinstance(item, dict))
                 spool.write()
-                _write_mark(fd, mark, spool)
+                _write_mark(fd, mark, spool, 0 if closing else pulse)
             deadline = time.monotonic() + CLOSE_RETRY_SECONDS
             while spool.pending and time.monotonic() < deadline:  # a last chance for space to return
                 time.sleep(RETRY_SECONDS)
                 spool.write()
-                _write_mark(fd, mark, spool)
+                _write_mark(fd, mark, spool, 0)
         finally:
             os.close(fd)
             spool.close()
@@ -148,6 +153,7 @@ class ProgressMark:
     unwritten: int  # events waiting for disk space
     dropped: int  # events dropped past the bound
     writing: bool = False  # a checkpoint of the rank is being written in the background
+    pulse: int = 0  # counts up while the rank's library runs; 0: closed, or a library without it
 
 
 def read_progress_mark(path: Path) -> ProgressMark | None:
@@ -165,12 +171,14 @@ def read_progress_mark(path: Path) -> ProgressMark | None:
     if len(fields) < 2:
         return None
     unwritten, dropped = fields[2:4] if len(fields) >= 4 else (0, 0)
-    return ProgressMark(fields[0], fields[1], unwritten, dropped, len(fields) >= 5 and fields[4] == 1)
+    return ProgressMark(fields[0], fields[1], unwritten, dropped, len(fields) >= 5 and fields[4] == 1,
+                        fields[5] if len(fields) >= 6 else 0)
 
 
-def _write_mark(fd: int, mark: tuple[int, int, int], spool: "_Spool") -> None:
-    """`<step> <beats> <unwritten> <dropped> <writing>` in place: the agent reads it (agent/workers.py)."""
-    text = f"{mark[0]} {mark[1]} {len(spool.pending)} {spool.dropped} {mark[2]}".rjust(PROGRESS_WIDTH).encode()
+def _write_mark(fd: int, mark: tuple[int, int, int], spool: "_Spool", pulse: int) -> None:
+    """`<step> <beats> <unwritten> <dropped> <writing> <pulse>` in place: the agent reads it (agent/workers.py)."""
+    text = f"{mark[0]} {mark[1]} {len(spool.pending)} {spool.dropped} {mark[2]} {pulse}"
+    text = text.rjust(PROGRESS_WIDTH).encode()
     try:
         os.pwrite(fd, text, 0)
     except OSError:

@@ -60,6 +60,19 @@ def progress_file(rank: int) -> str:
     return f"progress-rank-{rank}"
 
 
+def rank_of_progress_file(name: str) -> int | None:
+    """The rank whose progress mark `name` is (None: not a mark's name)."""
+    rank = name.removeprefix("progress-rank-")
+    return int(rank) if rank != name and rank.isdigit() else None
+
+
+# A live rank's library counts this mark's pulse up every PULSE_SECONDS from a thread of its own;
+# its agent takes a rank whose pulse and CPU time both stood still for FROZEN_SECONDS for a hang
+# (agent/hang.py, "A frozen rank").
+PULSE_SECONDS = 0.1
+FROZEN_SECONDS = 1.0
+
+
 # -- injected faults (docs/jobspec.md, "faults") -------------------------------------------------
 AGENT_FAULT_ACTIONS = ("kill", "hang", "exit")  # the agent sets these off (agent/faults.py)
 LIBRARY_FAULT_ACTIONS = ("raise", "fill_memory", "fill_disk", "slow")  # the rank's ett.Run does (ett/faults.py)

@@ -13,6 +13,7 @@ import pytest
 
 from agent.spool import AttemptPaths
 from agent.supervisor import Supervisor
+from ett.protocol import FROZEN_SECONDS
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
 from tests.support.processes import TEST_MARK_ENV, pid_alive, pids_with_env
@@ -392,3 +393,30 @@ def test_a_success_is_reported_once_the_ranks_exit_while_torchrun_waits_for_the_
     finally:
         for node in nodes:
             node.shutdown()
+
+
+def test_a_frozen_rank_is_a_hang_within_the_frozen_limit_far_below_the_adaptive_floor(supervisor):
+    # Rank 1 stops itself in step 5 of 0.05 s steps: the adaptive limit would wait its 3 s floor.
+    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "1000", "--stall-at-step", "5", "--stall", "freeze"]
+    command = launch_command(hang_timeout_seconds=30).model_copy(update={"entrypoint": entrypoint})
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+
+    assert (report["state"], report["cause"]) == ("failed", "hang")
+    assert report["detail"].startswith("rank 1 frozen after step "), report["detail"]
+    assert "(process stopped)" in report["detail"]
+    [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
+    assert hang["data"]["timeout_seconds"] == FROZEN_SECONDS and hang["data"]["phase"] == "train"
+    assert FROZEN_SECONDS <= hang["data"]["seconds_without_progress"] < 3.0  # below the floor, by a margin
+
+
+@pytest.mark.parametrize("stall", ["sleep", "spin"])
+def test_a_slow_but_live_rank_is_not_frozen(supervisor, stall):
+    # 2 s in one step: more than the frozen limit, less than the adaptive floor. Asleep, the rank's
+    # pulse goes on; computing with the GIL held, its CPU time does.
+    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "12", "--stall-at-step", "5", "--stall", stall,
+                  "--stall-seconds", "2"]
+    command = launch_command(hang_timeout_seconds=30).model_copy(update={"entrypoint": entrypoint})
+    supervisor.launch(command)
+    report = run_to_end(supervisor)
+    assert report["state"] == "succeeded", report

@@ -77,7 +77,7 @@ def test_a_full_disk_loses_no_event_once_space_returns(disk):
         writer.emit("step", step=step, duration=0.01, tokens=64, loss=1.0)
         writer.progress(step)
     wait_for(lambda: mark(disk.folder)[0] == 200, 10, "the writer")
-    step, beats, unwritten, dropped, _ = mark(disk.folder)
+    step, beats, unwritten, dropped, *_ = mark(disk.folder)
     assert unwritten > 0 and dropped == 0  # the agent reads this (agent/workers.py)
     assert len(read_events(disk.folder / "rank-0.jsonl")) < 201
 
@@ -86,7 +86,7 @@ def test_a_full_disk_loses_no_event_once_space_returns(disk):
     events = read_events(disk.folder / "rank-0.jsonl")
     assert [e["seq"] for e in events] == list(range(201))  # every event, once, in order
     assert [e["step"] for e in events[1:]] == list(range(1, 201))
-    assert mark(disk.folder) == [200, 0, 0, 0, 0]
+    assert mark(disk.folder) == [200, 0, 0, 0, 0, 0]  # closed: pulse 0
 
 
 def test_past_its_bound_a_rank_drops_events_and_counts_them(disk, monkeypatch):
@@ -99,7 +99,7 @@ def test_past_its_bound_a_rank_drops_events_and_counts_them(disk, monkeypatch):
         writer.emit("step", step=step, duration=0.01)
     writer.progress(101)
     wait_for(lambda: mark(disk.folder)[0] == 101, 10, "the writer")
-    _, _, unwritten, dropped, _ = mark(disk.folder)
+    _, _, unwritten, dropped, *_ = mark(disk.folder)
     assert unwritten + dropped == 100 and dropped > 0 and unwritten * 80 < 2000
     disk.free()
     writer.close()

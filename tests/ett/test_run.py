@@ -107,8 +107,8 @@ def test_inside_a_job_the_events_and_checkpoints_follow_the_job(in_job):
     step = events[2]["data"]
     assert step["tokens"] == 8 and step["duration"] > 0 and isinstance(step["loss"], float)
     # The progress mark: the last step, one liveness beat, nothing unwritten or dropped, and no
-    # background write any more (the save of step 2 is committed).
-    assert (in_job / "events" / "progress-rank-0").read_text().split() == ["3", "1", "0", "0", "0"]
+    # background write any more (the save of step 2 is committed); closed, so no pulse.
+    assert (in_job / "events" / "progress-rank-0").read_text().split() == ["3", "1", "0", "0", "0", "0"]
 
 
 class FailsToSave:

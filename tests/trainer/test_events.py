@@ -7,7 +7,7 @@ import time
 import pytest
 
 from ett.events import EventWriter, read_progress_mark
-from ett.protocol import RANK_KINDS
+from ett.protocol import PULSE_SECONDS, RANK_KINDS
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, read_events, run_trainer
 
 
@@ -119,6 +119,19 @@ def test_the_mark_says_while_a_checkpoint_is_written_in_the_background(tmp_path)
     assert (mark.step, mark.beats, mark.writing) == (7, 1, True)
     (tmp_path / "progress-rank-2").write_text("5 0 0 0".rjust(64))  # a mark of an older writer
     assert read_progress_mark(tmp_path / "progress-rank-2").writing is False
+
+
+def test_the_marks_pulse_counts_up_while_the_rank_waits_and_is_zero_once_closed(tmp_path):
+    writer = EventWriter(str(tmp_path), rank=0, attempt=0)
+    writer.progress(3)
+    pulses = []
+    for _ in range(4):  # nothing emitted meanwhile: the writer thread pulses on its own
+        time.sleep(3 * PULSE_SECONDS)
+        pulses.append(read_progress_mark(tmp_path / "progress-rank-0").pulse)
+    assert pulses == sorted(pulses) and len(set(pulses)) == 4 and pulses[0] >= 1, pulses
+    writer.close()
+    mark = read_progress_mark(tmp_path / "progress-rank-0")
+    assert (mark.step, mark.pulse) == (3, 0)  # closed: no longer a sign of life to judge by
 
 
 def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(tmp_path):

@@ -3,11 +3,15 @@
 --env-file F: rank 0 writes the ETT_* environment it was handed to F (JSON).
 --busy-seconds S: S seconds of work before the first step, marked with run.progress() every 0.2 s
 (or, with --silent, not marked at all).
+--stall-at-step S --stall {freeze,sleep,spin} --stall-seconds X: rank 1, in step S, stops itself
+(SIGSTOP: frozen), or for X seconds sleeps (slow but live) or computes holding the GIL (its
+library's thread cannot pulse meanwhile, but its CPU time goes up).
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 
 import ett
@@ -17,7 +21,21 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--env-file", default=None)
 parser.add_argument("--busy-seconds", type=float, default=0.0)
 parser.add_argument("--silent", action="store_true")
+parser.add_argument("--stall-at-step", type=int, default=None)
+parser.add_argument("--stall", choices=["freeze", "sleep", "spin"], default="freeze")
+parser.add_argument("--stall-seconds", type=float, default=2.0)
 args = parser.parse_args()
+
+
+def stall() -> None:
+    if args.stall == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif args.stall == "sleep":
+        time.sleep(args.stall_seconds)
+    else:  # one C call the interpreter cannot switch threads in: sized from a short one
+        start = time.perf_counter()
+        sum(range(1_000_000))
+        sum(range(int(1_000_000 * args.stall_seconds / (time.perf_counter() - start))))
 
 with ett.init() as run:
     if args.env_file and run.rank == 0:
@@ -32,4 +50,6 @@ with ett.init() as run:
     for step in range(1, args.steps + 1):
         with run.step(step, tokens=64) as s:
             time.sleep(0.05)
+            if step == args.stall_at_step and run.rank == 1:
+                stall()
             s.loss = 1.0 / step
