@@ -5,13 +5,13 @@ import os
 import sys
 
 from agent import cli as agent_cmd
-from ett_cli import client_cmd, demo_cmd, service_cmd, simulate_cmd, token_cmd
+from ett_cli import client_cmd, demo_cmd, kubernetes_cmd, service_cmd, simulate_cmd, token_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ett", description="Effective Training Time: run and measure training jobs")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (service_cmd, agent_cmd, token_cmd, client_cmd, demo_cmd, simulate_cmd):
+    for module in (service_cmd, agent_cmd, token_cmd, client_cmd, demo_cmd, simulate_cmd, kubernetes_cmd):
         module.register(sub)
     return parser
 

@@ -6,6 +6,7 @@ from typing import Any
 from sqlalchemy import JSON, DateTime, TypeDecorator
 
 from service.schemas.job_spec import JobSpec
+from service.schemas.notify import revealed
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -33,7 +34,7 @@ class JobSpecJSON(TypeDecorator[JobSpec]):
     cache_ok = True
 
     def process_bind_param(self, value: JobSpec | None, dialect: Any) -> dict[str, Any] | None:
-        return None if value is None else value.model_dump(mode="json")
+        return None if value is None else revealed(value)  # the notify secret itself, not hidden
 
     def process_result_value(self, value: dict[str, Any] | None, dialect: Any) -> JobSpec | None:
         return None if value is None else JobSpec.model_validate(value)

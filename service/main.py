@@ -16,7 +16,7 @@ from service.agents.commands import ring_on_commit
 from service.api import include_api
 from service.api.health import router as health_router
 from service.asgi.access_log import QuietAgentCalls
-from service.asgi.background import YoungCollector, run_scheduler, run_slurm_bridge
+from service.asgi.background import YoungCollector, run_notifier, run_scheduler, run_slurm_bridge
 from service.asgi.errors import ValidationProblem, refused_handler, validation_error
 from service.asgi.hot_paths import AgentHotPaths
 from service.asgi.limits import BodySizeLimit, RateLimit
@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop = asyncio.Event()
         task = asyncio.create_task(run_scheduler(context, wake, stop))
         slurm = asyncio.create_task(run_slurm_bridge(context, stop)) if settings.slurm else None
+        notifier = asyncio.create_task(run_notifier(context, stop))
         context.heartbeats = HeartbeatWriter(context.sessions, settings)
         writer = asyncio.create_task(context.heartbeats.run())
         context.event_batches = EventBatchWriter(context.sessions, settings)
@@ -64,6 +65,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await task  # lets a tick in flight finish: no transaction outlives the app
         if slurm is not None:
             await slurm
+        await notifier
         for background in (writer, events_writer, watcher, collector):
             background.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     # Settings given to those agents (ETT_AGENT_JOB_USER, ETT_AGENT_STOP_GRACE_SECONDS, ...):
     # a JSON object of names and values.
     slurm_agent_env: dict[str, str] = {}
+    # Job notifications (docs/jobspec.md, "notify"): the longest a webhook may take to answer one
+    # delivery, and the hosts webhooks may be on (empty: any host, but never a link-local address).
+    notify_timeout_seconds: float = Field(10.0, gt=0, le=60)
+    notify_hosts: list[str] = []
     # How often the service asks Slurm about its allocations (squeue), and the longest one
     # Slurm command may take.
     slurm_poll_seconds: float = Field(2.0, gt=0)

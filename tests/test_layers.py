@@ -25,7 +25,7 @@ LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol", "ett.protocol
 # The service's layers, lowest first; a module sits in the first whose prefix it starts with.
 LAYERS = (
     ("storage and pure computation", ("service.settings", "service.db", "service.models", "service.states",
-                                      "service.model_base", "service.evidence_models",
+                                      "service.model_base", "service.evidence_models", "service.notification_models",
                                       "service.column_types",
                                       "service.outcomes",
                                       "service.migrat",

@@ -1,4 +1,4 @@
-"""Jobs: submit, list, get, cancel."""
+"""Jobs: submit, list, get, cancel, and a job's notifications."""
 
 import time
 
@@ -7,10 +7,11 @@ from fastapi import APIRouter, Query, status
 from service.accounting.accounts import job_account, restored_steps
 from service.api.deps import UserDep, VisibleJobDep
 from service.context import ContextDep, SessionDep
-from service.jobs import scheduler
+from service.jobs import notifications, scheduler
 from service.jobs.catalog import create_job, fleet_warnings, visible_jobs
 from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec, SlurmOut
+from service.schemas.notify import NotificationOut
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -41,7 +42,7 @@ def submit_job(spec: JobSpec, session: SessionDep, caller: UserDep, context: Con
     warnings = fleet_warnings(session, context.settings, job)
     session.commit()
     context.wake_scheduler()
-    return JobCreated(**job_out(job, {}).model_dump(), warnings=warnings)
+    return JobCreated(**dict(job_out(job, {})), warnings=warnings)  # not dumped: that hides notify's secret
 
 
 @router.get("")
@@ -67,3 +68,9 @@ def cancel_job(job: VisibleJobDep, session: SessionDep) -> JobOut:
     scheduler.cancel_job(session, job, time.time())
     session.commit()
     return job_out(job, job_account(session, job.id).restored_steps())
+
+
+@router.get("/{job_id}/notifications")
+def job_notifications(job: VisibleJobDep, session: SessionDep) -> list[NotificationOut]:
+    """What the job's events owed its webhooks (`notify` in its spec), and how each delivery went."""
+    return [NotificationOut.model_validate(n, from_attributes=True) for n in notifications.of_job(session, job)]

@@ -1,5 +1,5 @@
 """The service process's background tasks on its event loop: the scheduler's clock, the Slurm
-bridge's (with ETT_SLURM) and the garbage collector's."""
+bridge's (with ETT_SLURM), the jobs' notifications' and the garbage collector's."""
 
 import asyncio
 import contextlib
@@ -7,10 +7,11 @@ import gc
 import logging
 import time
 
+import httpx
 from fastapi.concurrency import run_in_threadpool
 
 from service.context import ServiceContext
-from service.jobs import scheduler, stragglers
+from service.jobs import notifications, scheduler, stragglers
 from service.jobs.diagnosis import FailurePolicy
 from service.slurm.allocations import SlurmBridge
 
@@ -62,6 +63,47 @@ async def run_slurm_bridge(context: ServiceContext, stop: asyncio.Event) -> None
         context.wake_scheduler()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), settings.slurm_poll_seconds)
+
+
+NOTIFY_PERIOD_SECONDS = 0.5
+
+
+async def run_notifier(context: ServiceContext, stop: asyncio.Event) -> None:
+    """Sends the jobs' due notifications (service/jobs/notifications.py): each try is a task of its
+    own, so a receiver that is down or slow holds up only its own deliveries, never the scheduler's
+    ticks or another receiver's."""
+
+    def claim() -> list[notifications.Outgoing]:
+        with context.sessions() as session:
+            return notifications.claim_due(session, time.time())
+
+    def record(delivery: str, error: str | None) -> None:
+        with context.sessions() as session:
+            notifications.record_outcome(session, delivery, error, time.time())
+            session.commit()
+
+    async def send(client: httpx.AsyncClient, outgoing: notifications.Outgoing) -> None:
+        try:
+            response = await client.post(outgoing.url, content=outgoing.body, headers=outgoing.headers)
+            error = None if response.is_success else f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        await run_in_threadpool(record, outgoing.id, error)
+
+    in_flight: set[asyncio.Task] = set()
+    async with httpx.AsyncClient(timeout=context.settings.notify_timeout_seconds, follow_redirects=False) as client:
+        while not stop.is_set():
+            try:
+                for outgoing in await run_in_threadpool(claim):
+                    task = asyncio.create_task(send(client, outgoing))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+            except Exception:
+                log.exception("notifications pass failed; retrying next period")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), NOTIFY_PERIOD_SECONDS)
+        for task in in_flight:  # a delivery cut off here is sent again once its lease ends
+            task.cancel()
 
 
 class YoungCollector:

@@ -5,6 +5,7 @@ import shlex
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from urllib.parse import urlsplit
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -46,11 +47,23 @@ def check_entrypoint(settings: Settings, entrypoint: list[str] | None, caller: T
                                 f"starts as none of ETT_ALLOWED_ENTRYPOINTS ({listed})")
 
 
+def check_webhooks(settings: Settings, spec: JobSpec) -> None:
+    """A job's webhooks must be on the hosts the operator allows, when it names some."""
+    if spec.notify is None or not settings.notify_hosts:
+        return
+    for index, url in enumerate(spec.notify.webhooks):
+        host = urlsplit(url).hostname
+        if host not in settings.notify_hosts:
+            raise Unprocessable(f"notify.webhooks.{index}", f"{host} is not a host webhooks may be on "
+                                f"(ETT_NOTIFY_HOSTS: {', '.join(settings.notify_hosts)})")
+
+
 def create_job(session: Session, settings: Settings, spec: JobSpec, caller: Token) -> Job:
     """A new queued job of the caller (the spec already validated); the caller commits and wakes
     the scheduler. Raises EntrypointRefused, CheckpointDirRefused for a checkpoint folder
     outside the owner's area, or SlurmOff."""
     check_entrypoint(settings, spec.entrypoint, caller)
+    check_webhooks(settings, spec)
     if spec.slurm is not None and not settings.slurm:
         raise SlurmOff("this service does not run jobs on Slurm (its operator sets ETT_SLURM=true); remove the "
                        "slurm section to run on the registered agents")

@@ -28,13 +28,14 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload
 
 from service.accounting.accounts import job_account
+from service.jobs import notifications
 from service.jobs.diagnosis import FailurePolicy
 from service.jobs.scheduler import fail_attempt
 from service.models import STEP_TIMINGS, Attempt, AttemptNode, AttemptState, JobEvent, Node, StragglerFlag
 
 RELATIVE_LIMIT = 1.5
 STEP_SHARE = 0.15
-WINDOWS_IN_A_ROW = 2
+WINDOWS_IN_A_ROW = 3  # two flagged a healthy rank under CI's load once; three: by step S + 17 at the latest
 LOOKBACK_STEPS = 60  # the windows read each pass: enough for WINDOWS_IN_A_ROW complete ones
 EARLY_WINDOWS = 3  # a rank's own baseline: its median over the attempt's first complete windows but one
 
@@ -162,16 +163,20 @@ def _flag(session: Session, attempt: Attempt, s: Straggler, timings: list[Timing
     flag = StragglerFlag(job_id=attempt.job_id, attempt=attempt.number, rank=s.rank, node=node.name,
                          since_step=s.since_step, flagged_step=s.flagged_step, relative=round(s.relative, 3),
                          individual=None if individual is None else round(individual, 3),
-                         work_seconds=s.work_seconds, peer_seconds=s.peer_seconds,
+                         work_seconds=s.work_seconds, peer_seconds=s.peer_seconds, action="reported",
                          flagged_at=datetime.fromtimestamp(now, UTC))
     session.add(flag)
+    slow_cost, restart_cost = 0.0, float("inf")
     if attempt.job.spec.stragglers == "replace":
         slow_cost, restart_cost = replacement_costs(session, attempt, s, timings)
-        if slow_cost > restart_cost:
-            flag.action = "replaced"
-            detail = (f"rank {s.rank} on {node.name} straggled: {s.relative:.1f}x its peers' work since step "
-                      f"{s.since_step}; the slowdown would cost {slow_cost:.1f} s, a restart {restart_cost:.1f} s")
-            fail_attempt(session, attempt, "straggler", detail, now, node=node)
+        flag.action = "replaced" if slow_cost > restart_cost else flag.action
+    notifications.record(session, attempt.job, "straggler", f"straggler:{attempt.number}:{s.rank}", attempt.number,
+                         {"rank": s.rank, "node": node.name, "relative": flag.relative, "since_step": s.since_step,
+                          "flagged_step": s.flagged_step, "action": flag.action}, now)  # fmt: skip
+    if flag.action == "replaced":
+        detail = (f"rank {s.rank} on {node.name} straggled: {s.relative:.1f}x its peers' work since step "
+                  f"{s.since_step}; the slowdown would cost {slow_cost:.1f} s, a restart {restart_cost:.1f} s")
+        fail_attempt(session, attempt, "straggler", detail, now, node=node)
     _drain_if_flagged_often(session, node, policy, now)
 
 

@@ -13,6 +13,7 @@ from pydantic import (
 )
 
 from service.schemas import Strict
+from service.schemas.notify import NotifySpec
 
 JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -137,6 +138,8 @@ class JobSpec(Strict):
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
     # Set: the job runs in an allocation of its own on a Slurm cluster, not on the hand-run agents.
     slurm: SlurmSpec | None = None
+    # Webhooks the service calls, signed, on the job's events (docs/jobspec.md, "notify").
+    notify: NotifySpec | None = None
 
     @field_validator("env")
     @classmethod

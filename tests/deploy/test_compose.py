@@ -35,12 +35,13 @@ def bind_mounts(compose: dict) -> list[tuple[str, Path, str]]:
 
 
 def test_compose_has_the_deployment_and_every_mounted_file_exists(compose):
-    expected = {"postgres", "migrate", "agent-token", "service", "agent", "prometheus", "grafana"}
+    expected = {"postgres", "migrate", "agent-token", "service", "agent", "prometheus", "alertmanager", "grafana"}
     assert set(compose["services"]) == expected
     mounts = bind_mounts(compose)
     assert {(s, t) for s, _, t in mounts} >= {
         ("prometheus", "/etc/prometheus/prometheus.yml"), ("prometheus", "/etc/prometheus/alerts.yml"),
         ("grafana", "/etc/grafana/provisioning"), ("grafana", "/etc/grafana/dashboards"),
+        ("alertmanager", "/etc/alertmanager/alertmanager.yml"),
     }  # fmt: skip
     for service, path, _ in mounts:
         assert path.exists() and path.is_relative_to(ROOT), f"{service} mounts {path}, missing from the repository"
@@ -112,6 +113,9 @@ def test_prometheus_scrapes_what_compose_runs(compose):
     targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in config["scrape_configs"]}
     agent_port = compose["services"]["agent"]["environment"]["ETT_AGENT_METRICS_PORT"]
     assert targets == {"ett-service": ["service:8000"], "ett-agent": [f"agent:{agent_port}"]}
+    [alertmanagers] = config["alerting"]["alertmanagers"]
+    assert alertmanagers["static_configs"][0]["targets"] == ["alertmanager:9093"]
+    assert "--config.file=/etc/alertmanager/alertmanager.yml" in compose["services"]["alertmanager"]["command"]
 
 
 def test_grafana_provisions_the_datasource_and_the_dashboard_it_mounts(compose):

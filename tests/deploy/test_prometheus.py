@@ -3,11 +3,8 @@ exported; a real Prometheus scraping a live service reads the job's ETT ratio th
 
 import json
 import re
-import shutil
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -18,18 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.metrics import AgentStats, StatsCollector
 from tests.deploy.replayed import replayed_job
-from tests.support.postgres import free_port
+from tests.deploy.servers import prometheus, tool
 from tests.support.waiting import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is needed: apt-get install prometheus (.ci/run does)"
-    return path
 
 
 def promtool(*args: str | Path) -> None:
@@ -103,39 +94,6 @@ def test_failed_checkpoint_saves_are_counted_per_job(service):
         if s.name == "ett_job_checkpoints_failed_total"
     }
     assert samples == {job.id: 1.0}  # attempt 1's save of step 55
-
-
-@contextmanager
-def prometheus(config: dict, folder: Path) -> Iterator[str]:
-    """A real Prometheus on loopback for the block: its URL."""
-    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = open(folder / "prometheus.log", "wb")
-    process = subprocess.Popen(
-        [tool("prometheus"), f"--config.file={folder / 'prometheus.yml'}", f"--storage.tsdb.path={folder / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: process.poll() is None and _answers(f"{url}/-/ready"), 30, "Prometheus to be ready",
-                 interval=0.2, explain=lambda: (folder / "prometheus.log").read_text())
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @SQLITE_ONLY

@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.cluster import Cluster, cluster, example_job
 from tests.support.waiting import wait_for
+from tests.support.webhook import webhook_receiver
 
 pytestmark = pytest.mark.slow
 SLOW = {"attempt": 0, "rank": 1, "at_step": 20, "action": "slow", "factor": 3.0}
@@ -25,17 +26,20 @@ def node_of_rank_1(c: Cluster, job_id: str, attempt: int = 0) -> str:
 
 
 def test_replace_restarts_without_the_slow_node_and_books_a_straggler_failure(tmp_path):
-    with cluster(tmp_path) as c:
+    with cluster(tmp_path) as c, webhook_receiver() as receiver:
         c.start_agents("node-a", "node-b", "node-spare")
         # 3x from step 20 of 300: flagged by step 40, the slowdown would cost about 0.1 s a step
         # over 260 steps, far above a restart even with a start-up stretched by load (4x over 100
-        # steps did not outweigh one in CI).
-        job_id = c.submit(**ddp_job("replace", 300, faults=[SLOW], stragglers="replace"))
+        # steps did not outweigh one in CI). Its owner is notified of each event (docs/jobspec.md).
+        notify = {"webhooks": [f"{receiver.url}/ett"], "secret": "0123456789abcdef"}
+        job_id = c.submit(**ddp_job("replace", 300, faults=[SLOW], stragglers="replace", notify=notify))
         wait_for(lambda: c.report(job_id)["stragglers"], 120, "the slow rank to be flagged")
         slow_node = node_of_rank_1(c, job_id)
         job = c.wait_job(job_id)
         assert job["state"] == "succeeded", job
-        [flag] = c.report(job_id)["stragglers"]
+        flags = c.report(job_id)["stragglers"]
+        assert len(flags) == 1, flags  # the slowed rank's, and no healthy rank's on the spare
+        [flag] = flags
         assert (flag["rank"], flag["node"], flag["action"]) == (1, slow_node, "replaced")
         assert 20 <= flag["since_step"] and flag["flagged_step"] <= 20 + 20 and flag["relative"] >= 1.5, flag
         assert [a["cause"] for a in job["attempts"]] == ["straggler", None]
@@ -46,6 +50,12 @@ def test_replace_restarts_without_the_slow_node_and_books_a_straggler_failure(tm
         assert [f["cause"] for f in report["failures"]] == ["straggler"]
         assert report["failures"][0]["lost_steps"] == 0  # the stop saved the step it stopped at
         assert report["slow_seconds"] > 0 and report["full_speed_percent"] < report["ett_percent"]
+        wait_for(lambda: len(receiver.at("/ett")) >= 4, 30, "the notifications")
+        notices = {d.json()["event"]: d.json() for d in receiver.at("/ett")}  # sent at once: in any order
+        assert sorted(notices) == ["failed", "finished", "restarted", "straggler"] and len(receiver.at("/ett")) == 4
+        straggler = notices["straggler"]["data"]
+        assert straggler | {"rank": 1, "node": slow_node, "action": "replaced"} == straggler
+        assert (notices["failed"]["data"]["cause"], notices["finished"]["data"]["state"]) == ("straggler", "succeeded")
 
 
 def test_report_keeps_the_nodes_and_a_healthy_job_under_load_is_never_flagged(tmp_path):

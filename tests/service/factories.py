@@ -21,6 +21,7 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "env": {},
         "entrypoint": None,
         "slurm": None,
+        "notify": None,
     }
     spec.update(overrides)
     return spec
