@@ -1,6 +1,7 @@
 """Shared fixtures: databases (SQLite and a real PostgreSQL), a live service, tokens."""
 
 import itertools
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,12 @@ from tests.support.postgres import postgres_server
 from tests.support.processes import TEST_MARK_ENV, kill_marked
 
 BACKENDS = ["sqlite", "postgresql"]
+# Each xdist worker's services hand out master ports of their own (Settings reads these): two
+# services of the suite giving one port to two jobs at once failed a torchrun rendezvous at random
+# ("torchrun exit code 1" before any fault). Below Linux's ephemeral ports (32768 on).
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+os.environ.setdefault("ETT_MASTER_PORT_FIRST", str(20000 + 1000 * _WORKER))
+os.environ.setdefault("ETT_MASTER_PORT_COUNT", "1000")
 _database_numbers = itertools.count()
 
 

@@ -1,5 +1,6 @@
 """Worker groups under real torchrun, with the fake rank: every way an attempt can end."""
 
+import errno
 import json
 import os
 import signal
@@ -340,6 +341,17 @@ while True:
 """
 
 
+def removed(cgroup: Path) -> bool:
+    """rmdir of a cgroup; False while a process of it (the guard, exiting) keeps it busy."""
+    try:
+        cgroup.rmdir()
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return False
+    return True
+
+
 def test_a_crashed_agent_leaves_no_orphan(tmp_path, cgroups):
     job_id = os.urandom(8).hex()
     escaped = tmp_path / "escaped.pid"
@@ -354,8 +366,8 @@ def test_a_crashed_agent_leaves_no_orphan(tmp_path, cgroups):
     wait_for(lambda: not pids_with_env("ETT_JOB_ID", job_id), 15, "the guard to clear the group")
     if cgroups is not None:  # the guard emptied the attempt's cgroup too, itself last
         wait_for(lambda: not pid_alive(int(escaped.read_text())), 15, "the escaped process to go with its cgroup")
-        for attempt in attempt_cgroups(cgroups):
-            attempt.rmdir()  # the dead agent's; a new one would remove it (Supervisor.recover)
+        for attempt in attempt_cgroups(cgroups):  # the dead agent's; a new one would remove it (Supervisor.recover)
+            wait_for(lambda: removed(attempt), 15, "the guard, last in its cgroup, to be gone")
 
 
 def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):
