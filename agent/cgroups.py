@@ -22,6 +22,7 @@ so once (docs/agent.md, "Clean-up").
 """
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -84,6 +85,24 @@ def kill_cgroup(cgroup: Path) -> None:
         (cgroup / KILL).write_text("1")
 
 
+def remove_when_released(cgroup: Path, wait: float = KILL_WAIT_SECONDS) -> bool:
+    """Removes an emptied cgroup; whether it is gone. A process killed a moment ago has left
+    cgroup.procs but may still hold the cgroup (EBUSY) until the kernel has released it: tried
+    again for up to `wait` seconds (a loaded machine left cgroups behind otherwise)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            cgroup.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                log.warning("cgroup %s not removed: %s", cgroup, exc.strerror)
+                return False
+        time.sleep(0.01)
+
+
 def parent_pid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat_file:
@@ -138,8 +157,7 @@ class NodeCgroups:
         cgroup and warm/ of anything but the warm servers and their keepers (their children)."""
         kill_cgroup(attempt)
         kill_all(attempt)  # a kernel before 5.14 has no cgroup.kill
-        with contextlib.suppress(OSError):
-            attempt.rmdir()
+        remove_when_released(attempt)
         for swept in (attempt.parent, attempt.parent / "warm"):
             for pid in pids_in(swept):
                 if pid not in warm_servers and parent_pid(pid) not in warm_servers:

@@ -8,7 +8,8 @@ on a job whose steps take a second. Once an attempt has made `WARMUP_STEPS` step
 
 `hang_timeout_seconds` stays the ceiling. While a rank of this node is saving a checkpoint (a
 `ckpt_start` not yet followed by `ckpt_staged`) the ceiling applies: a save may block longer than
-any step. A gap between steps in which a save started is not a step's time and is left out: a
+any step; and once a rank has ended its training (`train_end`), since the teardown of a process
+group and of an interpreter with torch is no step either (it took over 3 s under the suite's load). A gap between steps in which a save started is not a step's time and is left out: a
 save that waited for the one before it to commit would otherwise raise the limit for good. And
 steps run slower while a checkpoint is written in the background (the ranks' progress marks say
 when): the gaps during a write and the others are kept apart, and each limit follows its own,
@@ -46,6 +47,7 @@ class HangLimit:
         self._gaps: dict[bool, deque[float]] = {False: deque(maxlen=GAPS_KEPT), True: deque(maxlen=GAPS_KEPT)}
         self._last_step: tuple[int, float] | None = None  # (step, when it was first seen)
         self.saving = False  # a rank of this node is in a checkpoint's blocking part
+        self.ended = False  # a rank of this node has ended its training: what is left is teardown
         self.writing = False  # a rank of this node is writing a checkpoint in the background
         self._saved_since_step = False  # a save started in the gap since the last step
         self._wrote_since_step = False  # a background write ran in the gap since the last step
@@ -72,7 +74,7 @@ class HangLimit:
     def seconds(self) -> float | None:
         """The limit now (None: no detection)."""
         gaps = self._gaps[self.writing]
-        if self.ceiling is None or self.saving or len(gaps) < WARMUP_STEPS:
+        if self.ceiling is None or self.saving or self.ended or len(gaps) < WARMUP_STEPS:
             return self.ceiling
         return min(self.ceiling, max(FLOOR_SECONDS, FACTOR * max(gaps)))
 

@@ -298,6 +298,8 @@ class WorkerGroup:
                     self._hang_limit.save_started()
                 elif kind in ("ckpt_staged", "ckpt_failed"):
                     self._saving.discard(source)
+                elif kind == "train_end":
+                    self._hang_limit.ended = True
         # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped> <writing>"):
         # nodes without rank 0 see no step events. A new step or beat is progress; a step above 0
         # is a step done; the next two say whether the rank's disk is full; the last whether it

@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.ingest.store import ingest  # noqa: E402
 from service.context import context_of  # noqa: E402
+from service.ingest.store import ingest  # noqa: E402
 from service.main import create_app  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import Role  # noqa: E402

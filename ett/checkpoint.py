@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ett.checkpoint_staging import ReusedBufferStager
@@ -135,6 +135,18 @@ def find_resume_folder(cfg: CheckpointConfig) -> Path | None:
     if cfg.resume_from == "none":
         return None
     return first_verified(resume_candidates(cfg.dir, None if cfg.resume_from == "auto" else cfg.resume_from))
+
+
+class _NotingLoadPlanner(DefaultLoadPlanner):
+    """DCP's own load plan, noting what the checkpoint holds that the state has no place for:
+    DCP loads only the state's keys and passes over the others without a word."""
+
+    not_loaded: list[str] = []
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is not None:
+            self.not_loaded = sorted(set(metadata.state_dict_metadata) - set(self.state_dict))
 
 
 class Checkpointer:
@@ -253,8 +265,9 @@ class Checkpointer:
             self.in_flight.result()
             self.in_flight = None
 
-    def restore(self, state: dict) -> int:
-        """Load the checkpoint to resume from into `state`; returns its step (0: none)."""
+    def restore(self, state: dict) -> tuple[int, list[str]]:
+        """Load the checkpoint to resume from into `state`; returns its step (0: none) and the
+        keys the checkpoint holds that `state` has no place for (not loaded)."""
         self.wait_for_staging()
         chosen = [None]
         if self.rank == 0:
@@ -263,10 +276,10 @@ class Checkpointer:
         dist.broadcast_object_list(chosen, src=0, group=self.group)
         local = self._newest_snapshot()
         if local is not None and (chosen[0] is None or local > step_of(Path(chosen[0]))):
-            return self._restore_snapshot(local, state)
+            return self._restore_snapshot(local, state), []
         if chosen[0] is None:
             self._retire_newer_than(0)
-            return 0
+            return 0, []
         folder = Path(chosen[0])
         manifest = read_manifest(folder)
         if manifest["world_size"] != self.world_size:
@@ -275,13 +288,14 @@ class Checkpointer:
         self.events.emit("restore_start")
         local = step_folder(self.cfg.local_dir, step_of(folder)) if self.cfg.local_dir else None
         reader = TieredReader(folder, local, manifest["files"])
-        dcp.load(state, storage_reader=reader, process_group=self.group)
+        planner = _NotingLoadPlanner()
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group)
         step = manifest["step"]
         logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,
                     reader.bytes_read["local"], reader.bytes_read["persistent"])
         self.events.emit("restore_end", step=step, source=reader.source)
         self._retire_newer_than(step)
-        return step
+        return step, planner.not_loaded
 
     def _newest_snapshot(self) -> int | None:
         """The newest step every rank holds a local snapshot of, unless the run starts afresh."""

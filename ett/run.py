@@ -34,6 +34,7 @@ from ett.errors import UsageError
 from ett.events import EventWriter
 from ett.faults import faults_of, set_off, slowdown_of
 from ett.folders import step_of
+from ett.framework import FrameworkHooks
 from ett.paths import inside
 from ett.protocol import EXIT_STOPPED, RANK_KINDS
 from ett.timing import DDPWatch, SyncClock, TimingWindow
@@ -93,8 +94,9 @@ class Step:
             self.run._step_done(self, time.perf_counter() - self._start, work)
 
 
-class Run:
-    """One rank's view of one attempt of a job. Made by `ett.init()`; every rank makes its own."""
+class Run(FrameworkHooks):
+    """One rank's view of one attempt of a job. Made by `ett.init()`; every rank makes its own.
+    A framework's callbacks use the pairs of FrameworkHooks (ett/framework.py)."""
 
     def __init__(self, env: JobEnvironment, checkpoint_dir: str | None = None, interval_steps: int = 0, keep: int = 3,
                  stop_on_sigterm: bool | None = None):
@@ -134,6 +136,9 @@ class Run:
         self._checkpointer: Checkpointer | None = None
         self._last_step: int | None = None
         self._init_marked = False
+        self._pid = os.getpid()
+        self._open_step: Step | None = None  # begun by begin_step, not ended yet
+        self.keys_not_restored: list[str] = []  # what run.restore found saved that its template lacks
         self._closed = False
         self._sigterm = False  # this rank got SIGTERM
         self._stop_agreed = False  # some rank did, and every rank knows (should_stop)
@@ -151,6 +156,7 @@ class Run:
         def on_sigterm(_signum: int, _frame: object) -> None:
             self._sigterm = True
 
+        self._on_sigterm = on_sigterm
         signal.signal(signal.SIGTERM, on_sigterm)
         return True
 
@@ -182,29 +188,23 @@ class Run:
     def initializing(self):
         """Start-up: building the model, the optimizer, the data. Only a start-up that finishes
         is marked done."""
-        began = self._begin_init()
+        began = self.begin_init()
         yield self
         if began:
-            self._end_init()
-
-    def _begin_init(self) -> bool:
-        """Marks the start-up's start, once per run (an integration may mark it for the script);
-        False when it was marked already."""
-        if self._init_marked:
-            return False
-        self._init_marked = True
-        self._events.emit("init_start", pid=os.getpid())
-        return True
-
-    def _end_init(self) -> None:
-        self._events.emit("init_end")
+            self.end_init()
 
     def restore(self, state: dict[str, Any]) -> int:
         """Loads, in place, the checkpoint the service named or else the newest committed one that
-        verifies in the job's folder; returns its step (0: none, the state is left as it is)."""
+        verifies in the job's folder; returns its step (0: none, the state is left as it is).
+        What the checkpoint holds that `state` has no place for is not loaded: its keys are in
+        `run.keys_not_restored`, and logged."""
         if not self._config.dir:
             return 0
-        step = self._get_checkpointer().restore(state)
+        step, self.keys_not_restored = self._get_checkpointer().restore(state)
+        if self.keys_not_restored:
+            named = ", ".join(self.keys_not_restored[:10]) + (", ..." if len(self.keys_not_restored) > 10 else "")
+            logger.warning("run.restore: the checkpoint of step %d holds %d entries the state given has no place "
+                           "for, not loaded: %s", step, len(self.keys_not_restored), named)
         self._last_step = step
         return step
 

@@ -21,8 +21,9 @@ BACKENDS = ["sqlite", "postgresql"]
 # services of the suite giving one port to two jobs at once failed a torchrun rendezvous at random
 # ("torchrun exit code 1" before any fault). Below Linux's ephemeral ports (32768 on).
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-os.environ.setdefault("ETT_MASTER_PORT_FIRST", str(20000 + 1000 * _WORKER))
-os.environ.setdefault("ETT_MASTER_PORT_COUNT", "1000")
+WORKER_ENV = {"ETT_MASTER_PORT_FIRST": str(20000 + 1000 * _WORKER), "ETT_MASTER_PORT_COUNT": "1000"}
+for _name, _value in WORKER_ENV.items():
+    os.environ.setdefault(_name, _value)
 _database_numbers = itertools.count()
 
 

@@ -17,11 +17,9 @@ job's checkpoint interval (`run.interval_steps`) asks the Trainer for a save on 
 import re
 from pathlib import Path
 
-import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ett.folders import first_verified, folder_manifest, resume_candidates, write_marker
-from ett.run import Run, Step
+from ett.run import Run
 
 CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's PREFIX_CHECKPOINT_DIR
 
@@ -30,13 +28,7 @@ def resume_checkpoint(run: Run, output_dir: str | None = None) -> str | None:
     """The newest `checkpoint-N` under the job's folder (or `output_dir`) that verifies, starting
     from the one the service named; None when there is none (train from the start). Each one
     skipped is logged with its reason. Marks the start of the restore for the report."""
-    root = output_dir or run.checkpoint_dir
-    named = run.resume_from if run.resume_from and CHECKPOINT_FOLDER.match(Path(run.resume_from).name) else None
-    folder = first_verified(resume_candidates(root, named, CHECKPOINT_FOLDER))
-    if folder is None:
-        return None
-    run.emit("restore_start")
-    return str(folder)
+    return run.resume_folder(CHECKPOINT_FOLDER, output_dir)
 
 
 class ETTCallback(TrainerCallback):
@@ -45,15 +37,14 @@ class ETTCallback(TrainerCallback):
 
     def __init__(self, run: Run, tokens_per_step: int | None = None):
         self.run, self.tokens_per_step = run, tokens_per_step
-        self._step: Step | None = None
         self._saving_step: int | None = None
         # Start-up from here (the Trainer is built next) to the start of training, unless the
         # script marks it itself with `run.initializing()`.
-        self._marks_init = run._begin_init()
+        self._marks_init = run.begin_init()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self._marks_init:
-            self.run._end_init()
+            self.run.end_init()
         # The Trainer has loaded the checkpoint resume_checkpoint() chose (model, optimizer,
         # scheduler; RNG states follow at the epoch's start).
         if state.global_step > 0:
@@ -61,12 +52,10 @@ class ETTCallback(TrainerCallback):
         self.run.total_steps = state.max_steps or None  # a straggler's cost is weighed over the steps left
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        self._step = self.run.step(state.global_step + 1, tokens=self.tokens_per_step).__enter__()
+        self.run.begin_step(state.global_step + 1, tokens=self.tokens_per_step)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        if self._step is not None:
-            self._step.__exit__(None, None, None)
-            self._step = None
+        self.run.end_step()
         if self.run.checkpoint_due(state.global_step):
             control.should_save = True
         if self.run.should_stop():  # SIGTERM (Slurm's time limit, a preemption): save, then stop
@@ -86,9 +75,4 @@ class ETTCallback(TrainerCallback):
             self.run.emit("ckpt_start", step=step)
         self._saving_step = None
         self.run.emit("ckpt_staged", step=step)  # the Trainer's save is synchronous: it blocked until now
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # every rank has written its part (each writes its own RNG state)
-        if state.is_world_process_zero and folder.is_dir():
-            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-            nbytes = write_marker(folder, step, world_size, folder_manifest(folder))
-            self.run.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes)
+        self.run.commit_folder(folder, step)  # once every rank has written its part (its RNG state)

@@ -1,6 +1,5 @@
 """Worker groups under real torchrun, with the fake rank: every way an attempt can end."""
 
-import errno
 import json
 import os
 import signal
@@ -12,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from agent.cgroups import remove_when_released
 from agent.spool import AttemptPaths
 from agent.supervisor import Supervisor
 from ett.protocol import FROZEN_SECONDS
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
+from tests.conftest import WORKER_ENV
 from tests.support.processes import TEST_MARK_ENV, pid_alive, pids_with_env
 from tests.support.waiting import wait_for
 
@@ -188,7 +189,8 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
     env = json.loads(env_file.read_text())
     marker = env.pop("ETT_WORKER_GROUP")  # the agent's own marker, for finding leftover processes
     assert env.pop("ETT_WORKER_CGROUP") == str(supervisor.cgroups.root / "owner-0" / marker)  # its attempt's
-    env.pop(TEST_MARK_ENV)  # the suite's own (tests/conftest.py)
+    for name in (TEST_MARK_ENV, *WORKER_ENV):  # the suite's own (tests/conftest.py)
+        env.pop(name)
     paths = AttemptPaths.of(supervisor.spool_root, command.job_id, 3)
     assert env == {
         "ETT_JOB_ID": command.job_id, "ETT_ATTEMPT": "3", "ETT_EVENT_DIR": str(paths.events_dir),
@@ -341,17 +343,6 @@ while True:
 """
 
 
-def removed(cgroup: Path) -> bool:
-    """rmdir of a cgroup; False while a process of it (the guard, exiting) keeps it busy."""
-    try:
-        cgroup.rmdir()
-    except OSError as exc:
-        if exc.errno != errno.EBUSY:
-            raise
-        return False
-    return True
-
-
 def test_a_crashed_agent_leaves_no_orphan(tmp_path, cgroups):
     job_id = os.urandom(8).hex()
     escaped = tmp_path / "escaped.pid"
@@ -367,7 +358,7 @@ def test_a_crashed_agent_leaves_no_orphan(tmp_path, cgroups):
     if cgroups is not None:  # the guard emptied the attempt's cgroup too, itself last
         wait_for(lambda: not pid_alive(int(escaped.read_text())), 15, "the escaped process to go with its cgroup")
         for attempt in attempt_cgroups(cgroups):  # the dead agent's; a new one would remove it (Supervisor.recover)
-            wait_for(lambda: removed(attempt), 15, "the guard, last in its cgroup, to be gone")
+            assert remove_when_released(attempt, wait=15)  # once the guard, last in it, is gone
 
 
 def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):
@@ -408,8 +399,9 @@ def test_a_success_is_reported_once_the_ranks_exit_while_torchrun_waits_for_the_
 
 
 def test_a_frozen_rank_is_a_hang_within_the_frozen_limit_far_below_the_adaptive_floor(supervisor):
-    # Rank 1 stops itself in step 5 of 0.05 s steps: the adaptive limit would wait its 3 s floor.
-    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "1000", "--stall-at-step", "5", "--stall", "freeze"]
+    # Rank 1 stops itself in step 3 of 0.05 s steps: the ceiling (30 s) would still apply, the
+    # adaptive limit's 3 s floor after 5 steps.
+    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "1000", "--stall-at-step", "3", "--stall", "freeze"]
     command = launch_command(hang_timeout_seconds=30).model_copy(update={"entrypoint": entrypoint})
     supervisor.launch(command)
     report = run_to_end(supervisor)
@@ -424,9 +416,10 @@ def test_a_frozen_rank_is_a_hang_within_the_frozen_limit_far_below_the_adaptive_
 
 @pytest.mark.parametrize("stall", ["sleep", "spin"])
 def test_a_slow_but_live_rank_is_not_frozen(supervisor, stall):
-    # 2 s in one step: more than the frozen limit, less than the adaptive floor. Asleep, the rank's
-    # pulse goes on; computing with the GIL held, its CPU time does.
-    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "12", "--stall-at-step", "5", "--stall", stall,
+    # 2 s in step 3 (the ceiling, 30 s, still applies: load may stretch a computation past the
+    # adaptive floor): more than the frozen limit. Asleep, the rank's pulse goes on; computing with
+    # the GIL held, its CPU time does.
+    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "12", "--stall-at-step", "3", "--stall", stall,
                   "--stall-seconds", "2"]
     command = launch_command(hang_timeout_seconds=30).model_copy(update={"entrypoint": entrypoint})
     supervisor.launch(command)

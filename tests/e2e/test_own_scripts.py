@@ -109,3 +109,13 @@ def test_hf_trainer_job_recovers_and_its_losses_after_resume_match_the_uninterru
     # its seeded sampler already gave; on CPU every kernel is deterministic and a 2-rank all-reduce
     # adds the same two numbers: the losses are equal to the last bit, not merely close.
     assert resumed == uninterrupted and len(resumed) == 30
+
+
+def test_lightning_job_recovers_mid_epoch_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    # Killed at step 13, resumed from step 10: the 10th of the epoch's 12 batches. Lightning loads
+    # its checkpoint, the callback each rank's RNG, the loader goes on with the 11th batch.
+    plain, as_job = uninterrupted_then_as_a_job(tmp_path, "lightning.py", "lightning.toml", "--out", "pt",
+                                                "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain"))
+    uninterrupted, resumed = torch.load(plain), torch.load(as_job)
+    assert uninterrupted.keys() == resumed.keys()
+    assert all(torch.equal(uninterrupted[name], resumed[name]) for name in uninterrupted)

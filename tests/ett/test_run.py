@@ -142,6 +142,36 @@ def test_a_failed_save_is_never_offered_for_resume(in_job):
         assert run.restore(state2) == 2
 
 
+def test_restore_names_what_the_checkpoint_holds_that_the_template_lacks(tmp_path, caplog):
+    model, optimizer, state = model_state()
+    saved = {**state, "ema": {"decay": torch.tensor(0.99)}, "sampler": {"epoch": 3}}
+    with ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        train(run, model, optimizer, state, range(1, 2))
+        run.checkpoint(1, saved, force=True)
+    model2, optimizer2, state2 = model_state()
+    with caplog.at_level(logging.WARNING, logger="ett"), ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        assert run.restore(state2) == 1
+        assert run.keys_not_restored == ["ema.decay", "sampler.epoch"]  # loaded: nothing of them
+    assert "holds 2 entries the state given has no place for, not loaded: ema.decay, sampler.epoch" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_a_framework_marks_its_steps_and_start_up_in_pairs(in_job):
+    with ett.init() as run:
+        assert run.begin_init() and not run.begin_init()  # once a run
+        run.end_init()
+        run.begin_step(1, tokens=8)
+        with pytest.raises(ett.UsageError, match=r"run.begin_step\(2\): step 1 has not ended"):
+            run.begin_step(2)
+        run.end_step(loss=0.5)
+        with pytest.raises(ett.UsageError, match=r"run.end_step\(\): no step was begun"):
+            run.end_step()
+    events = read_events(in_job / "events" / "rank-0.jsonl")
+    assert [e["kind"] for e in events if e["kind"] != "step_timing"] == ["init_start", "init_end", "step", "train_end"]
+    step = next(e for e in events if e["kind"] == "step")
+    assert (step["step"], step["data"]["loss"], step["data"]["tokens"]) == (1, 0.5, 8)
+
+
 def test_step_numbers_must_increase(tmp_path):
     with ett.init() as run:
         with run.step(3):

@@ -80,7 +80,7 @@ def save_then_train_on(root: str) -> dict:
     checkpointer.wait()
 
     unchanged = sorted(str(path) for path in at_save if torch.equal(at_save[path], after_step[path]))
-    restored_step = checkpointer.restore(state)
+    restored_step, _ = checkpointer.restore(state)
     restored = local_tensors(app.state_dict())
     checkpointer.close()
     events.close()

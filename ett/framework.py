@@ -1,0 +1,91 @@
+"""What an integration with a framework that owns the training loop (Lightning, the Hugging Face
+Trainer) calls on its Run (docs/library.md, "Frameworks that own the loop"): the pairs of marks a
+callback makes where a script would use a `with` block, and the choice and the commit of the
+checkpoint folders the framework writes itself. The integrations use these public names only.
+
+    run.begin_init()                       # the framework is being set up ...
+    run.reclaim_sigterm()                  # ETT's SIGTERM handler back, over the framework's
+    run.end_init()                         # ... and trains from here
+    folder = run.resume_folder(PATTERN)    # the newest of its checkpoints that verifies, or None
+    run.restored(step)                     # it loaded that one
+    run.begin_step(n); ...; run.end_step(loss)
+    run.emit("ckpt_start", step=n); <the framework saves>; run.emit("ckpt_staged", step=n)
+    run.commit_folder(folder, n)           # every rank, once its part is written
+"""
+
+import re
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ett.errors import UsageError
+from ett.folders import first_verified, folder_manifest, resume_candidates, write_marker
+
+
+class FrameworkHooks:
+    """Mixed into Run (ett/run.py): the names below are Run's."""
+
+    def begin_init(self) -> bool:
+        """Marks the start-up's start, once per run; False when it was marked already (the script
+        marked it with `run.initializing()`, or an integration did): then leave its end alone."""
+        if self._init_marked:
+            return False
+        self._init_marked = True
+        self._events.emit("init_start", pid=self._pid)
+        return True
+
+    def end_init(self) -> None:
+        """Marks the start-up's end: training starts."""
+        self._events.emit("init_end")
+
+    def reclaim_sigterm(self) -> None:
+        """Puts ETT's SIGTERM handler back, for a framework that put its own in place after
+        `ett.init()` (Lightning does, as `fit` starts): a SIGTERM then asks for a stop after the
+        step and a final save, on every rank alike (`should_stop`). Nothing when the run does not
+        handle SIGTERM."""
+        if self._handles_sigterm and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def begin_step(self, step: int, tokens: int | None = None) -> None:
+        """Starts step `step`, as entering `with run.step(step)` does; `end_step` ends it."""
+        if self._open_step is not None:
+            raise UsageError(f"run.begin_step({step}): step {self._open_step.step} has not ended (run.end_step)")
+        self._open_step = self.step(step, tokens).__enter__()
+
+    def end_step(self, loss: Any = None) -> None:
+        """Ends the step `begin_step` started, with its loss (a float or a tensor) when known."""
+        if self._open_step is None:
+            raise UsageError("run.end_step(): no step was begun (run.begin_step)")
+        step, self._open_step = self._open_step, None
+        step.loss = loss if loss is not None else step.loss
+        step.__exit__(None, None, None)
+
+    def resume_folder(self, pattern: re.Pattern, root: str | None = None) -> str | None:
+        """The newest checkpoint folder of the framework's own (its name matching `pattern`, whose
+        first group is the step) under `root` (default: the job's checkpoint folder) that verifies,
+        starting from the one the service named; None: none (train from the start). Each one
+        skipped is logged with its reason. Marks the restore's start for the report."""
+        root = root or self.checkpoint_dir
+        named = self.resume_from if self.resume_from and pattern.match(Path(self.resume_from).name) else None
+        folder = first_verified(resume_candidates(root, named, pattern))
+        if folder is None:
+            return None
+        self._events.emit("restore_start")
+        return str(folder)
+
+    def commit_folder(self, folder: str | Path, step: int) -> int | None:
+        """Commits a checkpoint folder the framework wrote (docs/library.md): every rank calls it
+        once its own part is written; when all have, rank 0 writes the marker and its manifest of
+        every file (ett/folders.py) and reports the commit. The folder's bytes on rank 0, else None."""
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's part is on disk
+        folder = Path(folder)
+        if self.rank != 0 or not folder.is_dir():
+            return None
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        nbytes = write_marker(folder, step, world_size, folder_manifest(folder))
+        self._events.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes)
+        return nbytes
