@@ -22,12 +22,11 @@ service: setup
 	$(BIN)/ett service migrate
 	$(BIN)/ett service
 
-# Three workers, a test file each at a time (--dist loadfile: a file's shared runs and servers start
-# once): most tests wait on processes (two workers kept the 2 cores about half busy). Three were
-# flaky until each worker's services got master ports of their own (tests/conftest.py):
-# BENCHMARKS.md, "Tenth session" and "Eleventh session". The slowest tests are listed at the end.
+# Two workers, a test file each at a time (--dist loadfile: a file's shared runs and servers start
+# once): most tests wait on processes. Three took as long in all (each test 1.5x longer: the 2
+# cores are the limit; BENCHMARKS.md, "Eleventh session"). The slowest tests are listed at the end.
 test: setup
-	$(BIN)/pytest -q -n 3 --dist loadfile --durations=15
+	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) data .pytest_cache .hypothesis

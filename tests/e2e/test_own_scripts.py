@@ -93,12 +93,15 @@ def uninterrupted_then_as_a_job(tmp_path: Path, script: str, job_file: str, out_
     return plain, as_job
 
 
-def test_plain_ddp_job_recovers_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
-    plain, as_job = uninterrupted_then_as_a_job(tmp_path, "plain_ddp.py", "plain_ddp.toml", "--out", "pt",
-                                                "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain"))
+def assert_same_parameters(plain: Path, as_job: Path) -> None:
     uninterrupted, resumed = torch.load(plain), torch.load(as_job)
     assert uninterrupted.keys() == resumed.keys()
     assert all(torch.equal(uninterrupted[name], resumed[name]) for name in uninterrupted)
+
+
+def test_plain_ddp_job_recovers_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+    assert_same_parameters(*uninterrupted_then_as_a_job(tmp_path, "plain_ddp.py", "plain_ddp.toml", "--out", "pt",
+                                                        "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain")))
 
 
 def test_hf_trainer_job_recovers_and_its_losses_after_resume_match_the_uninterrupted_run(tmp_path):
@@ -114,8 +117,5 @@ def test_hf_trainer_job_recovers_and_its_losses_after_resume_match_the_uninterru
 def test_lightning_job_recovers_mid_epoch_and_ends_bitwise_equal_to_an_uninterrupted_run(tmp_path):
     # Killed at step 13, resumed from step 10: the 10th of the epoch's 12 batches. Lightning loads
     # its checkpoint, the callback each rank's RNG, the loader goes on with the 11th batch.
-    plain, as_job = uninterrupted_then_as_a_job(tmp_path, "lightning.py", "lightning.toml", "--out", "pt",
-                                                "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain"))
-    uninterrupted, resumed = torch.load(plain), torch.load(as_job)
-    assert uninterrupted.keys() == resumed.keys()
-    assert all(torch.equal(uninterrupted[name], resumed[name]) for name in uninterrupted)
+    assert_same_parameters(*uninterrupted_then_as_a_job(tmp_path, "lightning.py", "lightning.toml", "--out", "pt",
+                                                        "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain")))

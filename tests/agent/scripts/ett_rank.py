@@ -3,9 +3,10 @@
 --env-file F: rank 0 writes the ETT_* environment it was handed to F (JSON).
 --busy-seconds S: S seconds of work before the first step, marked with run.progress() every 0.2 s
 (or, with --silent, not marked at all).
---stall-at-step S --stall {freeze,sleep,spin} --stall-seconds X: rank 1, in step S, stops itself
-(SIGSTOP: frozen), or for X seconds sleeps (slow but live) or computes holding the GIL (its
-library's thread cannot pulse meanwhile, but its CPU time goes up).
+--stall-at-step S --stall KIND[,KIND] --stall-seconds X: in step S rank 1 (or, with two kinds,
+rank 0 the first and rank 1 the second) stops itself (freeze: SIGSTOP), or for X seconds sleeps
+(sleep: slow but live) or computes holding the GIL (spin: its library's thread cannot pulse
+meanwhile, but its CPU time goes up).
 """
 
 import argparse
@@ -22,17 +23,20 @@ parser.add_argument("--env-file", default=None)
 parser.add_argument("--busy-seconds", type=float, default=0.0)
 parser.add_argument("--silent", action="store_true")
 parser.add_argument("--stall-at-step", type=int, default=None)
-parser.add_argument("--stall", choices=["freeze", "sleep", "spin"], default="freeze")
+parser.add_argument("--stall", default="freeze")
 parser.add_argument("--stall-seconds", type=float, default=2.0)
 args = parser.parse_args()
 
 
-def stall() -> None:
-    if args.stall == "freeze":
+STALLS = dict(enumerate(args.stall.split(","))) if "," in args.stall else {1: args.stall}
+
+
+def stall(kind: str) -> None:
+    if kind == "freeze":
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif args.stall == "sleep":
+    elif kind == "sleep":
         time.sleep(args.stall_seconds)
-    else:  # one C call the interpreter cannot switch threads in: sized from a short one
+    else:  # spin: one C call the interpreter cannot switch threads in, sized from a short one
         start = time.perf_counter()
         sum(range(1_000_000))
         sum(range(int(1_000_000 * args.stall_seconds / (time.perf_counter() - start))))
@@ -50,6 +54,6 @@ with ett.init() as run:
     for step in range(1, args.steps + 1):
         with run.step(step, tokens=64) as s:
             time.sleep(0.05)
-            if step == args.stall_at_step and run.rank == 1:
-                stall()
+            if step == args.stall_at_step and run.rank in STALLS:
+                stall(STALLS[run.rank])
             s.loss = 1.0 / step
