@@ -61,6 +61,15 @@ def _check_writable(folder: str) -> None:
         raise UsageError(f"checkpoint folder {folder} cannot be written: {exc.strerror or exc}") from None
 
 
+def _ignore_late_sigterm() -> None:
+    """This rank stops after a final checkpoint; a later SIGTERM (torchrun tearing the group down
+    once a peer has exited) has nothing to add. Python puts its own handlers back to the default
+    while the interpreter shuts down, so such a signal would then kill the rank (exit -15, not
+    EXIT_STOPPED); an ignored signal stays ignored."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class Step:
     """One training step, timed from `with run.step(...)` to its end; set `loss` to report it."""
 
@@ -291,12 +300,8 @@ class Run(FrameworkHooks):
     def _agree_stop(self, flag: bool) -> bool:
         """Records whether every rank stops after this step (the same on all of them)."""
         self._stop_agreed = flag
-        if flag and threading.current_thread() is threading.main_thread():
-            # This rank now stops after a final checkpoint; a later SIGTERM (torchrun tearing the
-            # group down once a peer has exited) has nothing to add. Python puts its own handlers
-            # back to the default while the interpreter shuts down, so such a signal would then
-            # kill the rank (exit -15, not EXIT_STOPPED); an ignored signal stays ignored.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if flag:
+            _ignore_late_sigterm()
         return flag
 
     def checkpoint_due(self, step: int) -> bool:
@@ -333,6 +338,7 @@ class Run(FrameworkHooks):
         if exc_type is None or issubclass(exc_type, Stopped):
             self.close()
             if exc_type is None and self._stop_agreed:  # a framework's loop stopped on should_stop
+                _ignore_late_sigterm()  # again: the framework may have put its handlers back since
                 raise Stopped()
         else:  # a failing run: its events are written out, and a save in flight is not waited for
             self._closed = True

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,17 @@ def run_with_a_kill(c: Cluster, spec: dict, **agent: Any) -> dict:
 
 def uninterrupted_then_as_a_job(tmp_path: Path, script: str, job_file: str, out_flag: str, suffix: str,
                                 *plain_args: str) -> tuple[Path, Path]:
-    """The script under plain torchrun, then its job file on 2 agents with a kill; each writes its
-    result (`out_flag` FILE); the two files."""
+    """The script under plain torchrun and, meanwhile, its job file on 2 agents with a kill (the
+    two mostly wait: side by side they take the time of the longer); each writes its result
+    (`out_flag` FILE); the two files."""
     plain, as_job = tmp_path / f"plain.{suffix}", tmp_path / f"ett.{suffix}"
-    plain_torchrun(script, *plain_args, out_flag, str(plain))
     spec = example_job(job_file)
     spec["entrypoint"] = [*spec["entrypoint"], out_flag, str(as_job)]
-    with cluster(tmp_path) as c:
-        run_with_a_kill(c, spec)
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(plain_torchrun, script, *plain_args, out_flag, str(plain))
+        with cluster(tmp_path) as c:
+            run_with_a_kill(c, spec)
+        uninterrupted.result()
     return plain, as_job
 
 
