@@ -83,7 +83,11 @@ def test_injected_faults_fail_a_script_on_the_library_as_real_ones_would(tmp_pat
             capped = ["prlimit", "--as=3000000000", *script]  # the rank's memory cap: 3 GB of address space
             assert drill("memory", {"action": "fill_memory"}, capped)["diagnosis"] == "out_of_memory"
             full = drill("disk", {"action": "fill_disk", "path": str(small)})
-            assert full["diagnosis"] == "disk_full" and "No space left on device" in full["summary"], full
+            # Once in CI this ended "torchrun exit code 1" with no rank record: what each side saw.
+            torchrun_logs = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
+                                       for p in (tmp_path / "node-a").rglob("torchrun.log"))
+            assert full["diagnosis"] == "disk_full" and "No space left on device" in full["summary"], \
+                (full, c.logs(), torchrun_logs)
     finally:
         subprocess.run(["umount", str(small)], check=False)
 
