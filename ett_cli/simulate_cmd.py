@@ -39,6 +39,9 @@ HELP = {
     "local_interval_seconds": "training time between node-local snapshots (the fast tier); 0: none",
     "local_blocking_seconds": "pause of one node-local snapshot",
     "local_restore_seconds": "resuming from node-local snapshots",
+    "local_replicated": "each snapshot also kept on a peer node: a lost node's ranks resume from the copies",
+    "replication_seconds": "how long after it is taken a snapshot's copy reaches its peer",
+    "peer_restore_seconds": "a lost node's replacement fetching its ranks' snapshots from the peers",
     "adaptive_detection": "catch hangs after max(3 s, 4 steps) instead of the hang timeout",
     "seed": "random seed of the failure times",
 }
@@ -64,8 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--token", default=os.environ.get("ETT_TOKEN"), help="admin token for --service (ETT_TOKEN)")
     parser.add_argument("--batch", type=int, default=5000, help="events per request when replaying")
     parser.add_argument("--sweep", action="store_true", help="also simulate intervals around Young's, in memory")
-    parser.add_argument("--tiers", action="store_true", help="the job with one checkpoint tier against two (node-"
-                        "local snapshots and adaptive hang detection), each at its recommended intervals, side by side")
+    parser.add_argument("--tiers", action="store_true", help="the job with the persistent tier only, with node-"
+                        "local snapshots (and adaptive hang detection), and with them replicated to a peer, each at "
+                        "its recommended intervals, side by side")
     parser.add_argument("--from-job", metavar="JOB", help="take init, restore, checkpoint and step times from a "
                         "job's report in the service at --service (they override the defaults; flags win); "
                         "implies --tiers")
@@ -130,7 +134,8 @@ def job_report(url: str, token: str, job_id: str) -> dict[str, Any]:
 
 
 def print_tiers(model: FleetModel, end_ts: float) -> None:
-    """One tier against two, side by side, on the same failure times."""
+    """The persistent tier only, with node-local snapshots, and with them replicated to a peer, side
+    by side, on the same failure times."""
     runs = {label: (m, memory_report(m, end_ts)[1]) for label, m in tier_models(model).items()}
 
     def mean(report: dict[str, Any], key: str) -> str:
@@ -151,9 +156,9 @@ def print_tiers(model: FleetModel, end_ts: float) -> None:
         ("checkpoint_save share", lambda m, r: f"{100 * r['seconds']['checkpoint_save'] / r['wall_seconds']:.2f}%"),
         ("idle share (snapshots)", lambda m, r: f"{100 * r['seconds']['idle'] / r['wall_seconds']:.2f}%"),
     ]  # fmt: skip
-    print(f"\n  {'':26}" + "".join(f"{label:>14}" for label in runs))
+    print(f"\n  {'':26}" + "".join(f"{label:>18}" for label in runs))
     for name, cell in rows:
-        print(f"  {name:26}" + "".join(f"{cell(m, r):>14}" for m, r in runs.values()))
+        print(f"  {name:26}" + "".join(f"{cell(m, r):>18}" for m, r in runs.values()))
 
 
 def print_stragglers(model: FleetModel, rate: float) -> None:

@@ -16,7 +16,10 @@ state on its node's local disk, a pause of `local_blocking_seconds` between step
 accounting, as in a real job). A failure that keeps every node (a rank's exit, a hang) resumes
 from the newest snapshot when it is newer than the newest committed checkpoint, in
 `local_restore_seconds`; a lost node takes its snapshots with it, so that failure resumes from
-the persistent tier. Adaptive detection (`adaptive_detection`): a hang is caught after
+the persistent tier. Replicated (`local_replicated`): each snapshot also reaches a peer node in
+the background, `replication_seconds` after it is taken, so a lost node's ranks resume from the
+newest snapshot whose copy had arrived, fetched from the peers in `peer_restore_seconds`
+(issue #38's tier). Adaptive detection (`adaptive_detection`): a hang is caught after
 max(3 s, 4 steps) instead of the fixed hang timeout, as the agent does (agent/hang.py).
 The job stops at the end of its wall budget (a failure whose restart would cross the end is not
 simulated: the job stops there).
@@ -64,6 +67,9 @@ class FleetModel:
     local_interval_seconds: float = 0.0  # the node-local tier's interval of training; 0: one tier
     local_blocking_seconds: float = 0.5  # one snapshot's pause between steps: 5% of a step, the fast tier's budget
     local_restore_seconds: float = 10.0  # resuming from node-local snapshots
+    local_replicated: bool = False  # each snapshot also kept on a peer node: node losses resume from it
+    replication_seconds: float = 5.0  # a snapshot's copy reaches its peer this long after it is taken
+    peer_restore_seconds: float = 30.0  # a lost node's replacement fetching its ranks' copies from the peers
     adaptive_detection: bool = False  # hangs caught after max(3 s, 4 steps), not the hang timeout
     seed: int = 0
 
@@ -73,7 +79,7 @@ class FleetModel:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("checkpoint_blocking_seconds", "checkpoint_write_seconds", "init_seconds",
                      "restore_seconds", "reschedule_seconds", "local_interval_seconds", "local_blocking_seconds",
-                     "local_restore_seconds"):  # fmt: skip
+                     "local_restore_seconds", "replication_seconds", "peer_restore_seconds"):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.steps_per_event < 1 or self.nodes < 1 or self.gpus_per_node < 1:
@@ -151,15 +157,21 @@ def recommended_tiers(m: FleetModel) -> tuple[float, float]:
 
 
 def tier_models(m: FleetModel) -> dict[str, FleetModel]:
-    """The job with one tier (its interval by Young's formula, the fixed hang timeout) and with two
-    (both intervals from recommended_tiers, adaptive detection; one tier and adaptive detection
-    where snapshots do not pay): the same failure times."""
+    """The job with the persistent tier only (its interval by Young's formula, the fixed hang
+    timeout), with node-local snapshots (both intervals from recommended_tiers, adaptive detection;
+    one tier and adaptive detection where snapshots do not pay), and with the snapshots replicated
+    to a peer (they then cover node losses too: their interval by Young's formula against every
+    failure; the persistent tier's kept, for the loss of a node and its peer at once): the same
+    failure times."""
     local, persistent = recommended_tiers(m)
+    every_failure = max(m.block_seconds, math.sqrt(2.0 * m.local_blocking_seconds * m.mtbf_seconds))
     return {
-        "one tier": replace(m, checkpoint_interval_seconds=young_interval_seconds(m), local_interval_seconds=0.0,
-                            adaptive_detection=False),
-        "two tiers": replace(m, checkpoint_interval_seconds=persistent, local_interval_seconds=local,
-                             adaptive_detection=True),
+        "persistent only": replace(m, checkpoint_interval_seconds=young_interval_seconds(m),
+                                   local_interval_seconds=0.0, adaptive_detection=False),
+        "local": replace(m, checkpoint_interval_seconds=persistent, local_interval_seconds=local,
+                         adaptive_detection=True),
+        "local replicated": replace(m, checkpoint_interval_seconds=persistent, local_replicated=True,
+                                    local_interval_seconds=min(persistent, every_failure), adaptive_detection=True),
     }  # fmt: skip
 
 
@@ -185,6 +197,8 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
     out = _Emitter(end_ts - end)
     rank0 = "rank:0"
     t, attempt, committed, local, step = 0.0, 0, None, None, 0
+    snapshots: list[tuple[float, int]] = []  # (when taken, step) of the newest snapshots, oldest first
+    from_peers = False  # the newest snapshot of a lost node, held by its peers
     while True:
         out.emit("attempt_allocated", t, attempt, "service", node_count=m.nodes, gpus=m.nodes * m.gpus_per_node)
         fail_at = t + rng.expovariate(1.0 / m.mtbf_seconds)
@@ -202,18 +216,22 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
             step = 0
             from_local = local is not None and local > (committed or 0)
             source, restore_to = ("local-snapshot", local) if from_local else ("persistent", committed)
+            source = "peer-snapshot" if from_local and from_peers else source
             if restore_to is not None:
                 out.emit("restore_start", t, attempt, rank0, restore_to)
-                took = m.local_restore_seconds if from_local else m.restore_seconds
+                took = (m.peer_restore_seconds if from_peers else m.local_restore_seconds) if from_local \
+                    else m.restore_seconds
                 if t + took <= limit:
                     t += took
                     out.emit("restore_end", t, attempt, rank0, restore_to, source=source)
                     step = restore_to
                     local = restore_to if from_local else None  # newer snapshots: an abandoned timeline
+                    snapshots = [(t, restore_to)] if from_local else []  # on the nodes, and on their peers
+                    from_peers = False
                 else:
                     t = limit
             if t < limit:
-                t, committed, local, step = _train(out, m, attempt, t, limit, committed, local, step)
+                t, committed, local, step = _train(out, m, attempt, t, limit, committed, local, step, snapshots)
         if fail_at == math.inf:
             if step:
                 out.emit("train_end", t, attempt, rank0, step)
@@ -221,17 +239,19 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
             return out.events
         detail = f"simulated {cause} on sim-node-{rng.randrange(m.nodes):04d}"
         out.emit("attempt_failed", fail_at + detect, attempt, "service", cause=cause, detail=detail)
-        if cause == "node_lost":
-            local = None  # the lost node's snapshots are gone: the set is incomplete
+        if cause == "node_lost":  # the lost node's snapshots are gone; their copies on its peers are not
+            arrived = [s for taken, s in snapshots if taken + m.replication_seconds <= fail_at]
+            local = arrived[-1] if m.local_replicated and arrived else None
+            from_peers = local is not None
         t, attempt = fail_at + detect + m.reschedule_seconds, attempt + 1
 
 
 def _train(
     out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None, local: int | None,
-    step: int,
+    step: int, snapshots: list[tuple[float, int]],
 ) -> tuple[float, int | None, int | None, int]:
-    """Blocks of steps, snapshots and checkpoints from t until `limit`; returns (time, committed
-    step, snapshot step, step)."""
+    """Blocks of steps, snapshots (appended to `snapshots`, the newest two kept) and checkpoints
+    from t until `limit`; returns (time, committed step, snapshot step, step)."""
     rank0, B, C, W = "rank:0", m.block_seconds, m.checkpoint_blocking_seconds, m.checkpoint_write_seconds
     pending: list[tuple[float, int]] = []  # (commit time, step) of staged checkpoints
     blocks, every, snapshot_every = 0, m.blocks_per_checkpoint, m.blocks_per_snapshot
@@ -254,6 +274,7 @@ def _train(
                 break
             t += m.local_blocking_seconds  # between steps: idle in the accounting
             local = step
+            snapshots[:] = [*snapshots[-1:], (t, step)]
         if blocks % every:
             continue
         out.emit("ckpt_start", t, attempt, rank0, step)

@@ -1,6 +1,6 @@
-"""Two checkpoint tiers and adaptive hang detection in the simulator (`ett simulate --tiers`,
+"""Checkpoint tiers and adaptive hang detection in the simulator (`ett simulate --tiers`,
 `--from-job`): snapshots restore what a failure that keeps its nodes would lose, a lost node's
-never are, and the side-by-side projection of a measured job."""
+only from its peers' copies (replicated), and the side-by-side projection of a measured job."""
 
 import time
 
@@ -50,22 +50,38 @@ def test_two_tiers_beat_one_on_the_llama3_405b_scenario():
     local, persistent = recommended_tiers(model)
     assert local < persistent
     runs = {label: memory_report(m, END)[1] for label, m in tier_models(model).items()}
-    one, two = runs["one tier"], runs["two tiers"]
+    one, two = runs["persistent only"], runs["local"]
     assert len(one["failures"]) > 300 and len(two["failures"]) > 300
     mean_lost = lambda r: sum(f["lost_steps"] for f in r["failures"]) / len(r["failures"])  # noqa: E731
     assert mean_lost(two) < mean_lost(one) * 0.75
     # A failure that keeps its nodes loses at most one snapshot interval of steps, unless the
     # next attempt loses a node before it restores (then the persistent tier's rollback is its).
-    snapshot_steps = tier_models(model)["two tiers"].blocks_per_snapshot * model.steps_per_event
+    snapshot_steps = tier_models(model)["local"].blocks_per_snapshot * model.steps_per_event
     kept_nodes = [f["lost_steps"] for f in two["failures"] if f["cause"] != "node_lost" and f["lost_steps"] is not None]
     assert sum(lost <= snapshot_steps for lost in kept_nodes) >= 0.97 * len(kept_nodes) > 0
     assert two["ett_percent"] > one["ett_percent"] + 2.0, (one["ett_percent"], two["ett_percent"])
 
 
-def test_ett_simulate_tiers_prints_one_tier_against_two(capsys):
+def test_replicated_snapshots_make_a_node_loss_lose_as_little_as_any_other_failure():
+    model = llama3_405b()
+    runs = {label: memory_report(m, END) for label, m in tier_models(model).items()}
+    (events, replicated), (_, local) = runs["local replicated"], runs["local"]
+    node_losses = lambda r: [f["lost_steps"] for f in r["failures"] if f["cause"] == "node_lost"]  # noqa: E731
+    assert len(node_losses(replicated)) == len(node_losses(local)) > 50  # the same failure times
+    snapshot_steps = tier_models(model)["local replicated"].blocks_per_snapshot * model.steps_per_event
+    lost = [s for s in node_losses(replicated) if s is not None]
+    assert sum(s <= snapshot_steps for s in lost) >= 0.97 * len(lost)  # as a failure that keeps its nodes
+    assert sum(lost) / len(lost) < 0.1 * sum(s for s in node_losses(local) if s) / len(node_losses(local))
+    causes = failures_by_cause(events)
+    sources = {e["attempt"]: e["data"]["source"] for e in events if e["kind"] == "restore_end"}
+    assert {sources[a + 1] for a, c in causes.items() if c == "node_lost" and a + 1 in sources} >= {"peer-snapshot"}
+    assert replicated["ett_percent"] > local["ett_percent"] + 1.0, (local["ett_percent"], replicated["ett_percent"])
+
+
+def test_ett_simulate_tiers_prints_the_three_tiers(capsys):
     assert main(["simulate", "--tiers", "--days", "10"]) == 0
     out = capsys.readouterr().out
-    assert "one tier" in out and "two tiers" in out and "ETT (simulated)" in out
+    assert "persistent only" in out and "local replicated" in out and "ETT (simulated)" in out
 
 
 def test_from_job_projects_a_measured_jobs_costs(service, capsys):
@@ -85,7 +101,7 @@ def test_from_job_projects_a_measured_jobs_costs(service, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "init_seconds 4" in out and "step_seconds 2" in out  # allocation to the first step; the mean step
-    assert "two tiers" in out
+    assert "local replicated" in out
 
 
 def test_from_job_without_a_service_is_refused(capsys):
