@@ -9,8 +9,9 @@ on a job whose steps take a second. Once an attempt has made `WARMUP_STEPS` step
 `hang_timeout_seconds` stays the ceiling. While a rank of this node is saving a checkpoint (a
 `ckpt_start` not yet followed by `ckpt_staged`) the ceiling applies: a save may block longer than
 any step; and once a rank has ended its training (`train_end`), since the teardown of a process
-group and of an interpreter with torch is no step either (it took over 3 s under the suite's load). A gap between steps in which a save started is not a step's time and is left out: a
-save that waited for the one before it to commit would otherwise raise the limit for good. And
+group and of an interpreter with torch is no step either (it took over 3 s under the suite's
+load). A gap between steps in which a save started is not a step's time and is left out: a save
+that waited for the one before it to commit would otherwise raise the limit for good. And
 steps run slower while a checkpoint is written in the background (the ranks' progress marks say
 when): the gaps during a write and the others are kept apart, and each limit follows its own,
 so a hang between writes is caught as fast as the steps there allow (the ceiling applies in a
