@@ -16,11 +16,9 @@ state on its node's local disk, a pause of `local_blocking_seconds` between step
 accounting, as in a real job). A failure that keeps every node (a rank's exit, a hang) resumes
 from the newest snapshot when it is newer than the newest committed checkpoint, in
 `local_restore_seconds`; a lost node takes its snapshots with it, so that failure resumes from
-the persistent tier. Replicated (`local_replicated`): each snapshot also reaches a peer node in
-the background, `replication_seconds` after it is taken, so a lost node's ranks resume from the
-newest snapshot whose copy had arrived, fetched from the peers in `peer_restore_seconds`
-(issue #38's tier). Adaptive detection (`adaptive_detection`): a hang is caught after
-max(3 s, 4 steps) instead of the fixed hang timeout, as the agent does (agent/hang.py).
+the persistent tier; replicated (`local_replicated`), from the newest snapshot whose copy had
+reached a peer (`replication_seconds` after it was taken), in `peer_restore_seconds`. Adaptive
+detection: a hang caught after max(3 s, 4 steps), not the hang timeout (agent/hang.py).
 The job stops at the end of its wall budget (a failure whose restart would cross the end is not
 simulated: the job stops there).
 
@@ -77,9 +75,9 @@ class FleetModel:
         for name in ("days", "mtbf_seconds", "step_seconds", "checkpoint_interval_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("checkpoint_blocking_seconds", "checkpoint_write_seconds", "init_seconds",
-                     "restore_seconds", "reschedule_seconds", "local_interval_seconds", "local_blocking_seconds",
-                     "local_restore_seconds", "replication_seconds", "peer_restore_seconds"):  # fmt: skip
+        for name in ("checkpoint_blocking_seconds", "checkpoint_write_seconds", "init_seconds", "restore_seconds",
+                     "reschedule_seconds", "local_interval_seconds", "local_blocking_seconds", "local_restore_seconds",
+                     "replication_seconds", "peer_restore_seconds"):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.steps_per_event < 1 or self.nodes < 1 or self.gpus_per_node < 1:
@@ -157,12 +155,10 @@ def recommended_tiers(m: FleetModel) -> tuple[float, float]:
 
 
 def tier_models(m: FleetModel) -> dict[str, FleetModel]:
-    """The job with the persistent tier only (its interval by Young's formula, the fixed hang
-    timeout), with node-local snapshots (both intervals from recommended_tiers, adaptive detection;
-    one tier and adaptive detection where snapshots do not pay), and with the snapshots replicated
-    to a peer (they then cover node losses too: their interval by Young's formula against every
-    failure; the persistent tier's kept, for the loss of a node and its peer at once): the same
-    failure times."""
+    """On the same failure times: the persistent tier only (Young's interval, the hang timeout);
+    with node-local snapshots (recommended_tiers, adaptive detection); and with them replicated to
+    a peer, covering node losses too (Young's interval against every failure; the persistent tier
+    kept for a node lost with its peer)."""
     local, persistent = recommended_tiers(m)
     every_failure = max(m.block_seconds, math.sqrt(2.0 * m.local_blocking_seconds * m.mtbf_seconds))
     return {
@@ -197,8 +193,8 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
     out = _Emitter(end_ts - end)
     rank0 = "rank:0"
     t, attempt, committed, local, step = 0.0, 0, None, None, 0
-    snapshots: list[tuple[float, int]] = []  # (when taken, step) of the newest snapshots, oldest first
-    from_peers = False  # the newest snapshot of a lost node, held by its peers
+    snapshots: list[tuple[float, int]] = []  # (when taken, step), the newest two; from_peers: a lost node's
+    from_peers = False
     while True:
         out.emit("attempt_allocated", t, attempt, "service", node_count=m.nodes, gpus=m.nodes * m.gpus_per_node)
         fail_at = t + rng.expovariate(1.0 / m.mtbf_seconds)
@@ -219,8 +215,8 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
             source = "peer-snapshot" if from_local and from_peers else source
             if restore_to is not None:
                 out.emit("restore_start", t, attempt, rank0, restore_to)
-                took = (m.peer_restore_seconds if from_peers else m.local_restore_seconds) if from_local \
-                    else m.restore_seconds
+                took = m.restore_seconds if not from_local else m.peer_restore_seconds if from_peers else \
+                    m.local_restore_seconds
                 if t + took <= limit:
                     t += took
                     out.emit("restore_end", t, attempt, rank0, restore_to, source=source)
@@ -246,10 +242,8 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
         t, attempt = fail_at + detect + m.reschedule_seconds, attempt + 1
 
 
-def _train(
-    out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None, local: int | None,
-    step: int, snapshots: list[tuple[float, int]],
-) -> tuple[float, int | None, int | None, int]:
+def _train(out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None,
+           local: int | None, step: int, snapshots: list[tuple[float, int]]) -> tuple[float, int | None, ...]:
     """Blocks of steps, snapshots (appended to `snapshots`, the newest two kept) and checkpoints
     from t until `limit`; returns (time, committed step, snapshot step, step)."""
     rank0, B, C, W = "rank:0", m.block_seconds, m.checkpoint_blocking_seconds, m.checkpoint_write_seconds

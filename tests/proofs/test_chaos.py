@@ -132,15 +132,17 @@ def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_commi
 
 
 def test_corrupt_newest_checkpoint_is_skipped_and_resume_falls_back_saying_so(tmp_path):
-    fail = {"attempt": 0, "rank": 1, "at_step": 10, "action": "exit", "code": 1}
+    # Saves at 5 and 10, the failure at 14: four steps for step 10's commit to reach the service
+    # before it plans the restart (two were once too few under the suite's load: it offered 5).
+    fail = {"attempt": 0, "rank": 1, "at_step": 14, "action": "exit", "code": 1}
     checkpoints = tmp_path / "checkpoints" / "alice" / "ckpt"
     with cluster(tmp_path) as c:
         c.start_agent("node-0")
-        job_id = c.submit(tiny_job("ckpt-corrupt", checkpoints, steps=12, interval=4, faults=[fail]))
-        wait_for((checkpoints / "step-00000008" / "COMMITTED").exists, 120, "step 8 to be committed")
+        job_id = c.submit(tiny_job("ckpt-corrupt", checkpoints, steps=16, interval=5, faults=[fail]))
+        wait_for((checkpoints / "step-00000010" / "COMMITTED").exists, 120, "step 10 to be committed")
         # Once it is committed, one shard of the newest checkpoint rots (not between the attempts:
         # an attempt that committed a checkpoint is restarted without a backoff).
-        shard = sorted((checkpoints / "step-00000008").glob("*.distcp"))[0]
+        shard = sorted((checkpoints / "step-00000010").glob("*.distcp"))[0]
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
@@ -150,9 +152,9 @@ def test_corrupt_newest_checkpoint_is_skipped_and_resume_falls_back_saying_so(tm
     assert job["state"] == "succeeded"
     # The service offered the newest committed checkpoint; the trainer found it corrupt, said so
     # and went back to the one before.
-    assert job["attempts"][1]["resume_from"].endswith("step-00000008")
-    assert [(e.attempt, e.step) for e in restored] == [(1, 4)]
-    assert f"skipping checkpoint {checkpoints / 'step-00000008'}: {shard.name} fails its CRC-32 check" in logs
+    assert job["attempts"][1]["resume_from"].endswith("step-00000010")
+    assert [(e.attempt, e.step) for e in restored] == [(1, 5)]
+    assert f"skipping checkpoint {checkpoints / 'step-00000010'}: {shard.name} fails its CRC-32 check" in logs
 
 
 def test_spool_over_its_bound_is_reported_and_training_goes_on(tmp_path):
