@@ -22,7 +22,6 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "entrypoint": None,
         "slurm": None,
         "notify": None,
-        "warm_imports": [],
     }
     spec.update(overrides)
     return spec
