@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 PROCS = "cgroup.procs"
 KILL = "cgroup.kill"
 KILL_WAIT_SECONDS = 5.0
+# The folders a job's user passes through to move a process of its own between its cgroups: open to
+# all whatever the agent's umask (the README's `umask 077` made them 0700, and a warm-forked process
+# of the job's user could not enter its attempt's cgroup).
+FOLDER_MODE = 0o755
 
 
 def agent_cgroup_name(node_name: str, data_dir: Path) -> str:
@@ -123,6 +127,7 @@ class NodeCgroups:
         root = mount / own.lstrip("/") / f"ett-{name}"
         try:
             root.mkdir(exist_ok=True)
+            root.chmod(FOLDER_MODE)
             (root / PROCS).stat()
         except OSError as exc:
             log.warning("no cgroup of its own under %s (%s): a job's processes are found by their marker only",
@@ -136,8 +141,9 @@ class NodeCgroups:
             return None
         folder = self.root / f"owner-{uid}"
         (folder / "warm").mkdir(parents=True, exist_ok=True)
-        for procs in (folder / PROCS, folder / "warm" / PROCS):
-            os.chown(procs, uid, gid)
+        for cgroup in (folder, folder / "warm"):
+            cgroup.chmod(FOLDER_MODE)
+            os.chown(cgroup / PROCS, uid, gid)
         return folder
 
     def attempt(self, uid: int, gid: int, name: str) -> Path | None:
@@ -147,6 +153,7 @@ class NodeCgroups:
             return None
         folder = owner / name
         folder.mkdir()
+        folder.chmod(FOLDER_MODE)
         os.chown(folder / PROCS, uid, gid)  # a warm-forked rank moves itself in (agent.warm)
         with contextlib.suppress(FileNotFoundError):  # its guard empties it when the agent dies (agent.guard)
             os.chown(folder / KILL, uid, gid)

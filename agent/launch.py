@@ -112,6 +112,11 @@ def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_so
 
 
 def starts_warm(command: LaunchCommand) -> bool:
-    """Warm start only for the trainer with no job environment: variables read while torch is
-    imported (in the warm server, long before) could not take effect."""
-    return command.entrypoint is None and not command.env
+    """Warm start for the trainer, and for a job's `python SCRIPT` that names its `warm_imports`;
+    only with no job environment: variables read while torch is imported (in the warm server,
+    long before) could not take effect."""
+    if command.env:
+        return False
+    if command.entrypoint is None:
+        return True
+    return bool(command.warm_imports) and len(command.entrypoint) >= 2 and command.entrypoint[1].endswith(".py")

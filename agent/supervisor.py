@@ -99,7 +99,7 @@ class Supervisor:
         """The warm server this launch forks from (started if it is not), if it may."""
         if self.warm is None or not starts_warm(command):
             return None
-        server = self.warm.for_user(run_as)
+        server = self.warm.for_user(run_as, command.warm_imports if command.entrypoint is not None else None)
         server.ensure_running()
         return server if server.usable else None
 

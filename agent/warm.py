@@ -1,6 +1,10 @@
 """Warm start: a node's server that has imported the trainer and torchrun once, and forks them.
 
-    python -P -m agent.warm SOCKET MODULE...
+    python -P -m agent.warm SOCKET MODULE... [--imports IMPORT...]
+
+A job's own Python script starts warm too when its spec names what it imports (`warm_imports`,
+docs/jobspec.md): a server of its own imports those and torchrun, and forks the script's ranks
+into `runpy.run_path` with them loaded (`python SCRIPT ARGS`, with the server's interpreter).
 
 A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node) before its first
 line runs, and a restart ran two in a row: torchrun, then the ranks. The agent keeps this server
@@ -24,12 +28,14 @@ start: the agent restarts it (with itself) to pick up new trainer code.
 
 import contextlib
 import gc
+import hashlib
 import importlib
 import json
 import logging
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -59,8 +65,21 @@ def socket_path(data_dir: Path, uid: int) -> Path:
     return (data_dir / "warm" / str(uid) / "warm.sock").resolve()
 
 
-def serves(argv: list[str], modules: list[str]) -> bool:
-    return len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules
+def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str | None = None) -> bool:
+    """Whether this server can start `argv`: `python -P -m MODULE` of its modules, or, for a server
+    of a job's imports (`scripts`), `python SCRIPT.py ...` whose python (on the request's PATH) is
+    this interpreter."""
+    if len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules:
+        return True
+    if not scripts or len(argv) < 2 or not argv[1].endswith(".py"):
+        return False
+    python = shutil.which(argv[0], path=path)
+    return python is not None and os.path.realpath(python) == os.path.realpath(sys.executable)
+
+
+def imports_key(imports: list[str]) -> str:
+    """A short name for a set of imports: its server's socket and log."""
+    return hashlib.sha1(" ".join(sorted(imports)).encode()).hexdigest()[:10]
 
 
 class WarmServer:
@@ -69,8 +88,9 @@ class WarmServer:
     parent-death signal."""
 
     def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs(),
-                 cgroup: Path | None = None) -> None:
+                 cgroup: Path | None = None, imports: list[str] | None = None) -> None:
         self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
+        self.imports = imports or []  # a job's own imports: the server then starts its scripts
         self.cgroup = cgroup  # its user's warm/ cgroup (agent.cgroups), if the machine gives one
         self._proc: subprocess.Popen[bytes] | None = None
         self._next_start = 0.0
@@ -102,7 +122,8 @@ class WarmServer:
         self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
         with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
             self._proc = subprocess.Popen(
-                [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules],
+                [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules,
+                 *(["--imports", *self.imports] if self.imports else [])],
                 env=env | self.run_as.env() | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
             )  # fmt: skip
@@ -119,27 +140,33 @@ class WarmServer:
 
 class WarmServers:
     """A warm server per job user (a server forks what it serves as its own user, and serves no
-    caller of another, SO_PEERCRED): the first launch of a user starts its server and waits for
-    its imports, later ones fork from it. At most MAX_SERVERS are kept, the least recently used
-    stopped first."""
+    caller of another, SO_PEERCRED), and per set of a job's own imports: the first launch of a
+    user starts its server and waits for its imports, later ones fork from it. At most
+    MAX_SERVERS are kept, the least recently used stopped first."""
 
     MAX_SERVERS = 4
 
     def __init__(self, data_dir: Path, modules: list[str], cgroups: NodeCgroups | None = None) -> None:
         self.data_dir, self.modules, self.cgroups = data_dir, modules, cgroups
-        self._servers: dict[int, WarmServer] = {}  # by uid, least recently used first
+        self._servers: dict[tuple[int, str], WarmServer] = {}  # by uid and imports, least recently used first
 
-    def for_user(self, run_as: RunAs) -> WarmServer:
+    def for_user(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer:
+        """The user's server of the trainer, or (`imports`: a job's `warm_imports`) of its scripts."""
         uid = run_as.user.uid if run_as.user is not None else os.geteuid()
-        server = self._servers.pop(uid, None)
+        key = (uid, imports_key(imports) if imports else "")
+        server = self._servers.pop(key, None)
         if server is None:
             cgroup = None
             if self.cgroups is not None and run_as.user is not None:
                 owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
                 cgroup = owner / "warm" if owner is not None else None
-            server = WarmServer(socket_path(self.data_dir, uid), self.modules, self.data_dir / f"warm-{uid}.log",
-                                run_as, cgroup)
-        self._servers[uid] = server
+            sock = socket_path(self.data_dir, uid)
+            if imports:  # torchrun, and the job's imports
+                sock = sock.with_name(f"w-{key[1]}.sock")
+            modules = ["torch.distributed.run"] if imports else self.modules
+            server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if imports else ''}.log",
+                                run_as, cgroup, imports)
+        self._servers[key] = server
         while len(self._servers) > self.MAX_SERVERS:
             self._servers.pop(next(iter(self._servers))).stop()
         return server
@@ -157,13 +184,18 @@ class WarmServers:
             server.stop()
 
 
-def serve(socket_path: Path, modules: list[str]) -> None:
+def serve(socket_path: Path, modules: list[str], imports: list[str] | None = None) -> None:
     set_parent_death_signal()  # the agent gone: the server goes, and every keeper and rank with it
     if os.getppid() == 1:
         return  # the agent died before the request above took hold
     for module in modules:
         importlib.import_module(module)
         del sys.modules[module]  # it runs as __main__; what it imports stays loaded
+    for module in imports or []:  # a job's own: its scripts import them again, from here
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # the script would fail as it did: this server still serves torchrun
+            print(f"agent.warm: warm_imports {module}: {exc!r}", file=sys.stderr, flush=True)
     gc.collect()
     gc.freeze()  # a rank's collections then leave the imported objects' pages shared with the server
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
@@ -181,7 +213,8 @@ def serve(socket_path: Path, modules: list[str]) -> None:
                 raise ValueError(f"a caller of uid {uid}")
             payload, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
             request = json.loads(payload)
-            if len(fds) != 3 or not serves(request["argv"], modules):
+            path = request.get("env", {}).get("PATH")
+            if len(fds) != 3 or not serves(request["argv"], modules, bool(imports), path):
                 raise ValueError(f"cannot serve {request.get('argv')!r} with {len(fds)} descriptors")
             if os.fork() == 0:
                 listener.close()
@@ -244,8 +277,14 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
         if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
             threads = os.environ.get("OMP_NUM_THREADS")
             sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
-        sys.argv = [request["argv"][0], *request["argv"][4:]]
-        runpy.run_module(request["argv"][3], run_name="__main__", alter_sys=True)
+        argv = request["argv"]
+        if argv[1].endswith(".py"):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
+            sys.argv = argv[1:]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+            runpy.run_path(argv[1], run_name="__main__")
+        else:
+            sys.argv = [argv[0], *argv[4:]]
+            runpy.run_module(argv[3], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -259,5 +298,7 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
-        sys.exit("usage: python -P -m agent.warm SOCKET MODULE...")
-    serve(Path(sys.argv[1]), sys.argv[2:])
+        sys.exit("usage: python -P -m agent.warm SOCKET MODULE... [--imports IMPORT...]")
+    args = sys.argv[2:]
+    cut = args.index("--imports") if "--imports" in args else len(args)
+    serve(Path(sys.argv[1]), args[:cut], args[cut + 1:])

@@ -76,6 +76,8 @@ class LaunchCommand(AttemptCommand):
     trainer: TrainerSpec | None = None
     entrypoint: list[str] | None = Field(None, min_length=1)
     env: dict[str, str] = {}
+    # Modules a warm server imports before it forks the ranks of `entrypoint` (a `python SCRIPT`).
+    warm_imports: list[str] = []
     checkpoint: CheckpointSpec = CheckpointSpec()
     hang_timeout_seconds: float | None = Field(120.0, gt=0)  # None: no hang detection
     init_timeout_seconds: float = Field(600.0, gt=0)

@@ -21,6 +21,7 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
         node_rank=share.node_rank, nnodes=spec.nodes, nproc_per_node=per_node,
         master_addr=attempt.master_addr, master_port=attempt.master_port,
         trainer=TrainerSpec(**spec.trainer.model_dump()), entrypoint=spec.entrypoint, env=spec.env,
+        warm_imports=spec.warm_imports,
         checkpoint=checkpoint, hang_timeout_seconds=spec.hang_timeout_seconds,
         init_timeout_seconds=settings.init_timeout_seconds,
         faults=[Fault(**f.model_dump()) for f in spec.faults if f.attempt == attempt.number and first <= f.rank < last],

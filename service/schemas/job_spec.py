@@ -17,6 +17,7 @@ from service.schemas.notify import NotifySpec
 
 JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+ModuleName = Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
 OverrideValue = str | int | float | bool
 # Variables a job's `env` may not set: they change how the interpreter or the dynamic loader starts
 # (a listed entrypoint would run code the entrypoint policy never saw: PYTHONWARNINGS with BROWSER
@@ -136,6 +137,9 @@ class JobSpec(Strict):
     hang_timeout_seconds: Annotated[float, Field(gt=0, le=86400)] | None = 120
     faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
+    # An entrypoint `python SCRIPT ...`: what its agents' warm server imports once, then forks each
+    # restarted rank from (agent/warm.py), as the built-in trainer's ranks are.
+    warm_imports: Annotated[list[ModuleName], Field(max_length=32)] = []
     # Set: the job runs in an allocation of its own on a Slurm cluster, not on the hand-run agents.
     slurm: SlurmSpec | None = None
     # Webhooks the service calls, signed, on the job's events (docs/jobspec.md, "notify").

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.warm import WarmServer
+from agent.job_user import RunAs
+from agent.warm import WarmServer, WarmServers
 from agent.warm_client import WarmProcess, python_module
 from tests.support.waiting import wait_for
 
@@ -119,3 +120,40 @@ def test_a_caller_of_another_user_is_not_served(tmp_path, monkeypatch):
     finally:
         server.stop()
         shutil.rmtree(opened, ignore_errors=True)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    preloaded = "warm_preloaded" in sys.modules  # before this script imports anything
+    import warm_preloaded
+    with open(sys.argv[1], "w") as f:
+        json.dump({"argv": sys.argv, "preloaded": preloaded, "imports_from": warm_preloaded.PID != os.getpid(),
+                   "path0": sys.path[0], "name": __name__}, f)
+    sys.exit(int(sys.argv[2]))
+""")
+
+
+def test_a_jobs_script_is_forked_with_its_warm_imports_loaded_as_python_would_run_it(tmp_path, monkeypatch):
+    """A job's own `python SCRIPT` (warm_imports): the server imported them once; the script runs as
+    `__main__` with its argv and its folder first on the path; another interpreter is refused."""
+    (tmp_path / "warm_preloaded.py").write_text("import os\nPID = os.getpid()\n")
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "train.py").write_text(SCRIPT)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    server = WarmServers(tmp_path / "data", ["unused"]).for_user(RunAs(), ["warm_preloaded"])
+    server.ensure_running()
+    try:
+        wait_for(server.socket_path.exists, 30, "the script server to listen")
+        out = tmp_path / "out.json"
+        rank = WarmProcess(str(server.socket_path), [sys.executable, str(scripts / "train.py"), str(out), "5"])
+        assert rank.wait() == 5
+        seen = json.loads(out.read_text())
+        assert seen == {"argv": [str(scripts / "train.py"), str(out), "5"], "preloaded": True, "imports_from": True,
+                        "path0": str(scripts), "name": "__main__"}
+        other_python = shutil.which("python3.11", path="/usr/bin")
+        if other_python and os.path.realpath(other_python) != os.path.realpath(sys.executable):
+            with pytest.raises(ConnectionError):  # not its interpreter: the runner starts one fresh
+                WarmProcess(str(server.socket_path), [other_python, str(scripts / "train.py"), str(out), "0"])
+    finally:
+        server.stop()

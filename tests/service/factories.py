@@ -22,6 +22,7 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "entrypoint": None,
         "slurm": None,
         "notify": None,
+        "warm_imports": [],
     }
     spec.update(overrides)
     return spec
