@@ -10,7 +10,7 @@ from agent.job_user import RunAs
 from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
 from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths
-from agent.warm_client import WARM_SOCKET_ENV, python_module
+from agent.warm_client import WARM_SOCKET_ENV, python_module, runs_script
 from ett.protocol import LIBRARY_FAULT_ACTIONS, JobEnv
 from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 
@@ -119,4 +119,4 @@ def starts_warm(command: LaunchCommand) -> bool:
         return False
     if command.entrypoint is None:
         return True
-    return bool(command.warm_imports) and len(command.entrypoint) >= 2 and command.entrypoint[1].endswith(".py")
+    return bool(command.warm_imports) and runs_script(command.entrypoint)

@@ -48,7 +48,7 @@ from pathlib import Path
 from agent.cgroups import PROCS, NodeCgroups
 from agent.job_user import RunAs
 from agent.procs import GROUP_CGROUP_ENV, set_parent_death_signal
-from agent.warm_client import python_module
+from agent.warm_client import python_module, runs_script
 
 MAX_REQUEST_BYTES = 1 << 20
 RESTART_PAUSE_SECONDS = 10.0
@@ -71,7 +71,7 @@ def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str
     this interpreter."""
     if len(argv) >= 4 and argv[:4] == python_module(sys.executable, argv[3]) and argv[3] in modules:
         return True
-    if not scripts or len(argv) < 2 or not argv[1].endswith(".py"):
+    if not scripts or not runs_script(argv):
         return False
     python = shutil.which(argv[0], path=path)
     return python is not None and os.path.realpath(python) == os.path.realpath(sys.executable)
@@ -278,7 +278,7 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
             threads = os.environ.get("OMP_NUM_THREADS")
             sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
         argv = request["argv"]
-        if argv[1].endswith(".py"):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
+        if runs_script(argv):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
             sys.argv = argv[1:]
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
             runpy.run_path(argv[1], run_name="__main__")

@@ -24,6 +24,11 @@ def python_module(python: str, module: str) -> list[str]:
     return [python, "-P", "-m", module]
 
 
+def runs_script(argv: list[str]) -> bool:
+    """`python SCRIPT.py ...`: a job's own script, which a warm server of its imports may start."""
+    return len(argv) >= 2 and argv[1].endswith(".py")
+
+
 def start_process(argv: list[str], warm_socket: str | None, output: int | None = None,
                   **popen: object) -> "subprocess.Popen[bytes] | WarmProcess":
     """From the warm server when there is one and it can (its process group is its own), else a

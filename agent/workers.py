@@ -300,7 +300,7 @@ class WorkerGroup:
                     self._saving.discard(source)
                 elif kind == "train_end":
                     self._hang_limit.ended = True
-        # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped> <writing>"):
+        # Every rank's progress mark (ett/events.py, "<step> <beats> <unwritten> <dropped> <writing> <pulse>"):
         # nodes without rank 0 see no step events. A new step or beat is progress; a step above 0
         # is a step done; the next two say whether the rank's disk is full; the last whether it
         # writes a checkpoint in the background.

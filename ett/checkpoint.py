@@ -38,6 +38,7 @@ from ett.events import EventWriter
 from ett.folders import (
     MARKER,
     first_verified,
+    prune,
     read_manifest,
     resume_candidates,
     step_folder,
@@ -247,17 +248,9 @@ class Checkpointer:
                 for old in saved[self.cfg.keep :]:
                     shutil.rmtree(old, ignore_errors=True)
             if self.rank == 0:
-                self._prune_persistent()
+                prune(self.cfg.dir, self.cfg.keep)
         except Exception:
             logger.exception("removing old checkpoints failed")
-
-    def _prune_persistent(self) -> None:
-        committed = [p for p in step_folders(self.cfg.dir) if (p / MARKER).exists()]
-        newest = step_of(committed[0])
-        for folder in step_folders(self.cfg.dir):
-            if folder in committed[self.cfg.keep :] or (folder not in committed and step_of(folder) < newest):
-                (folder / MARKER).unlink(missing_ok=True)
-                shutil.rmtree(folder, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the save in flight is committed (or has failed)."""

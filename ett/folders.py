@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -133,3 +134,17 @@ def resume_candidates(root: str | Path | None, resume_from: str | Path | None,
         chosen_step = step_of(chosen, pattern) or 0
         return [chosen, *(p for p in step_folders(chosen.parent, pattern) if step_of(p, pattern) < chosen_step)]
     return step_folders(root, pattern) if root else []
+
+
+def prune(root: str | Path, keep: int, pattern: re.Pattern = STEP_FOLDER) -> None:
+    """Keeps the newest `keep` committed checkpoints under root; older committed ones, and torn
+    ones older than the newest commit, are removed, their marker first: a folder half removed is
+    never taken for a committed one."""
+    committed = [p for p in step_folders(root, pattern) if (p / MARKER).exists()]
+    if not committed:
+        return
+    newest = step_of(committed[0], pattern)
+    for folder in step_folders(root, pattern):
+        if folder in committed[keep:] or (folder not in committed and step_of(folder, pattern) < newest):
+            (folder / MARKER).unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)

@@ -21,7 +21,6 @@ import logging
 import os
 import random
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ett.errors import UsageError
-from ett.folders import step_folders
+from ett.folders import prune
 from ett.run import Run
 
 logger = logging.getLogger("ett")
@@ -130,8 +129,7 @@ class ETTCallback(L.Callback):
         self.run.emit("ckpt_staged", step=step)
         self.run.commit_folder(folder, step)
         if trainer.global_rank == 0:
-            for old in step_folders(self.root, CHECKPOINT_FOLDER)[max(1, self.run.keep):]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(self.root, max(1, self.run.keep), CHECKPOINT_FOLDER)
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's RNG states, gathered into the checkpoint rank 0 writes (Lightning calls this

@@ -46,6 +46,7 @@ from service.accounting.memory import MemoryJob
 # a hang after the hang timeout.
 CAUSES = (("exit", 0.78, 5.0), ("node_lost", 0.17, 15.0), ("hang", 0.05, 120.0))
 ADAPTIVE_HANG_FLOOR_SECONDS, ADAPTIVE_HANG_STEPS = 3.0, 4.0  # agent/hang.py
+Trained = tuple[float, int | None, int | None, int]  # _train's: time, committed step, snapshot step, step
 
 
 @dataclass(frozen=True)
@@ -193,8 +194,7 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
     out = _Emitter(end_ts - end)
     rank0 = "rank:0"
     t, attempt, committed, local, step = 0.0, 0, None, None, 0
-    snapshots: list[tuple[float, int]] = []  # (when taken, step), the newest two; from_peers: a lost node's
-    from_peers = False
+    snapshots, from_peers = [], False  # (when taken, step) of the newest two snapshots; a lost node's, on its peers
     while True:
         out.emit("attempt_allocated", t, attempt, "service", node_count=m.nodes, gpus=m.nodes * m.gpus_per_node)
         fail_at = t + rng.expovariate(1.0 / m.mtbf_seconds)
@@ -243,7 +243,7 @@ def simulate(m: FleetModel, end_ts: float) -> list[dict[str, Any]]:
 
 
 def _train(out: _Emitter, m: FleetModel, attempt: int, t: float, limit: float, committed: int | None,
-           local: int | None, step: int, snapshots: list[tuple[float, int]]) -> tuple[float, int | None, ...]:
+           local: int | None, step: int, snapshots: list[tuple[float, int]]) -> Trained:
     """Blocks of steps, snapshots (appended to `snapshots`, the newest two kept) and checkpoints
     from t until `limit`; returns (time, committed step, snapshot step, step)."""
     rank0, B, C, W = "rank:0", m.block_seconds, m.checkpoint_blocking_seconds, m.checkpoint_write_seconds
