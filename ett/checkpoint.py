@@ -72,6 +72,9 @@ class CheckpointConfig:
     # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
     snapshots: bool = field(default_factory=lambda: os.environ.get(JobEnv.CHECKPOINT_SNAPSHOTS) == "1")
     snapshot_every: int = 0  # 0: every step its cost allows (ett/snapshots.py); N: every N steps, fixed
+    # On a job of several nodes, each snapshot also goes to a peer node (ett/snapshot_peers.py), so
+    # a lost node's ranks resume from their peers' copies. False: each node keeps its own only.
+    snapshot_peers: bool = True
     # A new interval handed to a running job (`interval_steps: "auto"`, retuned by the service):
     # "<interval_steps> <from_step>", looked at by every `due`. Empty: none.
     interval_file: str = field(default_factory=lambda: os.environ.get(JobEnv.CHECKPOINT_INTERVAL_FILE, ""))
@@ -171,7 +174,8 @@ class Checkpointer:
         # took 5 s on the GPU machine of BENCHMARKS.md, and the next save waits for the commit.
         self.pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-prune")
         self.in_flight: Future | None = None  # the last save, until committed (or failed)
-        self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size, cfg.snapshot_every)
+        self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size, cfg.snapshot_every,
+                                         replicate=cfg.snapshot_peers, group=self.group)
                           if cfg.local_dir and cfg.snapshots else None)  # fmt: skip
 
     def save(self, step: int, state: dict) -> bool:
@@ -291,16 +295,19 @@ class Checkpointer:
         return step, planner.not_loaded
 
     def _newest_snapshot(self) -> int | None:
-        """The newest step every rank holds a local snapshot of, unless the run starts afresh."""
+        """The newest step of which every rank's snapshot is held, on its node or a peer's, unless
+        the run starts afresh."""
         if self.snapshots is None or self.cfg.resume_from == "none":
             return None
-        return self.snapshots.newest_common(self.group)
+        return self.snapshots.restore_step(self.group)
 
     def _restore_snapshot(self, step: int, state: dict) -> int:
         self.events.emit("restore_start")
         self.snapshots.load(step, state)
-        logger.info("resumed from the local snapshots of step %d", step)
-        self.events.emit("restore_end", step=step, source="local-snapshot")
+        source = self.snapshots.restored_from
+        logger.info("resumed from the snapshot of step %d (%s)", step,
+                    "its own node's" if source == "local-snapshot" else "a peer node's copy")
+        self.events.emit("restore_end", step=step, source=source)
         self._retire_newer_than(step)
         return step
 

@@ -1,6 +1,9 @@
 """A local snapshot's file: one rank's state, its tensors' bytes written as they lie in memory.
 
-    MAGIC | header length (8 bytes, little-endian) | header (pickle) | the tensors' bytes
+    MAGIC | header length (8 bytes, little-endian) | header (pickle) | the tensors' bytes | TRAILER
+
+The trailer holds the CRC-32 of everything before it: a copy torn or corrupted on a disk or on its
+way to a peer node (ett/snapshot_peers.py) is refused, never loaded.
 
 The header is the state with each tensor replaced by a `Slot` naming its dtype and shape; the
 tensors follow in the order of their slots, each at an offset aligned to `ALIGN` bytes
@@ -12,6 +15,8 @@ session of 2026-11-26).
 """
 
 import pickle
+import struct
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -20,6 +25,9 @@ import torch
 
 MAGIC = b"ETTSNAP1"
 ALIGN = 64  # bytes: every dtype's view of the buffer starts aligned
+TRAILER = struct.Struct("<8sI")  # b"ETTCRC32", the CRC-32 of the bytes before it
+TRAILER_TAG = b"ETTCRC32"
+CHUNK_BYTES = 4 << 20
 
 
 class Slot(NamedTuple):
@@ -78,9 +86,30 @@ def header(template: Any) -> bytes:
 
 def write(file: BinaryIO, header: bytes, buffer: torch.Tensor) -> None:
     """Writes a snapshot to an open file: its `header`, then the buffer holding the tensors its
-    slots name, as `layout` places them."""
-    file.write(MAGIC + len(header).to_bytes(8, "little") + header)
-    file.write(memoryview(buffer.numpy()))
+    slots name, as `layout` places them, then the trailer."""
+    prefix, data = MAGIC + len(header).to_bytes(8, "little") + header, memoryview(buffer.numpy())
+    file.write(prefix)
+    file.write(data)
+    file.write(TRAILER.pack(TRAILER_TAG, zlib.crc32(data, zlib.crc32(prefix))))
+
+
+def verify(path: Path) -> str | None:
+    """Why the file at `path` is not a whole snapshot (cut short, corrupt), or None when it is:
+    its bytes match the trailer's CRC-32. Read in chunks: a rank's snapshot may be gigabytes."""
+    try:
+        size = path.stat().st_size
+        if size < len(MAGIC) + 8 + TRAILER.size:
+            return "cut short"
+        crc, left = 0, size - TRAILER.size
+        with open(path, "rb") as file:
+            while left and (chunk := file.read(min(CHUNK_BYTES, left))):
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            tag, expected = TRAILER.unpack(file.read(TRAILER.size))
+    except OSError as error:
+        return f"unreadable ({error.strerror})"
+    if tag != TRAILER_TAG:
+        return "cut short"
+    return None if crc == expected else "its CRC-32 does not match"
 
 
 def _slots(value: Any, found: list[Slot]) -> list[Slot]:
@@ -111,9 +140,16 @@ def read(path: Path) -> Any:
     with open(path, "rb") as file:
         if file.read(len(MAGIC)) != MAGIC:
             raise ValueError(f"{path}: not an ETT snapshot")
-        template = pickle.loads(file.read(int.from_bytes(file.read(8), "little")))
+        header = file.read(int.from_bytes(file.read(8), "little"))
+        template = pickle.loads(header)
         slots = _slots(template, [])
         buffer = torch.empty(layout(slots)[1], dtype=torch.uint8)
-        if file.readinto(memoryview(buffer.numpy())) != buffer.numel():
-            raise ValueError(f"{path}: cut short")
+        whole = file.readinto(memoryview(buffer.numpy())) == buffer.numel()
+        trailer = file.read(TRAILER.size)
+    if not whole or len(trailer) != TRAILER.size:
+        raise ValueError(f"{path}: cut short")
+    tag, expected = TRAILER.unpack(trailer)
+    prefix = MAGIC + len(header).to_bytes(8, "little") + header
+    if tag != TRAILER_TAG or zlib.crc32(memoryview(buffer.numpy()), zlib.crc32(prefix)) != expected:
+        raise ValueError(f"{path}: corrupt (its CRC-32 does not match)")
     return _filled(template, (view.clone() for view in _views(buffer, slots)))

@@ -12,17 +12,17 @@ between two snapshots, the rank snapshots every 2nd, 4th, ... step instead (powe
 ranks that chose differently still share steps), and back again once they cost far less
 (`next_every`).
 
-On restart the ranks agree on the newest step every rank holds a whole snapshot of; a rank on a
-new node (its disk lost with the old one) holds none, so nothing partial is ever loaded. The same
-world size and shard layout are needed, which the scheduler keeps by giving an attempt its
-previous nodes in their old rank order. The checkpointer (ett/checkpoint.py) loads the newer of
-that snapshot and the persistent checkpoint.
+On a job of several nodes each snapshot also goes to a peer on another node (ett/snapshot_peers.py),
+so a lost node's ranks can take their state from their peers' copies. On restart the ranks agree
+on the newest step of which every rank's snapshot exists and verifies, on its own node or a
+peer's (ett/snapshot_restore.py); nothing partial is ever loaded. The same world size and shard
+layout are needed, which the scheduler keeps by giving an attempt its previous nodes in their old
+rank order (a lost node's replacement in its place). The checkpointer (ett/checkpoint.py) loads
+the newer of that snapshot and the persistent checkpoint.
 """
 
-import contextlib
 import logging
 import os
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,13 +33,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from ett import snapshot_file
+from ett import snapshot_file, snapshot_restore
 from ett.snapshot_file import Slot, StagingBuffer
+from ett.snapshot_folder import SnapshotFolder, snapshots_root
+from ett.snapshot_peers import PeerReplica, ring_peers
 
 logger = logging.getLogger(__name__)
 MAX_SHARE = 0.05  # of a step's time, for the copy a snapshot costs the training loop
 MAX_EVERY = 64
-KEEP = 2  # whole snapshots kept per rank: the newest may be torn by a kill on another rank
 
 
 def template(value: Any, found: list[tuple[Slot, torch.Tensor]]) -> Any:
@@ -95,8 +96,12 @@ def next_every(every: int, cost: float, step_seconds: float, previous_cost: floa
 
 
 class LocalSnapshots:
-    def __init__(self, local_dir: str, rank: int, world_size: int, every: int = 0) -> None:
-        self.root = Path(local_dir) / "snapshots" / f"w{world_size}"
+    """One rank's fast tier. `replicate`: on a job of several nodes, each snapshot also goes to a
+    peer node (made with every rank at once: a collective on `group`)."""
+
+    def __init__(self, local_dir: str, rank: int, world_size: int, every: int = 0, replicate: bool = False,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.folder = SnapshotFolder(snapshots_root(local_dir, world_size))
         self.rank = rank
         self.adaptive = every == 0  # else fixed at `every`
         self.every = every or 1
@@ -105,11 +110,13 @@ class LocalSnapshots:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-snapshot")
         self._writing: Future | None = None
         self._last_call: float | None = None
-        self._write_cpu_seconds = 0.0  # the last write's CPU time, which a busy node's steps lose
+        self._write_cpu_seconds = 0.0  # the last write's (and send's) CPU time, which a busy node's steps lose
         self._last_cost: float | None = None  # the snapshot before's copy and write
-
-    def _file(self, step: int) -> Path:
-        return self.root / f"step-{step:08d}" / f"rank-{self.rank}.snap"
+        ring = ring_peers(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if replicate else None
+        self.peers = PeerReplica(self.folder, rank, *ring, group) if ring else None
+        self.keeps_for = ring[1] if ring else None
+        self._received_cpu_seconds = 0.0
+        self.restored_from = ""  # after a restore: "local-snapshot" or "peer-snapshot" (a peer's copy)
 
     def maybe_save(self, step: int, state: dict[str, Any]) -> bool:
         """Snapshots this rank's state after `step` when its cadence says so; True when it did."""
@@ -124,7 +131,7 @@ class LocalSnapshots:
         # Pickled now: the loop may change any value of the state once we return.
         header = snapshot_file.header({"step": step, "state": template(state, found)})
         buffer = self.staging.copy(found)
-        cost = time.perf_counter() - now + self._write_cpu_seconds
+        cost = time.perf_counter() - now + self._write_cpu_seconds + self._peer_cpu_seconds()
         previous_cost, self._last_cost = self._last_cost, cost
         if self.adaptive and step_seconds and (every := next_every(self.every, cost, step_seconds,
                                                                     previous_cost)) != self.every:
@@ -134,8 +141,16 @@ class LocalSnapshots:
         self._writing = self._writer.submit(self._write, step, header, buffer)
         return True
 
+    def _peer_cpu_seconds(self) -> float:
+        """The CPU this rank's receiver took for its peer's copies since the last call."""
+        if self.peers is None:
+            return 0.0
+        total = self.peers.receive_cpu_seconds
+        since, self._received_cpu_seconds = total - self._received_cpu_seconds, total
+        return since
+
     def _write(self, step: int, header: bytes, buffer: torch.Tensor) -> None:
-        target, started = self._file(step), time.thread_time()
+        target, started = self.folder.path(step, self.rank), time.thread_time()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = target.with_suffix(".tmp")
@@ -145,18 +160,10 @@ class LocalSnapshots:
         except OSError as error:  # a full or lost local disk: the persistent tier still holds
             logger.warning("local snapshot of step %d not written: %s", step, error)
         else:
-            self._prune()
+            self.folder.prune(self.rank)
+            if self.peers is not None:
+                self.peers.send(step, target)
         self._write_cpu_seconds = time.thread_time() - started
-
-    def _prune(self) -> None:
-        """Removes this rank's snapshots but the newest KEEP; the last rank out removes the step's
-        folder. The ranks of a node share the folders, so another rank may remove one meanwhile."""
-        for old in self.steps()[KEEP:]:
-            self._file(old).unlink(missing_ok=True)
-            folder = self._file(old).parent
-            with contextlib.suppress(FileNotFoundError):
-                if not any(folder.glob("rank-*.snap")):
-                    shutil.rmtree(folder, ignore_errors=True)
 
     def wait(self) -> None:
         if self._writing is not None:
@@ -165,33 +172,32 @@ class LocalSnapshots:
     def close(self) -> None:
         self.wait()
         self._writer.shutdown()
+        if self.peers is not None:
+            self.peers.close()
 
     def steps(self) -> list[int]:
-        """The steps this rank holds a whole snapshot of, newest first."""
-        found = []
-        for folder in self.root.glob("step-*"):
-            if (folder / f"rank-{self.rank}.snap").exists():
-                try:
-                    found.append(int(folder.name.removeprefix("step-")))
-                except ValueError:
-                    continue
-        return sorted(found, reverse=True)
+        """The steps this rank holds a whole snapshot of on its node, newest first."""
+        return self.folder.steps(self.rank)
 
-    def newest_common(self, group: dist.ProcessGroup | None) -> int | None:
-        """The newest step every rank holds a whole snapshot of (a collective)."""
-        mine = self.steps()
-        everyone: list[list[int] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        common = set(mine).intersection(*(set(steps or []) for steps in everyone))
-        newest = max(common) if common else None
+    def restore_step(self, group: dist.ProcessGroup | None) -> int | None:
+        """A collective: the newest step of which every rank's snapshot exists and verifies, on its
+        node or a peer's; after it each rank's own node holds its snapshot of that step (fetched
+        from the peer when needed). None when there is no such step."""
+        step, sources, offers = snapshot_restore.agree(self.folder, self.rank, self.keeps_for, group)
         if dist.get_rank(group) == 0:  # why a restart did or did not resume from this tier
-            logger.info("local snapshots: newest on every rank %s; each rank's: %s", newest,
-                        [steps[:KEEP] if steps else [] for steps in everyone])
-        return newest
+            from_peers = sorted(whose for whose, holder in sources.items() if holder != whose)
+            logger.info("local snapshots: resuming from step %s%s; each rank's offer (whose state: steps): %s", step,
+                        f", ranks {from_peers} from their peers' copies" if from_peers else "",
+                        [{whose: sorted(steps, reverse=True) for whose, steps in offer.items()} for offer in offers])
+        if step is None:
+            return None
+        snapshot_restore.fetch(self.folder, step, sources, offers, self.rank, group)
+        self.restored_from = "local-snapshot" if sources[self.rank] == self.rank else "peer-snapshot"
+        return step
 
     def load(self, step: int, state: dict[str, Any]) -> None:
         """Loads this rank's snapshot of `step` into `state`, in place."""
-        saved = snapshot_file.read(self._file(step))["state"]
+        saved = snapshot_file.read(self.folder.path(step, self.rank))["state"]
         for key, value in saved.items():
             current = state[key]
             if hasattr(current, "load_local_state"):
@@ -204,6 +210,7 @@ class LocalSnapshots:
                 state[key] = value
 
     def forget_newer_than(self, step: int) -> None:
-        """Snapshots past the resumed step belong to an abandoned timeline."""
-        for newer in [s for s in self.steps() if s > step]:
-            self._file(newer).unlink(missing_ok=True)
+        """Snapshots past the resumed step belong to an abandoned timeline: this rank's, and the
+        copies it keeps for its peer."""
+        for whose in {self.rank} | ({self.keeps_for} - {None}):
+            self.folder.forget_newer_than(whose, step)

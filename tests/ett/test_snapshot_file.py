@@ -43,11 +43,19 @@ def test_a_snapshot_reads_back_equal_in_dtype_shape_and_values(tmp_path):
     assert torch.equal(loaded["mask"], original["mask"])
 
 
-def test_a_file_cut_short_or_of_another_kind_is_refused(tmp_path):
+def test_a_file_cut_short_corrupt_or_of_another_kind_is_refused(tmp_path):
     path = save(tmp_path, state())
     data = path.read_bytes()
+    assert snapshot_file.verify(path) is None
     path.write_bytes(data[:-10])
+    assert snapshot_file.verify(path) == "cut short"
     with pytest.raises(ValueError, match="cut short"):
+        snapshot_file.read(path)
+    flipped = bytearray(data)
+    flipped[len(data) - 20] ^= 0x01  # one bit of the tensors' bytes
+    path.write_bytes(flipped)
+    assert snapshot_file.verify(path) == "its CRC-32 does not match"
+    with pytest.raises(ValueError, match="corrupt"):
         snapshot_file.read(path)
     path.write_bytes(b"PK\x03\x04" + data[4:])  # a torch.save zip, say
     with pytest.raises(ValueError, match="not an ETT snapshot"):
@@ -76,7 +84,7 @@ def test_a_snapshot_holds_the_state_as_it_was_when_taken(tmp_path):
     weights.add_(1)
     options["lr"] = 0.2
     snapshots.close()
-    saved = snapshot_file.read(snapshots._file(1))
+    saved = snapshot_file.read(snapshots.folder.path(1, 0))
     assert saved["step"] == 1
     assert torch.equal(saved["state"]["weights"], torch.zeros(1000)) and saved["state"]["options"] == {"lr": 0.1}
 

@@ -1,0 +1,56 @@
+"""Where a node keeps snapshots: `<local_dir>/snapshots/w<world>/step-N/rank-R.snap`.
+
+A node holds the snapshots of its own ranks and, with replication (ett/snapshot_peers.py), the
+copies its ranks keep for the ranks of the node before it in the ring. Both are named by the rank
+whose state they hold, not by who wrote them, so a restart finds a rank's state by its rank
+whichever node now runs it.
+"""
+
+import contextlib
+import shutil
+from pathlib import Path
+
+KEEP = 2  # whole snapshots kept per rank: the newest may be torn by a kill on another rank
+
+
+def snapshots_root(local_dir: str | Path, world_size: int) -> Path:
+    return Path(local_dir) / "snapshots" / f"w{world_size}"
+
+
+class SnapshotFolder:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path(self, step: int, rank: int) -> Path:
+        return self.root / f"step-{step:08d}" / f"rank-{rank}.snap"
+
+    def steps(self, rank: int) -> list[int]:
+        """The steps this node holds a snapshot of `rank` of, newest first (written whole: renamed
+        into place; whether it verifies is ett.snapshot_file.verify's to say)."""
+        found = []
+        for folder in self.root.glob("step-*"):
+            if (folder / f"rank-{rank}.snap").exists():
+                try:
+                    found.append(int(folder.name.removeprefix("step-")))
+                except ValueError:
+                    continue
+        return sorted(found, reverse=True)
+
+    def remove(self, step: int, rank: int) -> None:
+        """Removes one snapshot; the last one out removes the step's folder. Other ranks of the node
+        (and their peers' receivers) share the folders and may remove one meanwhile."""
+        self.path(step, rank).unlink(missing_ok=True)
+        folder = self.path(step, rank).parent
+        with contextlib.suppress(FileNotFoundError):
+            if not any(folder.glob("rank-*.snap")):
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def prune(self, rank: int, keep: int = KEEP) -> None:
+        """Keeps the newest `keep` snapshots of `rank`."""
+        for old in self.steps(rank)[keep:]:
+            self.remove(old, rank)
+
+    def forget_newer_than(self, rank: int, step: int) -> None:
+        """Snapshots of `rank` past a resumed step belong to an abandoned timeline."""
+        for newer in [s for s in self.steps(rank) if s > step]:
+            self.remove(newer, rank)

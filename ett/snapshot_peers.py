@@ -1,0 +1,202 @@
+"""The replicated fast tier: each rank's local snapshot also goes to a peer on the next node.
+
+A lost node takes its disk's snapshots with it. With `checkpoint.snapshots` on a job of several
+nodes, each rank also sends every snapshot it writes to its peer: the rank of the same local rank
+on the next node, in a ring over the nodes (rank r to r + ranks-per-node, modulo the world). The
+peer keeps it on its node-local disk, beside its own (ett/snapshot_folder.py): a node holds the
+snapshots of its own ranks and those of the node before it, `KEEP` of each.
+
+Off the training process group and the loop: the rank's snapshot writer thread sends the file it
+has just written (`socket.sendfile`: no copy in memory) over a TCP connection of its own, after
+the local write, before the next snapshot may start, so at most one snapshot per rank is in
+flight. The peer's receiver thread streams it to disk in chunks (bounded memory), checks its
+CRC-32 (the snapshot's trailer, ett/snapshot_file.py) and renames it into place whole, then
+acknowledges. A peer that cannot be reached is tried again after `RETRY_SECONDS`; the local tier
+goes on meanwhile.
+
+Other jobs' processes share the nodes, and a snapshot's header is unpickled on restore: a receiver
+takes copies only from its own ring neighbour, over a connection that proved it knows the job's
+attempt secret (HMAC-SHA256 of a fresh nonce; the secret is handed to the ranks over their own
+process group).
+"""
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ett.snapshot_file import TRAILER, TRAILER_TAG
+from ett.snapshot_folder import SnapshotFolder
+
+logger = logging.getLogger(__name__)
+
+NONCE_BYTES = 16
+HELLO = struct.Struct("<32sq")  # HMAC-SHA256(secret, nonce + source rank), the source rank
+MESSAGE = struct.Struct("<qQ")  # the step, the file's size; then the file's bytes
+STORED, REFUSED = b"\x01", b"\x00"
+CHUNK_BYTES = 4 << 20
+HANDSHAKE_SECONDS = 5.0
+TRANSFER_SECONDS = 60.0  # a peer that takes longer to store a snapshot is skipped until RETRY_SECONDS
+RETRY_SECONDS = 30.0
+
+
+def ring_peers(rank: int, world_size: int, ranks_per_node: int) -> tuple[int, int] | None:
+    """(the rank this rank sends its snapshots to, the rank whose snapshots it keeps); None on one
+    node, or nodes of unequal sizes."""
+    if ranks_per_node < 1 or world_size <= ranks_per_node or world_size % ranks_per_node:
+        return None
+    return (rank + ranks_per_node) % world_size, (rank - ranks_per_node) % world_size
+
+
+def node_address() -> str:
+    """This node's address on the network its ranks' rendezvous uses: the interface that reaches
+    MASTER_ADDR (a UDP socket's connect sends nothing)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def _receive_exactly(conn: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the connection closed")
+        data += chunk
+    return bytes(data)
+
+
+class PeerReplica:
+    """One rank's side of the ring: a receiver for the rank it keeps copies of, a sender to its
+    peer. Made by every rank at once (a collective on `group`: the addresses and the secret)."""
+
+    def __init__(self, folder: SnapshotFolder, rank: int, sends_to: int, keeps_for: int,
+                 group: dist.ProcessGroup | None) -> None:
+        self.folder, self.rank, self.sends_to, self.keeps_for = folder, rank, sends_to, keeps_for
+        host = node_address()
+        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        offer = (host, self._listener.getsockname()[1], secrets.token_bytes(32) if rank == 0 else None)
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, offer, group=group)
+        self._secret: bytes = everyone[0][2]
+        self._peer_address = everyone[sends_to][:2]
+        self._conn: socket.socket | None = None
+        self._retry_at = 0.0
+        self.receive_cpu_seconds = 0.0  # the receiver's CPU time so far, which the node's steps lose
+        threading.Thread(target=self._accept, name="ett-snapshot-peer", daemon=True).start()
+
+    def _proof(self, nonce: bytes, source: int) -> bytes:
+        return hmac.new(self._secret, nonce + source.to_bytes(8, "little", signed=True), hashlib.sha256).digest()
+
+    # -- sending, in the rank's snapshot writer thread --------------------------------------------
+    def send(self, step: int, path: Path) -> bool:
+        """Sends the snapshot file of `step` to the peer; True once the peer stored it whole."""
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            conn = self._conn or self._connect()
+            conn.sendall(MESSAGE.pack(step, path.stat().st_size))
+            with open(path, "rb") as file:
+                conn.sendfile(file)
+            if _receive_exactly(conn, 1) != STORED:
+                raise ConnectionError("it refused the copy (not whole on arrival)")
+            return True
+        except OSError as error:
+            logger.warning("snapshot of step %d not replicated to rank %d at %s:%d: %s; trying again in %.0f s",
+                           step, self.sends_to, *self._peer_address, error, RETRY_SECONDS)
+            self._drop_connection()
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            return False
+
+    def _connect(self) -> socket.socket:
+        conn = socket.create_connection(self._peer_address, timeout=HANDSHAKE_SECONDS)
+        try:
+            nonce = _receive_exactly(conn, NONCE_BYTES)
+            conn.sendall(HELLO.pack(self._proof(nonce, self.rank), self.rank))
+            conn.settimeout(TRANSFER_SECONDS)
+        except OSError:
+            conn.close()
+            raise
+        self._conn = conn
+        return conn
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- receiving, in threads of its own -------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="ett-snapshot-peer-in", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(HANDSHAKE_SECONDS)
+                nonce = secrets.token_bytes(NONCE_BYTES)
+                conn.sendall(nonce)
+                proof, source = HELLO.unpack(_receive_exactly(conn, HELLO.size))
+                if source != self.keeps_for or not hmac.compare_digest(proof, self._proof(nonce, source)):
+                    logger.warning("a connection to the snapshot receiver of rank %d did not prove it is rank %d "
+                                   "of this job; closed", self.rank, self.keeps_for)
+                    return
+                conn.settimeout(TRANSFER_SECONDS)
+                while True:
+                    try:
+                        step, size = MESSAGE.unpack(_receive_exactly(conn, MESSAGE.size))
+                    except ConnectionError:  # the sender closed between two snapshots
+                        return
+                    started = time.thread_time()
+                    stored = self._store(conn, source, step, size)
+                    self.receive_cpu_seconds += time.thread_time() - started
+                    conn.sendall(STORED if stored else REFUSED)
+            except OSError as error:
+                logger.info("snapshot copies from rank %d: connection ended (%s)", self.keeps_for, error)
+
+    def _store(self, conn: socket.socket, source: int, step: int, size: int) -> bool:
+        """Streams one snapshot to disk, its CRC-32 computed on the way; renamed into place only
+        when it matches the trailer's. Raises when the connection breaks (the partial file goes)."""
+        if size < TRAILER.size:
+            raise ConnectionError(f"a snapshot of {size} bytes: not one")
+        target = self.folder.path(step, source)
+        staging = target.with_suffix(".peer-tmp")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        crc, left = 0, size - TRAILER.size
+        try:
+            with open(staging, "wb") as file:
+                while left > 0:
+                    chunk = conn.recv(min(CHUNK_BYTES, left))
+                    if not chunk:
+                        raise ConnectionError("the connection closed mid-snapshot")
+                    crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+                    file.write(chunk)
+                trailer = _receive_exactly(conn, TRAILER.size)
+                file.write(trailer)
+            if TRAILER.unpack(trailer) != (TRAILER_TAG, crc):
+                logger.warning("the copy of rank %d's snapshot of step %d arrived corrupt; refused", source, step)
+                return False
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+        self.folder.prune(source)
+        return True
+
+    def close(self) -> None:
+        self._drop_connection()
+        self._listener.close()

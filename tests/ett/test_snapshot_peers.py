@@ -1,0 +1,118 @@
+"""The replicated fast tier (ett/snapshot_peers.py, ett/snapshot_restore.py) with real processes:
+each rank's snapshots reach its peer node; a lost node's rank resumes from its peer's copy; a
+torn or corrupt copy is refused for the next one; a process that is not the job's rank cannot
+place a copy."""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ett.snapshot_folder import SnapshotFolder, snapshots_root
+from ett.snapshot_peers import HELLO, MESSAGE, NONCE_BYTES, ring_peers
+from ett.snapshot_restore import choose
+from tests.trainer.trainer_runs import REPO
+
+
+def ranks(base: Path, world: int, *args: str, before_end=None) -> list[str]:
+    """`world` ranks of tests/ett/peer_ranks.py; `before_end` runs once every rank wrote its address."""
+    processes = [subprocess.Popen([sys.executable, "-m", "tests.ett.peer_ranks", str(base), str(rank), str(world),
+                                   *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(world)]  # fmt: skip
+    try:
+        if before_end is not None:
+            before_end()
+    finally:
+        (base / "go").touch()
+        outputs = [process.communicate(timeout=120) for process in processes]
+    for process, (_, err) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, err[-3000:]
+    return [out for out, _ in outputs]
+
+
+def node(base: Path, rank: int, world: int = 2) -> SnapshotFolder:
+    return SnapshotFolder(snapshots_root(base / f"node-{rank}", world))
+
+
+def restored(base: Path, world: int = 2) -> list[dict]:
+    return [json.loads(out.strip().splitlines()[-1]) for out in ranks(base, world, "restore")]
+
+
+@pytest.fixture
+def saved(tmp_path) -> Path:
+    """Two nodes of one rank each, four snapshots each, replicated."""
+    ranks(tmp_path, 2, "save", "4")
+    return tmp_path
+
+
+def test_the_ring_pairs_each_rank_with_the_same_local_rank_of_the_next_node():
+    assert ring_peers(0, 4, 2) == (2, 2) and ring_peers(3, 4, 2) == (1, 1)
+    assert ring_peers(1, 6, 2) == (3, 5)  # sends to the next node, keeps for the one before
+    assert ring_peers(0, 2, 2) is None and ring_peers(0, 5, 2) is None  # one node; unequal nodes
+
+
+def test_the_newest_step_every_ranks_state_is_offered_of_is_chosen_own_copies_first():
+    offers = [{0: {5: 1, 4: 1}, 1: {4: 1, 3: 1}}, {}]  # rank 1's node lost: rank 0 keeps its copies
+    assert choose(offers, 2) == (4, {0: 0, 1: 0})
+    offers = [{0: {5: 1, 4: 1}, 1: {5: 1}}, {1: {5: 1}, 0: {5: 1}}]
+    assert choose(offers, 2) == (5, {0: 0, 1: 1})
+    assert choose([{0: {5: 1}}, {1: {4: 1}}], 2) == (None, {})
+
+
+def test_each_snapshot_reaches_the_peer_node_byte_for_byte_and_each_keeps_two(saved):
+    for rank, peer in ((0, 1), (1, 0)):
+        assert node(saved, rank).steps(rank) == [4, 3]
+        assert node(saved, peer).steps(rank) == [4, 3]  # the copies, on the other node
+        assert node(saved, peer).path(4, rank).read_bytes() == node(saved, rank).path(4, rank).read_bytes()
+
+
+def test_a_lost_nodes_rank_resumes_from_its_peers_copy(saved):
+    lost = saved / "node-1"
+    shutil.rmtree(lost)  # its disk went with it; its replacement starts with an empty folder
+    first, second = restored(saved)
+    assert (first["step"], first["source"], first["value"]) == (4, "local-snapshot", 4.0)
+    assert (second["step"], second["source"], second["value"], second["position"]) == (4, "peer-snapshot", 104.0, 4)
+    assert node(saved, 1).steps(1) == [4]  # the replacement's node holds its state again
+
+
+def test_a_corrupt_copy_is_refused_and_the_next_step_used_and_none_left_means_the_persistent_tier(saved):
+    shutil.rmtree(saved / "node-1")
+    copy = node(saved, 0).path(4, 1)
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(data)
+    first, second = restored(saved)
+    assert [(r["step"], r["source"], r["value"]) for r in (first, second)] == [
+        (3, "local-snapshot", 3.0), (3, "peer-snapshot", 103.0)]
+    assert not copy.exists()  # refused for good
+
+    shutil.rmtree(saved / "node-1")
+    torn = node(saved, 0).path(3, 1)
+    torn.write_bytes(torn.read_bytes()[:-100])
+    assert [r["step"] for r in restored(saved)] == [None, None]
+
+
+def test_a_process_without_the_jobs_secret_cannot_place_a_copy(tmp_path):
+    """Another job's process on the node connects to rank 1's receiver, claims to be rank 0 and
+    sends a snapshot: the connection is closed and nothing is stored."""
+    def attack() -> None:
+        address = tmp_path / "address-1"
+        deadline = time.monotonic() + 60
+        while not address.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        host, port = json.loads(address.read_text())
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.recv(NONCE_BYTES)
+            conn.sendall(HELLO.pack(b"\0" * 32, 0) + MESSAGE.pack(99, 64) + b"x" * 64)
+            try:
+                answer = conn.recv(1)
+            except ConnectionResetError:  # closed with our bytes unread
+                answer = b""
+            assert answer == b""  # closed without a word
+    ranks(tmp_path, 2, "save", "2", before_end=attack)
+    assert node(tmp_path, 1).steps(0) == [2, 1]  # rank 0's own copies, not step 99
