@@ -67,7 +67,7 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
     with cluster(tmp_path, heartbeat_timeout_seconds=5) as c:
         for name in ("node-a", "node-b", "node-c"):
             c.start_agent(name)
-        job_id = c.submit(**trainer_job())
+        job_id = c.submit(**trainer_job(checkpoint={"interval_steps": 5, "keep": 3, "snapshots": True}))
         wait_for(lambda: events(c, job_id, "ckpt_committed"), 180, "a committed checkpoint")
         victim = c.job(job_id)["attempts"][0]["nodes"][1]
         ranks = pids_in_cgroups_of(agent_cgroup_name(victim, c.root / victim))  # guard, torchrun, runners, ranks
@@ -85,10 +85,19 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         # Its peers' collectives usually fail first ("exit"); the silent node is declared lost after.
         assert first["cause"] in ("exit", "node_lost")
         assert victim not in second["nodes"] and len(second["nodes"]) == 2
-        # The spare has no local copy: its ranks read the persistent checkpoint.
+        # The spare's disk holds nothing of the job: its ranks (EP 2, ZeRO-3 shards) take their state
+        # from the copies the survivor's ranks kept of the lost node's snapshots, unless a persistent
+        # checkpoint of the same step was committed (it wins a tie).
         spare_ranks = {f"rank:{2 * second['nodes'].index('node-c') + i}" for i in (0, 1)}
-        sources = {e.source: e.data["source"] for e in events(c, job_id, "restore_end") if e.attempt == 1}
-        assert len(sources) == 4 and all((v == "persistent") == (k in spare_ranks) for k, v in sources.items()), sources
+        restores = {e.source: e for e in events(c, job_id, "restore_end") if e.attempt == 1}
+        sources = {rank: e.data["source"] for rank, e in restores.items()}
+        assert len(sources) == 4 and len({e.step for e in restores.values()}) == 1, sources
+        if restores["rank:0"].step > newest_committed_before_the_failure(c, job_id):
+            assert all(v == ("peer-snapshot" if k in spare_ranks else "local-snapshot") for k, v in sources.items())
+        else:
+            assert all((v == "persistent") == (k in spare_ranks) for k, v in sources.items()), sources
+        last_of_first = max(e.step for e in events(c, job_id, "step") if e.attempt == 0)
+        assert last_of_first - restores["rank:0"].step <= 1  # a lost node loses at most a step
         with c.service.context.sessions() as session:
             assert session.scalar(select(Node.state).where(Node.name == victim)) == NodeState.lost
         # Nothing of the job stays: not the killed node's ranks (its guard swept them), nor, after
