@@ -52,7 +52,8 @@ class Agent:
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
                                      settings.local_checkpoint_root, self.warm if settings.warm_start else None,
                                      settings.checkpoint_root, self.job_users, self.cgroups,
-                                     settings.rank_log_max_bytes, self.health)  # fmt: skip
+                                     settings.rank_log_max_bytes, self.health,
+                                     settings.node_loss_drills)  # fmt: skip
         self.forwarder = Forwarder(settings.spool_root, settings.data_dir, self.client.post_events, self.stats,
                                    ForwardConfig(settings.batch_max_events, settings.batch_max_age_seconds,
                                                  settings.retry_base_seconds, settings.retry_max_seconds,

@@ -4,6 +4,9 @@
 - hang: SIGSTOP the rank (the others block in their next collective; hang detection follows)
 - exit: the rank's runner kills it and exits with the fault's code (cause exit); see
   agent.rank_runner, so no trainer support is needed.
+- lose_node: the node goes as a dead machine would: every process of the attempt, the job's
+  node-local checkpoint folder and the agent itself (WorkerGroup's `lose_node`), with no word to
+  the service. Only on agents whose settings allow the drill (agent/confine.py).
 
 The pids come from the ranks' records, which the job writes: a process is signalled only while
 the group owns it by the kernel's word (agent.workers, WorkerGroup.owns), and the exit code is
@@ -18,17 +21,19 @@ from pathlib import Path
 
 from agent.beneath import open_folder_beneath, replace_beneath
 from agent.spool import AttemptPaths
-from ett.protocol import AGENT_FAULT_ACTIONS, CONTROL_DIR, fault_exit_file
+from ett.protocol import AGENT_FAULT_ACTIONS, CONTROL_DIR, NODE_LOSS_FAULT, fault_exit_file
 from ett.protocol.messages import Fault
 
 log = logging.getLogger(__name__)
 
 
 class FaultInjector:
-    def __init__(self, faults: list[Fault], paths: AttemptPaths, owns: Callable[[int], bool]) -> None:
+    def __init__(self, faults: list[Fault], paths: AttemptPaths, owns: Callable[[int], bool],
+                 lose_node: Callable[[], None]) -> None:
         self.pending = sorted((f for f in faults if f.action in AGENT_FAULT_ACTIONS), key=lambda f: f.at_step)
         self.paths = paths
         self.owns = owns
+        self.lose_node = lose_node
 
     def on_step(self, step: int, rank_pids: dict[int, int], runner_pids: dict[int, int]) -> list[Fault]:
         """Carries out the faults due at or before `step`; those done (a rank not started yet, or
@@ -53,6 +58,8 @@ class FaultInjector:
                 os.kill(pid, signal.SIGKILL)
             elif fault.action == "hang":
                 os.kill(pid, signal.SIGSTOP)
+            elif fault.action == NODE_LOSS_FAULT:
+                self.lose_node()
             else:
                 root = self.paths.root
                 control = open_folder_beneath(root.parent, Path(root.name) / CONTROL_DIR)

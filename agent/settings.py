@@ -45,6 +45,10 @@ class AgentSettings(BaseSettings):
     job_python: str = Field(default_factory=lambda: sys.executable, min_length=1)
     # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm).
     warm_start: bool = True
+    # Let a job's `lose_node` fault take this node down as a dead machine would: every job's
+    # processes, the job's node-local checkpoints, the agent itself. For drills and demos on nodes
+    # no other team shares; off, a launch with that fault is refused.
+    node_loss_drills: bool = False
 
     heartbeat_interval_seconds: float = Field(3.0, gt=0)
     # A heartbeat long-polls this long for commands; at most the service's own limit is used.

@@ -32,7 +32,7 @@ class Supervisor:
         self, spool_root: Path, node_name: str, stop_grace_seconds: float, local_checkpoint_root: Path | None = None,
         warm: WarmServers | None = None, checkpoint_root: Path | None = None, job_users: JobUsers | None = None,
         cgroups: NodeCgroups | None = None, rank_log_max_bytes: int = DEFAULT_MAX_BYTES,
-        health: HealthCheck | None = None,
+        health: HealthCheck | None = None, node_loss_drills: bool = False,
     ) -> None:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
@@ -44,6 +44,7 @@ class Supervisor:
         self.cgroups = cgroups  # each attempt's own (agent.cgroups); None: the marker scan only
         self.rank_log_max_bytes = rank_log_max_bytes
         self.health = health  # the operator's node check, run again before each launch (agent/health.py)
+        self.node_loss_drills = node_loss_drills  # a job's lose_node fault may end this agent
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
         self.groups: dict[AttemptKey, WorkerGroup] = {}
@@ -114,7 +115,7 @@ class Supervisor:
 
     def _start(self, command: LaunchCommand) -> None:
         try:
-            refusal = launch_refusal(command, self.checkpoint_root)
+            refusal = launch_refusal(command, self.checkpoint_root, self.node_loss_drills)
             run_as = self.job_users.run_as(command)
         except (JobUserError, OSError) as exc:
             refusal, run_as = f"refused: {exc}", None

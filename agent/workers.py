@@ -20,6 +20,7 @@ while it is in the attempt's cgroup (or, without one, carries the group's marker
 import enum
 import logging
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -118,7 +119,7 @@ class WorkerGroup:
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
         self.exited: dict[int, dict[str, Any]] = {}
-        self._faults = FaultInjector(command.faults, paths, self.owns)
+        self._faults = FaultInjector(command.faults, paths, self.owns, self.lose_node)
         self._ranks = SpoolReader()
         self._spool = SpoolReader()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -230,6 +231,17 @@ class WorkerGroup:
         signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
         if self.cgroup is not None:
             kill_cgroup(self.cgroup)
+
+    def lose_node(self) -> None:
+        """The `lose_node` drill: this node goes as a dead machine would. Every process of the group,
+        the job's node-local checkpoints (its snapshots and the copies it kept for peers), then the
+        agent itself, SIGKILLed: no report, no goodbye; its guard empties its cgroups, and the
+        service learns of it from its peers' failure and the missing heartbeats."""
+        log.warning("fault injection: losing this node (the ranks, the local checkpoints, the agent)")
+        self.kill()
+        if self.command.checkpoint.local_dir is not None:
+            shutil.rmtree(self.command.checkpoint.local_dir, ignore_errors=True)
+        os.kill(os.getpid(), SIGKILL)
 
     def owns(self, pid: int) -> bool:
         """Whether `pid` is a process of this group, by the kernel's word (not the job's records):

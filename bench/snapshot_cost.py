@@ -1,42 +1,63 @@
-"""What the fast tier costs a training step: the same cpu-demo run (EP 2, ZeRO-3; 2 ranks, or
-4 as in `ett demo`) with and without local snapshots (ett/snapshots.py), alternated, median step
-time of each.
+"""What the fast tier costs a training step: the same cpu-demo run (EP 2, ZeRO-3; 2 ranks, or 4 as
+in `ett demo`) without snapshots, with local snapshots (ett/snapshots.py) and with them replicated
+to the peer node (ett/snapshot_peers.py), alternated, median step time of each.
 
-    .venv/bin/python bench/snapshot_cost.py [--steps 40] [--rounds 2] [--nproc 2] [--every 0]
+    .venv/bin/python bench/snapshot_cost.py [--steps 40] [--rounds 2] [--nproc 2] [--every 0] [--nodes 2]
 
-`--every 0` lets the fast tier choose its cadence (every step its cost allows); `--every 1`
-snapshots after every step whatever it costs. Prints each run's median step time (rank 0's
-`step` events, which end before the snapshot), the median time between step ends (which includes
-it), the cadence rank 0 settled on (from its log), and the ratio of the time between step ends
-with snapshots to without: the target is at most 1.05 (issue #21).
+The ranks run as `--nodes` torchrun "nodes" on this machine (static rendezvous on loopback), each
+with a node-local folder of its own, so the replicated mode sends each snapshot to the other
+node's rank over TCP as it would between machines; `--nodes 1` runs one torchrun and leaves the
+replicated mode out. `--every 0` lets the fast tier choose its cadence (every step its cost
+allows); `--every 1` snapshots after every step whatever it costs. Prints each run's median step
+time (rank 0's `step` events, which end before the snapshot), the median time between step ends
+(which includes it), the cadence rank 0 settled on (from its log), and the ratio of the time
+between step ends of each mode to no snapshots: the target is at most 1.05 (issues #21, #38).
 """
 
 import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+MODES = {"off": ["--checkpoint.snapshots", "false"],
+         "local": ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_peers", "false"],
+         "replicated": ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_peers", "true"]}  # fmt: skip
 
-def run(steps: int, snapshots: bool, nproc: int, every: int) -> tuple[float, float, int]:
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run(steps: int, mode: str, nproc: int, every: int, nodes: int) -> tuple[float, float, int]:
     """Median step time, median time between step ends, and rank 0's last snapshot cadence."""
     with tempfile.TemporaryDirectory() as root:
         env = os.environ | {"ETT_EVENT_DIR": f"{root}/events", "OMP_NUM_THREADS": "1"}
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                "-m", "trainer.train", "--preset", "cpu-demo", "--train.steps", str(steps),
-                "--checkpoint.dir", f"{root}/ckpt", "--checkpoint.local_dir", f"{root}/local",
-                "--checkpoint.interval_steps", "1000", "--checkpoint.snapshots", "true" if snapshots else "false",
-                "--checkpoint.snapshot_every", str(every)]
-        done = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
+        port, launched = free_port(), []
+        for node in range(nodes):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
+                    "--nproc-per-node", str(nproc // nodes), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    "-m", "trainer.train", "--preset", "cpu-demo", "--train.steps", str(steps),
+                    "--checkpoint.dir", f"{root}/ckpt", "--checkpoint.local_dir", f"{root}/local-{node}",
+                    "--checkpoint.interval_steps", "1000", *MODES[mode], "--checkpoint.snapshot_every", str(every)]
+            launched.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        output = launched[0].communicate()[0]
+        for process in launched[1:]:
+            process.communicate()
+        if any(process.returncode for process in launched):
+            sys.exit(f"{mode}: a torchrun failed; node 0's output ends:\n{output[-3000:]}")
         events = [json.loads(line) for line in Path(root, "events", "rank-0.jsonl").read_text().splitlines()]
     steps_ = [e for e in events if e["kind"] == "step"][5:]  # past the warm-up
     gaps = [b["ts"] - a["ts"] for a, b in zip(steps_, steps_[1:])]
     # The cadence the fast tier ended on (rank 0 logs each change, ett/snapshots.py): 1 is every step.
-    changes = [int(m) for m in re.findall(r"local snapshots every (\d+) steps", done.stdout + done.stderr)]
+    changes = [int(m) for m in re.findall(r"local snapshots every (\d+) steps", output)]
     cadence = changes[-1] if changes else every or 1
     return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps), cadence
 
@@ -45,20 +66,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (the demo runs 4)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks in all (the demo runs 4)")
     parser.add_argument("--every", type=int, default=0, help="0: the adaptive cadence; N: every N steps")
+    parser.add_argument("--nodes", type=int, default=2, help="torchrun nodes the ranks are split over")
     args = parser.parse_args()
-    results: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
+    if args.nproc % args.nodes:
+        parser.error("--nproc must be a multiple of --nodes")
+    modes = [mode for mode in MODES if args.nodes > 1 or mode != "replicated"]
+    results: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in modes}
     for _ in range(args.rounds):
-        for snapshots in (False, True):
-            results[snapshots].append(run(args.steps, snapshots, args.nproc, args.every))
-    for snapshots, runs in results.items():
-        print(f"snapshots {'on ' if snapshots else 'off'}: step " + ", ".join(f"{s * 1e3:.1f}" for s, _, _ in runs)
+        for mode in modes:
+            results[mode].append(run(args.steps, mode, args.nproc, args.every, args.nodes))
+    for mode, runs in results.items():
+        print(f"snapshots {mode:10}: step " + ", ".join(f"{s * 1e3:.1f}" for s, _, _ in runs)
               + " ms; step end to step end " + ", ".join(f"{g * 1e3:.1f}" for _, g, _ in runs) + " ms"
-              + (f"; a snapshot every {', '.join(str(e) for _, _, e in runs)} step(s)" if snapshots else ""))
-    on = statistics.median(g for _, g, _ in results[True])
-    off = statistics.median(g for _, g, _ in results[False])
-    print(f"per-step snapshots cost {100 * (on / off - 1):+.1f}% of a step (ratio {on / off:.3f}; target <= 1.05)")
+              + (f"; a snapshot every {', '.join(str(e) for _, _, e in runs)} step(s)" if mode != "off" else ""))
+    off = statistics.median(g for _, g, _ in results["off"])
+    for mode in modes[1:]:
+        on = statistics.median(g for _, g, _ in results[mode])
+        print(f"{mode} snapshots cost {100 * (on / off - 1):+.1f}% of a step (ratio {on / off:.3f}; target <= 1.05)")
 
 
 if __name__ == "__main__":

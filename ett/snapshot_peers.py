@@ -9,9 +9,9 @@ snapshots of its own ranks and those of the node before it, `KEEP` of each.
 Off the training process group and the loop: the rank's snapshot writer thread sends the file it
 has just written (`socket.sendfile`: no copy in memory) over a TCP connection of its own, after
 the local write, before the next snapshot may start, so at most one snapshot per rank is in
-flight. The peer's receiver thread streams it to disk in chunks (bounded memory), checks its
-CRC-32 (the snapshot's trailer, ett/snapshot_file.py) and renames it into place whole, then
-acknowledges. A peer that cannot be reached is tried again after `RETRY_SECONDS`; the local tier
+flight. The peer's receiver thread streams it to disk through one buffer (bounded memory) and renames it
+into place once whole, then acknowledges; its CRC-32 (the snapshot's trailer,
+ett/snapshot_file.py) is checked before a restore takes it. A peer that cannot be reached is tried again after `RETRY_SECONDS`; the local tier
 goes on meanwhile.
 
 Other jobs' processes share the nodes, and a snapshot's header is unpickled on restore: a receiver
@@ -29,7 +29,6 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import torch.distributed as dist
@@ -157,39 +156,43 @@ class PeerReplica:
                                    "of this job; closed", self.rank, self.keeps_for)
                     return
                 conn.settimeout(TRANSFER_SECONDS)
+                chunk = memoryview(bytearray(CHUNK_BYTES))
                 while True:
                     try:
                         step, size = MESSAGE.unpack(_receive_exactly(conn, MESSAGE.size))
                     except ConnectionError:  # the sender closed between two snapshots
                         return
                     started = time.thread_time()
-                    stored = self._store(conn, source, step, size)
+                    stored = self._store(conn, chunk, source, step, size)
                     self.receive_cpu_seconds += time.thread_time() - started
                     conn.sendall(STORED if stored else REFUSED)
             except OSError as error:
                 logger.info("snapshot copies from rank %d: connection ended (%s)", self.keeps_for, error)
 
-    def _store(self, conn: socket.socket, source: int, step: int, size: int) -> bool:
-        """Streams one snapshot to disk, its CRC-32 computed on the way; renamed into place only
-        when it matches the trailer's. Raises when the connection breaks (the partial file goes)."""
+    def _store(self, conn: socket.socket, chunk: memoryview, source: int, step: int, size: int) -> bool:
+        """Streams one snapshot to disk through `chunk`, a buffer reused for the connection's life;
+        renamed into place only when whole, its trailer there. Its CRC-32 is checked before any
+        restore reads it (ett/snapshot_restore.py): a second pass here would cost the node's steps
+        CPU at every snapshot. Raises when the connection breaks (the partial file goes)."""
         if size < TRAILER.size:
             raise ConnectionError(f"a snapshot of {size} bytes: not one")
         target = self.folder.path(step, source)
         staging = target.with_suffix(".peer-tmp")
         target.parent.mkdir(parents=True, exist_ok=True)
-        crc, left = 0, size - TRAILER.size
+        left = size - TRAILER.size
         try:
             with open(staging, "wb") as file:
                 while left > 0:
-                    chunk = conn.recv(min(CHUNK_BYTES, left))
-                    if not chunk:
+                    received = conn.recv_into(chunk, min(len(chunk), left))
+                    if not received:
                         raise ConnectionError("the connection closed mid-snapshot")
-                    crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-                    file.write(chunk)
+                    file.write(chunk[:received])
+                    left -= received
                 trailer = _receive_exactly(conn, TRAILER.size)
                 file.write(trailer)
-            if TRAILER.unpack(trailer) != (TRAILER_TAG, crc):
-                logger.warning("the copy of rank %d's snapshot of step %d arrived corrupt; refused", source, step)
+            if TRAILER.unpack(trailer)[0] != TRAILER_TAG:
+                logger.warning("the copy of rank %d's snapshot of step %d arrived without its trailer; refused",
+                               source, step)
                 return False
             os.replace(staging, target)
         finally:

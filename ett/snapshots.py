@@ -25,7 +25,6 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -1,9 +1,12 @@
-"""`ett demo`: a service, two agents and a 2-node MoE job that survives a SIGKILL and a hang.
+"""`ett demo`: a service, three agents and a 2-node MoE job that survives a SIGKILL, a hang and
+the loss of a node.
 
-Everything is real: the service on SQLite in a temporary folder, two agent daemons (two "nodes"
-on this machine), torchrun ranks training the MoE model with expert parallelism and ZeRO-3 on
-gloo, faults injected by the agents. The demo prints the ETT report and exits 0 when the job
-succeeded.
+Everything is real: the service on SQLite in a temporary folder, three agent daemons (three
+"nodes" on this machine, one a spare), torchrun ranks training the MoE model with expert
+parallelism and ZeRO-3 on gloo, faults injected by the agents: the last one takes a node down
+with its local disk (its agent, its ranks, its snapshots), and the job goes on on the spare from
+the copies of the lost ranks' snapshots its peers kept. The demo prints the ETT report and exits 0
+when the job succeeded.
 """
 
 import argparse
@@ -49,10 +52,12 @@ def demo_job() -> dict[str, Any]:
         # Persistent checkpoints every 10 steps, and each rank's local snapshot after every step.
         "checkpoint": {"interval_steps": 10, "keep": 3, "dir": None, "snapshots": True},
         "hang_timeout_seconds": 20,
-        # A rank of node 0 is SIGKILLed in the first attempt; a rank of node 1 hangs in the second.
+        # A rank of node 0 is SIGKILLed in the first attempt; a rank of node 1 hangs in the second;
+        # in the third, node 1 is lost (agent, ranks and local disk) and the spare takes its place.
         "faults": [
             {"attempt": 0, "rank": 1, "at_step": 25, "action": "kill"},
             {"attempt": 1, "rank": 2, "at_step": 45, "action": "hang"},
+            {"attempt": 2, "rank": 2, "at_step": 52, "action": "lose_node"},
         ],
     }
 
@@ -231,8 +236,10 @@ def run(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="ett-demo-"))
     port = args.port or _free_port()
     url = f"http://127.0.0.1:{port}"
+    # A lost node is known by its missing heartbeats, and the restart waits for that (its ranks
+    # might still run): the demo's agents beat every second, and 6 s of silence is a loss.
     env = {**os.environ, "ETT_DATA_DIR": str(root / "service"), "ETT_PORT": str(port),
-           "ETT_HEARTBEAT_TIMEOUT_SECONDS": "30"}
+           "ETT_HEARTBEAT_TIMEOUT_SECONDS": "6"}
     started = time.monotonic()
     _stop_everything_on_signals()
     print(f"ett demo: working in {root}")
@@ -257,19 +264,23 @@ def _run_demo(args: argparse.Namespace, root: Path, env: dict[str, str], url: st
         _wait_ready(url, procs[0], service_log)
         print(f"ett demo: service at {url} (API docs at {url}/docs)")
         job_user, job_uid = _job_user_settings(root)
-        data_dirs = [root / f"node-{i}" for i in range(2)]
+        data_dirs = [root / f"node-{i}" for i in range(3)]
         for i, data_dir in enumerate(data_dirs):
             agent_env = {**os.environ, **job_user, "ETT_AGENT_SERVICE_URL": url, "ETT_AGENT_NAME": f"node-{i}",
                          "ETT_AGENT_TOKEN": _token("agent", f"node-{i}", env), "ETT_AGENT_SLOTS": "2",
-                         "ETT_AGENT_DATA_DIR": str(data_dir)}
+                         "ETT_AGENT_DATA_DIR": str(data_dir), "ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1",
+                         "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
+                         "ETT_AGENT_NODE_LOSS_DRILLS": "true"}  # these agents serve the demo only
             procs.append(_ett("agent", env=agent_env, log=root / f"node-{i}.log"))
         waited = _wait_warm(data_dirs, job_uid, procs[1:])
-        print(f"ett demo: agents node-0 and node-1 up (2 slots each; ready to launch in {waited:.1f} s)")
+        print(f"ett demo: agents node-0, node-1 and node-2 (a spare) up (2 slots each; ready to launch in "
+              f"{waited:.1f} s)")
         user = _token("user", "demo", env)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {user}"}, timeout=30) as client:
             job = client.post("/api/v1/jobs", json=demo_job()).raise_for_status().json()
             print(f"ett demo: submitted job {job['id']}: 2 nodes x 2 ranks, MoE with EP 2 and ZeRO-3, "
-                  f"{DEMO_STEPS} steps; faults: SIGKILL of rank 1 at step 25, hang of rank 2 at step 45")
+                  f"{DEMO_STEPS} steps; faults: SIGKILL of rank 1 at step 25, hang of rank 2 at step 45, "
+                  "loss of rank 2's node (agent, ranks, local disk) at step 52")
             job = _follow(client, job["id"], args.timeout, Progress(terminal=sys.stdout.isatty()))
             report = client.get(f"/api/v1/jobs/{job['id']}/ett").raise_for_status().json()
         print()

@@ -74,8 +74,11 @@ FROZEN_SECONDS = 1.0
 
 
 # -- injected faults (docs/jobspec.md, "faults") -------------------------------------------------
-AGENT_FAULT_ACTIONS = ("kill", "hang", "exit")  # the agent sets these off (agent/faults.py)
+# The agent sets these off (agent/faults.py); lose_node only where its settings allow the drill.
+AGENT_FAULT_ACTIONS = ("kill", "hang", "exit", "lose_node")
 LIBRARY_FAULT_ACTIONS = ("raise", "fill_memory", "fill_disk", "slow")  # the rank's ett.Run does (ett/faults.py)
+FAULT_ACTIONS = AGENT_FAULT_ACTIONS + LIBRARY_FAULT_ACTIONS
+NODE_LOSS_FAULT = "lose_node"
 
 
 def fault_exit_file(rank: int) -> str:

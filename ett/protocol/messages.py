@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
+from ett.protocol import FAULT_ACTIONS
+
 # Node names and job ids: used in paths, so no "/" and no "..".
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 JobId = Annotated[str, Field(pattern=NAME_PATTERN.pattern)]
@@ -26,7 +28,7 @@ class Fault(Incoming):
     attempt: int = Field(ge=0)
     rank: int = Field(ge=0)
     at_step: int = Field(ge=1)
-    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk", "slow"]
+    action: Literal[FAULT_ACTIONS]
     code: int | None = Field(None, ge=0, le=255)  # only for exit; 1 when not given
     exception: str | None = None  # raise: a built-in exception's name (default RuntimeError)
     message: str | None = None  # raise: its message

@@ -137,8 +137,10 @@ def fail_attempt(
 
 
 def _names_the_root_cause(cause: str, recorded: str | None) -> bool:
-    """A signal or a hang explains a peer's plain exit; never the other way round."""
-    return recorded == "exit" and cause in ("signal", "hang")
+    """A signal, a hang or a lost node explains a peer's plain exit; never the other way round. (A
+    node that dies breaks its peers' collectives at once; it is known lost only when its heartbeats
+    are overdue, and the restart waits for that.)"""
+    return recorded == "exit" and cause in ("signal", "hang", "node_lost")
 
 
 def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:

@@ -12,6 +12,7 @@ from pydantic import (
     model_validator,
 )
 
+from ett.protocol import FAULT_ACTIONS
 from service.schemas import Strict
 from service.schemas.notify import NotifySpec
 
@@ -48,9 +49,9 @@ class FaultSpec(Strict):
     attempt: Annotated[int, Field(ge=0)]
     rank: Annotated[int, Field(ge=0)]
     at_step: Annotated[int, Field(ge=1)]
-    # kill, hang, exit: by the agent, any job; raise, fill_memory, fill_disk, slow: by the rank's
-    # ett.Run as it enters the step (a script on the library, the trainer).
-    action: Literal["kill", "hang", "exit", "raise", "fill_memory", "fill_disk", "slow"]
+    # kill, hang, exit, lose_node: by the agent, any job (lose_node only on agents that allow the
+    # drill); raise, fill_memory, fill_disk, slow: by the rank's ett.Run as it enters the step.
+    action: Literal[FAULT_ACTIONS]
     code: Annotated[int, Field(ge=1, le=255)] | None = None
     exception: Annotated[str, StringConstraints(pattern=r"^[A-Z][A-Za-z]{0,63}$")] | None = None
     message: Annotated[str, StringConstraints(max_length=1024)] | None = None

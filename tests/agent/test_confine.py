@@ -8,6 +8,7 @@ from pathlib import Path
 
 from agent.confine import launch_refusal
 from agent.supervisor import Supervisor
+from ett.protocol.messages import Fault
 from tests.agent.helpers import launch_command, run_to_end
 from tests.support.processes import pids_with_env
 
@@ -55,3 +56,13 @@ def test_a_refused_launch_runs_nothing_and_is_not_retried(tmp_path):
     supervisor.launch(ok)  # the same agent runs a job whose folder is where it should be
     assert run_to_end(supervisor)["state"] == "succeeded"
     supervisor.shutdown()
+
+
+def test_a_node_loss_drill_runs_only_where_the_agent_allows_it(tmp_path):
+    area = tmp_path / "root" / "alice"
+    command = command_with(area, area / "job").model_copy(
+        update={"faults": [Fault(attempt=0, rank=0, at_step=3, action="lose_node")]})
+    refusal = launch_refusal(command, tmp_path / "root")
+    assert refusal == ("refused: faults: lose_node ends this agent and every job on its node; it runs only on "
+                       "agents started with ETT_AGENT_NODE_LOSS_DRILLS=true")
+    assert launch_refusal(command, tmp_path / "root", node_loss_drills=True) is None

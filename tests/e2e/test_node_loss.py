@@ -54,6 +54,9 @@ def test_a_lost_node_resumes_on_the_spare_from_its_peers_copies_losing_at_most_a
             job = c.wait_job(job_id, timeout=300)
             assert job["state"] == "succeeded", c.logs()
             first, second = job["attempts"]
+            # The survivor's ranks fail first (their collectives break); the loss, known once the
+            # heartbeats are overdue, is the root cause.
+            assert first["cause"] == "node_lost", first
             assert victim not in second["nodes"] and survivor in second["nodes"]
             restores = {e.source: e for e in events(c, job_id, "restore_end") if e.attempt == 1}
             spare_rank = f"rank:{second['nodes'].index('node-c')}"
