@@ -47,7 +47,8 @@ def run(steps: int, mode: str, nproc: int, every: int, nodes: int) -> tuple[floa
                     "-m", "trainer.train", "--preset", "cpu-demo", "--train.steps", str(steps),
                     "--checkpoint.dir", f"{root}/ckpt", "--checkpoint.local_dir", f"{root}/local-{node}",
                     "--checkpoint.interval_steps", "1000", *MODES[mode], "--checkpoint.snapshot_every", str(every)]
-            launched.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            launched.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                             text=True))
         output = launched[0].communicate()[0]
         for process in launched[1:]:
             process.communicate()

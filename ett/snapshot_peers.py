@@ -9,10 +9,10 @@ snapshots of its own ranks and those of the node before it, `KEEP` of each.
 Off the training process group and the loop: the rank's snapshot writer thread sends the file it
 has just written (`socket.sendfile`: no copy in memory) over a TCP connection of its own, after
 the local write, before the next snapshot may start, so at most one snapshot per rank is in
-flight. The peer's receiver thread streams it to disk through one buffer (bounded memory) and renames it
-into place once whole, then acknowledges; its CRC-32 (the snapshot's trailer,
-ett/snapshot_file.py) is checked before a restore takes it. A peer that cannot be reached is tried again after `RETRY_SECONDS`; the local tier
-goes on meanwhile.
+flight. The peer's receiver thread streams it to disk through one buffer (bounded memory) and
+renames it into place once whole, then acknowledges; its CRC-32 (the snapshot's trailer,
+ett/snapshot_file.py) is checked before a restore takes it. A peer that cannot be reached is
+tried again after `RETRY_SECONDS`; the local tier goes on meanwhile.
 
 Other jobs' processes share the nodes, and a snapshot's header is unpickled on restore: a receiver
 takes copies only from its own ring neighbour, over a connection that proved it knows the job's
