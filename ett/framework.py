@@ -13,6 +13,7 @@ checkpoint folders the framework writes itself. The integrations use these publi
     run.commit_folder(folder, n)           # every rank, once its part is written
 """
 
+import logging
 import re
 import signal
 import threading
@@ -24,9 +25,24 @@ import torch.distributed as dist
 from ett.errors import UsageError
 from ett.folders import first_verified, folder_manifest, resume_candidates, write_marker
 
+logger = logging.getLogger(__name__)
+
 
 class FrameworkHooks:
     """Mixed into Run (ett/run.py): the names below are Run's."""
+
+    def saves_its_own_checkpoints(self, framework: str) -> str | None:
+        """Says, once, what ETT's checkpoint tiers give a framework that saves its own checkpoints,
+        when the job asked for per-step snapshots: none. They are taken through `run.checkpoint`
+        (the state as ETT sees it); the framework's checkpoints are the persistent tier only.
+        Returns the message (None: the job asked for none)."""
+        if not (self._config.snapshots and self._config.local_dir):
+            return None
+        message = (f"checkpoint.snapshots: {framework} saves and loads its own checkpoints, so ETT's per-step "
+                   "snapshots (and their copies on a peer node) are not taken for it; a failure, a lost node "
+                   f"included, resumes from its newest committed checkpoint (every {self.interval_steps} steps)")
+        logger.warning(message)
+        return message
 
     def begin_init(self) -> bool:
         """Marks the start-up's start, once per run; False when it was marked already (the script

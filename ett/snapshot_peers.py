@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ett.snapshot_file import TRAILER, TRAILER_TAG
+from ett.snapshot_file import TRAILER, TRAILER_TAG, background_priority
 from ett.snapshot_folder import SnapshotFolder
 
 logger = logging.getLogger(__name__)
@@ -78,18 +78,32 @@ def _receive_exactly(conn: socket.socket, size: int) -> bytes:
 
 class PeerReplica:
     """One rank's side of the ring: a receiver for the rank it keeps copies of, a sender to its
-    peer. Made by every rank at once (a collective on `group`: the addresses and the secret)."""
+    peer. Made by `join`."""
 
-    def __init__(self, folder: SnapshotFolder, rank: int, sends_to: int, keeps_for: int,
-                 group: dist.ProcessGroup | None) -> None:
-        self.folder, self.rank, self.sends_to, self.keeps_for = folder, rank, sends_to, keeps_for
+    @classmethod
+    def join(cls, folder: SnapshotFolder, group: dist.ProcessGroup | None) -> "PeerReplica | None":
+        """A collective of every rank of `group`: each opens its receiver and learns its peer's
+        address and the attempt's secret. None on every rank when there is no ring (one node, or
+        nodes that run different numbers of ranks)."""
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if world_size < 2:
+            return None
         host = node_address()
-        self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-        offer = (host, self._listener.getsockname()[1], secrets.token_bytes(32) if rank == 0 else None)
-        everyone: list = [None] * dist.get_world_size(group)
+        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        offer = (host, listener.getsockname()[1], secrets.token_bytes(32) if rank == 0 else None, ranks_per_node)
+        everyone: list = [None] * world_size
         dist.all_gather_object(everyone, offer, group=group)
-        self._secret: bytes = everyone[0][2]
-        self._peer_address = everyone[sends_to][:2]
+        ring = ring_peers(rank, world_size, ranks_per_node)
+        if ring is None or any(other[3] != ranks_per_node for other in everyone):
+            listener.close()
+            return None
+        return cls(folder, rank, ring, listener, everyone[0][2], everyone[ring[0]][:2])
+
+    def __init__(self, folder: SnapshotFolder, rank: int, ring: tuple[int, int], listener: socket.socket,
+                 secret: bytes, peer_address: tuple[str, int]) -> None:
+        self.folder, self.rank, (self.sends_to, self.keeps_for) = folder, rank, ring
+        self._listener, self._secret, self._peer_address = listener, secret, peer_address
         self._conn: socket.socket | None = None
         self._retry_at = 0.0
         self.receive_cpu_seconds = 0.0  # the receiver's CPU time so far, which the node's steps lose
@@ -137,6 +151,7 @@ class PeerReplica:
 
     # -- receiving, in threads of its own -------------------------------------------------------
     def _accept(self) -> None:
+        background_priority()  # the threads it starts inherit it
         while True:
             try:
                 conn, _ = self._listener.accept()

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ett import snapshot_file, snapshot_restore
-from ett.snapshot_file import Slot, StagingBuffer
+from ett.snapshot_file import Slot, StagingBuffer, background_priority
 from ett.snapshot_folder import SnapshotFolder, snapshots_root
-from ett.snapshot_peers import PeerReplica, ring_peers
+from ett.snapshot_peers import PeerReplica
 
 logger = logging.getLogger(__name__)
 MAX_SHARE = 0.05  # of a step's time, for the copy a snapshot costs the training loop
@@ -106,14 +106,14 @@ class LocalSnapshots:
         self.every = every or 1
         self.staging = StagingBuffer()  # reused: one write at a time
         # One thread for the writes, kept: starting one per snapshot took 0.7 ms of the loop's time.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-snapshot")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-snapshot",
+                                          initializer=background_priority)
         self._writing: Future | None = None
         self._last_call: float | None = None
         self._write_cpu_seconds = 0.0  # the last write's (and send's) CPU time, which a busy node's steps lose
         self._last_cost: float | None = None  # the snapshot before's copy and write
-        ring = ring_peers(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))) if replicate else None
-        self.peers = PeerReplica(self.folder, rank, *ring, group) if ring else None
-        self.keeps_for = ring[1] if ring else None
+        self.peers = PeerReplica.join(self.folder, group) if replicate else None
+        self.keeps_for = self.peers.keeps_for if self.peers is not None else None
         self._received_cpu_seconds = 0.0
         self.restored_from = ""  # after a restore: "local-snapshot" or "peer-snapshot" (a peer's copy)
 

@@ -8,7 +8,9 @@ each `checkpoint-N` folder the Trainer writes as committed; `resume_checkpoint` 
         trainer.train(resume_from_checkpoint=resume_checkpoint(run))
 
 The Trainer saves and loads its own checkpoints (model, optimizer, scheduler, RNG states, its
-place in the data); ETT adds the commit marker and manifest (ett/folders.py) once every rank has
+place in the data), synchronously, at the job's interval: the persistent tier only. ETT's per-step
+snapshots and their copies on a peer node are not taken for it (they snapshot the state a script
+hands `run.checkpoint`); a job that asks for them is told so in its log. ETT adds the commit marker and manifest (ett/folders.py) once every rank has
 written its part, so a folder torn by a kill, or corrupted later, is never resumed from. The
 job's checkpoint interval (`run.interval_steps`) asks the Trainer for a save on top of its own
 `save_strategy`.
@@ -41,6 +43,7 @@ class ETTCallback(TrainerCallback):
         # Start-up from here (the Trainer is built next) to the start of training, unless the
         # script marks it itself with `run.initializing()`.
         self._marks_init = run.begin_init()
+        run.saves_its_own_checkpoints("the Hugging Face Trainer")
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self._marks_init:

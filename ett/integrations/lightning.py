@@ -82,6 +82,7 @@ class ETTCallback(L.Callback):
         self.root = root or run.checkpoint_dir  # where checkpoints go: the job's folder
         self._rng_to_load: list[dict[str, Any]] | None = None
         self._marks_init = run.begin_init()  # start-up: from here (the Trainer is built next) to training
+        run.saves_its_own_checkpoints("Lightning")
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning's own SIGTERM handler (in place from `fit` on) broadcasts from inside the

@@ -137,9 +137,7 @@ def fail_attempt(
 
 
 def _names_the_root_cause(cause: str, recorded: str | None) -> bool:
-    """A signal, a hang or a lost node explains a peer's plain exit; never the other way round. (A
-    node that dies breaks its peers' collectives at once; it is known lost only when its heartbeats
-    are overdue, and the restart waits for that.)"""
+    """A signal, a hang or a lost node (known once its heartbeats are overdue) explains a peer's plain exit."""
     return recorded == "exit" and cause in ("signal", "hang", "node_lost")
 
 

@@ -105,3 +105,23 @@ def test_the_commit_marker_waits_for_every_ranks_part(tmp_path):
     folder = tmp_path / "checkpoint-5"
     manifest = json.loads((folder / MARKER).read_text())
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(manifest["files"]) and verify(folder) is None
+
+
+def test_the_callback_says_the_trainers_checkpoints_get_no_snapshots_when_the_job_asks_for_them(tmp_path, monkeypatch,
+                                                                                                caplog):
+    from ett.integrations.huggingface import ETTCallback
+
+    monkeypatch.setenv("ETT_JOB_ID", "hf")
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "events"))
+    monkeypatch.setenv("ETT_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("ETT_CHECKPOINT_INTERVAL_STEPS", "10")
+    monkeypatch.setenv("ETT_CHECKPOINT_LOCAL_DIR", str(tmp_path / "local"))
+    monkeypatch.setenv("ETT_CHECKPOINT_SNAPSHOTS", "1")
+    with ett.init() as run, caplog.at_level(logging.WARNING, logger="ett.framework"):
+        ETTCallback(run)
+    assert ("checkpoint.snapshots: the Hugging Face Trainer saves and loads its own checkpoints, so ETT's per-step "
+            "snapshots (and their copies on a peer node) are not taken for it; a failure, a lost node included, "
+            "resumes from its newest committed checkpoint (every 10 steps)") in caplog.messages
+    monkeypatch.setenv("ETT_CHECKPOINT_SNAPSHOTS", "0")
+    with ett.init() as run:
+        assert run.saves_its_own_checkpoints("the Hugging Face Trainer") is None
