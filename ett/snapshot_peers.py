@@ -6,10 +6,11 @@ on the next node, in a ring over the nodes (rank r to r + ranks-per-node, modulo
 peer keeps it on its node-local disk, beside its own (ett/snapshot_folder.py): a node holds the
 snapshots of its own ranks and those of the node before it, `KEEP` of each.
 
-Off the training process group and the loop: the rank's snapshot writer thread sends the file it
-has just written (`socket.sendfile`: no copy in memory) over a TCP connection of its own, after
-the local write, before the next snapshot may start, so at most one snapshot per rank is in
-flight. The peer's receiver thread streams it to disk through one buffer (bounded memory) and
+Off the training process group and the loop: once the rank's snapshot writer thread has written a
+snapshot, a sender thread sends that file (`socket.sendfile`: no copy in memory) over a TCP
+connection of its own and waits for the peer's word that it is stored. At most one snapshot per
+rank is in flight; one written meanwhile waits, and a newer one replaces it (the local tier never
+waits for the peer). The peer's receiver thread streams it to disk through one buffer (bounded memory) and
 renames it into place once whole, then acknowledges; its CRC-32 (the snapshot's trailer,
 ett/snapshot_file.py) is checked before a restore takes it. A peer that cannot be reached is
 tried again after `RETRY_SECONDS`; the local tier goes on meanwhile.
@@ -106,21 +107,58 @@ class PeerReplica:
         self._listener, self._secret, self._peer_address = listener, secret, peer_address
         self._conn: socket.socket | None = None
         self._retry_at = 0.0
-        self.receive_cpu_seconds = 0.0  # the receiver's CPU time so far, which the node's steps lose
+        self.cpu_seconds = 0.0  # the sender's and receiver's CPU time so far, which the node's steps lose
+        self._newest: tuple[int, Path] | None = None  # written, not yet sent
+        self._sending = self._closed = False
+        self._wake = threading.Condition()
         threading.Thread(target=self._accept, name="ett-snapshot-peer", daemon=True).start()
+        threading.Thread(target=self._send_newest, name="ett-snapshot-peer-out", daemon=True).start()
 
     def _proof(self, nonce: bytes, source: int) -> bytes:
         return hmac.new(self._secret, nonce + source.to_bytes(8, "little", signed=True), hashlib.sha256).digest()
 
-    # -- sending, in the rank's snapshot writer thread --------------------------------------------
+    # -- sending, in a thread of its own ----------------------------------------------------------
+    def offer(self, step: int, path: Path) -> None:
+        """Hands the snapshot file just written to the sender thread. One is in flight at a time;
+        a newer snapshot replaces one still waiting, so a slow peer costs the copies' freshness,
+        never the loop's time (the local write never waits for the peer)."""
+        with self._wake:
+            self._newest = (step, path)
+            self._wake.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Waits, `timeout` seconds at most, until the newest snapshot offered has been sent."""
+        with self._wake:
+            return self._wake.wait_for(lambda: self._newest is None and not self._sending, timeout)
+
+    def _send_newest(self) -> None:
+        background_priority()
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._newest is not None or self._closed)
+                if self._closed:
+                    break
+                (step, path), self._newest, self._sending = self._newest, None, True
+            started = time.thread_time()
+            self.send(step, path)
+            self.cpu_seconds += time.thread_time() - started
+            with self._wake:
+                self._sending = False
+                self._wake.notify_all()
+        self._drop_connection()
+
     def send(self, step: int, path: Path) -> bool:
         """Sends the snapshot file of `step` to the peer; True once the peer stored it whole."""
         if time.monotonic() < self._retry_at:
             return False
         try:
-            conn = self._conn or self._connect()
-            conn.sendall(MESSAGE.pack(step, path.stat().st_size))
-            with open(path, "rb") as file:
+            file = open(path, "rb")  # noqa: SIM115 (open, it stays readable even if pruned meanwhile)
+        except FileNotFoundError:  # pruned before its turn: a newer one is on its way
+            return False
+        try:
+            with file:
+                conn = self._conn or self._connect()
+                conn.sendall(MESSAGE.pack(step, os.fstat(file.fileno()).st_size))
                 conn.sendfile(file)
             if _receive_exactly(conn, 1) != STORED:
                 raise ConnectionError("it refused the copy (not whole on arrival)")
@@ -179,7 +217,7 @@ class PeerReplica:
                         return
                     started = time.thread_time()
                     stored = self._store(conn, chunk, source, step, size)
-                    self.receive_cpu_seconds += time.thread_time() - started
+                    self.cpu_seconds += time.thread_time() - started
                     conn.sendall(STORED if stored else REFUSED)
             except OSError as error:
                 logger.info("snapshot copies from rank %d: connection ended (%s)", self.keeps_for, error)
@@ -216,5 +254,7 @@ class PeerReplica:
         return True
 
     def close(self) -> None:
-        self._drop_connection()
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
         self._listener.close()

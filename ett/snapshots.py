@@ -40,6 +40,7 @@ from ett.snapshot_peers import PeerReplica
 logger = logging.getLogger(__name__)
 MAX_SHARE = 0.05  # of a step's time, for the copy a snapshot costs the training loop
 MAX_EVERY = 64
+FLUSH_SECONDS = 5.0  # at the run's end, for the last snapshot's copy to reach the peer
 
 
 def template(value: Any, found: list[tuple[Slot, torch.Tensor]]) -> Any:
@@ -110,7 +111,7 @@ class LocalSnapshots:
                                           initializer=background_priority)
         self._writing: Future | None = None
         self._last_call: float | None = None
-        self._write_cpu_seconds = 0.0  # the last write's (and send's) CPU time, which a busy node's steps lose
+        self._write_cpu_seconds = 0.0  # the last write's CPU time, which a busy node's steps lose
         self._last_cost: float | None = None  # the snapshot before's copy and write
         self.peers = PeerReplica.join(self.folder, group) if replicate else None
         self.keeps_for = self.peers.keeps_for if self.peers is not None else None
@@ -141,10 +142,10 @@ class LocalSnapshots:
         return True
 
     def _peer_cpu_seconds(self) -> float:
-        """The CPU this rank's receiver took for its peer's copies since the last call."""
+        """The CPU this rank's copies to and from its peers took since the last call."""
         if self.peers is None:
             return 0.0
-        total = self.peers.receive_cpu_seconds
+        total = self.peers.cpu_seconds
         since, self._received_cpu_seconds = total - self._received_cpu_seconds, total
         return since
 
@@ -161,7 +162,7 @@ class LocalSnapshots:
         else:
             self.folder.prune(self.rank)
             if self.peers is not None:
-                self.peers.send(step, target)
+                self.peers.offer(step, target)
         self._write_cpu_seconds = time.thread_time() - started
 
     def wait(self) -> None:
@@ -172,6 +173,7 @@ class LocalSnapshots:
         self.wait()
         self._writer.shutdown()
         if self.peers is not None:
+            self.peers.flush(timeout=FLUSH_SECONDS)  # the last snapshot's copy, unless its peer is gone
             self.peers.close()
 
     def steps(self) -> list[int]:

@@ -33,7 +33,8 @@ def main() -> None:
             state["weights"].fill_(100 * rank + step)
             state["position"] = step
             snapshots.maybe_save(step, state)
-        snapshots.wait()
+            snapshots.wait()  # each one written and sent before the next: none passed over for a newer one
+            assert snapshots.peers.flush(timeout=30)
         Path(base, f"address-{rank}").write_text(json.dumps(snapshots.peers._listener.getsockname()[:2]))
         deadline = time.monotonic() + 60
         while not Path(base, "go").exists() and time.monotonic() < deadline:
