@@ -14,11 +14,8 @@ every tensor in one buffer (`StagingBuffer`), written at once: 1 ms (BENCHMARKS.
 session of 2026-11-26).
 """
 
-import contextlib
-import os
 import pickle
 import struct
-import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,14 +77,6 @@ class StagingBuffer:
         for view, (_, tensor) in zip(self.views, found, strict=True):
             view.copy_(tensor)
         return self.buffer
-
-
-def background_priority() -> None:
-    """Lowers the calling thread's CPU priority to the lowest (nice 19, Linux's per-thread nice): a
-    snapshot's write and its copy to a peer then take the CPU the training threads leave, not
-    theirs, on a node whose cores the ranks keep busy."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def header(template: Any) -> bytes:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ett.snapshot_file import TRAILER, TRAILER_TAG, background_priority
+from ett.snapshot_file import TRAILER, TRAILER_TAG
 from ett.snapshot_folder import SnapshotFolder
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,6 @@ class PeerReplica:
             return self._wake.wait_for(lambda: self._newest is None and not self._sending, timeout)
 
     def _send_newest(self) -> None:
-        background_priority()
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._newest is not None or self._closed)
@@ -189,7 +188,6 @@ class PeerReplica:
 
     # -- receiving, in threads of its own -------------------------------------------------------
     def _accept(self) -> None:
-        background_priority()  # the threads it starts inherit it
         while True:
             try:
                 conn, _ = self._listener.accept()

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ett import snapshot_file, snapshot_restore
-from ett.snapshot_file import Slot, StagingBuffer, background_priority
+from ett.snapshot_file import Slot, StagingBuffer
 from ett.snapshot_folder import SnapshotFolder, snapshots_root
 from ett.snapshot_peers import PeerReplica
 
@@ -107,8 +107,7 @@ class LocalSnapshots:
         self.every = every or 1
         self.staging = StagingBuffer()  # reused: one write at a time
         # One thread for the writes, kept: starting one per snapshot took 0.7 ms of the loop's time.
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-snapshot",
-                                          initializer=background_priority)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-snapshot")
         self._writing: Future | None = None
         self._last_call: float | None = None
         self._write_cpu_seconds = 0.0  # the last write's CPU time, which a busy node's steps lose

@@ -116,3 +116,27 @@ def test_a_process_without_the_jobs_secret_cannot_place_a_copy(tmp_path):
             assert answer == b""  # closed without a word
     ranks(tmp_path, 2, "save", "2", before_end=attack)
     assert node(tmp_path, 1).steps(0) == [2, 1]  # rank 0's own copies, not step 99
+
+
+def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(tmp_path):
+    """The sender is stuck on a receiver that takes the connection and says nothing; meanwhile the
+    loop takes 20 snapshots, each written locally, and the copies wait (the newest replacing the
+    one before)."""
+    import torch
+
+    from ett.snapshot_peers import PeerReplica
+    from ett.snapshots import LocalSnapshots
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never speaks
+    snapshots = LocalSnapshots(str(tmp_path), rank=0, world_size=2, every=1)
+    snapshots.peers = PeerReplica(snapshots.folder, 0, (1, 1), socket.create_server(("127.0.0.1", 0)),
+                                  b"s" * 32, silent.getsockname()[:2])
+    state = {"weights": torch.zeros(1 << 18)}
+    for step in range(1, 21):
+        state["weights"].fill_(step)
+        assert snapshots.maybe_save(step, state)
+    snapshots.wait()
+    assert snapshots.peers._sending and snapshots.steps() == [20, 19]  # the first copy still stuck
+    assert snapshots.peers._newest[0] == 20  # the newest waits; those between were passed over
+    snapshots.close()  # waits for the copy FLUSH_SECONDS at most
+    silent.close()
