@@ -47,6 +47,7 @@ CHUNK_BYTES = 4 << 20
 HANDSHAKE_SECONDS = 5.0
 TRANSFER_SECONDS = 60.0  # a peer that takes longer to store a snapshot is skipped until RETRY_SECONDS
 RETRY_SECONDS = 30.0
+HANDSHAKES_AT_ONCE = 4  # connections not yet proved; more are closed at once
 
 
 def ring_peers(rank: int, world_size: int, ranks_per_node: int) -> tuple[int, int] | None:
@@ -65,6 +66,16 @@ def node_address() -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(address)
         return probe.getsockname()[0]
+
+
+def _open_receiver() -> socket.socket | None:
+    """A listening socket on this node's address, or None (said why) when there is none to be had."""
+    try:
+        host = node_address()
+        return socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as error:
+        logger.warning("snapshots are not copied to a peer node: no address to receive copies on (%s)", error)
+        return None
 
 
 def _receive_exactly(conn: socket.socket, size: int) -> bytes:
@@ -89,15 +100,16 @@ class PeerReplica:
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         if world_size < 2:
             return None
-        host = node_address()
-        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        listener = _open_receiver()  # a rank without one still joins the gather: none waits for ever
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        offer = (host, listener.getsockname()[1], secrets.token_bytes(32) if rank == 0 else None, ranks_per_node)
+        address = listener.getsockname()[:2] if listener is not None else None
+        offer = (*(address or (None, None)), secrets.token_bytes(32) if rank == 0 else None, ranks_per_node)
         everyone: list = [None] * world_size
         dist.all_gather_object(everyone, offer, group=group)
         ring = ring_peers(rank, world_size, ranks_per_node)
-        if ring is None or any(other[3] != ranks_per_node for other in everyone):
-            listener.close()
+        if ring is None or any(other[3] != ranks_per_node or other[0] is None for other in everyone):
+            if listener is not None:
+                listener.close()
             return None
         return cls(folder, rank, ring, listener, everyone[0][2], everyone[ring[0]][:2])
 
@@ -111,6 +123,7 @@ class PeerReplica:
         self._newest: tuple[int, Path] | None = None  # written, not yet sent
         self._sending = self._closed = False
         self._wake = threading.Condition()
+        self._handshakes = threading.BoundedSemaphore(HANDSHAKES_AT_ONCE)
         threading.Thread(target=self._accept, name="ett-snapshot-peer", daemon=True).start()
         threading.Thread(target=self._send_newest, name="ett-snapshot-peer-out", daemon=True).start()
 
@@ -193,16 +206,16 @@ class PeerReplica:
                 conn, _ = self._listener.accept()
             except OSError:  # closed
                 return
+            if not self._handshakes.acquire(blocking=False):  # a flood of connections: no thread each
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="ett-snapshot-peer-in", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.settimeout(HANDSHAKE_SECONDS)
-                nonce = secrets.token_bytes(NONCE_BYTES)
-                conn.sendall(nonce)
-                proof, source = HELLO.unpack(_receive_exactly(conn, HELLO.size))
-                if source != self.keeps_for or not hmac.compare_digest(proof, self._proof(nonce, source)):
+                source = self._handshake(conn)
+                if source is None:
                     logger.warning("a connection to the snapshot receiver of rank %d did not prove it is rank %d "
                                    "of this job; closed", self.rank, self.keeps_for)
                     return
@@ -219,6 +232,19 @@ class PeerReplica:
                     conn.sendall(STORED if stored else REFUSED)
             except OSError as error:
                 logger.info("snapshot copies from rank %d: connection ended (%s)", self.keeps_for, error)
+
+    def _handshake(self, conn: socket.socket) -> int | None:
+        """The rank the connection proved it is (the one this rank keeps copies for), else None."""
+        try:
+            conn.settimeout(HANDSHAKE_SECONDS)
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            conn.sendall(nonce)
+            proof, source = HELLO.unpack(_receive_exactly(conn, HELLO.size))
+        finally:
+            self._handshakes.release()
+        if source != self.keeps_for or not hmac.compare_digest(proof, self._proof(nonce, source)):
+            return None
+        return source
 
     def _store(self, conn: socket.socket, chunk: memoryview, source: int, step: int, size: int) -> bool:
         """Streams one snapshot to disk through `chunk`, a buffer reused for the connection's life;

@@ -99,7 +99,8 @@ def test_a_corrupt_copy_is_refused_and_the_next_step_used_and_none_left_means_th
 
 def test_a_process_without_the_jobs_secret_cannot_place_a_copy(tmp_path):
     """Another job's process on the node connects to rank 1's receiver, claims to be rank 0 and
-    sends a snapshot: the connection is closed and nothing is stored."""
+    sends a snapshot: the connection is closed and nothing is stored; then it floods the receiver
+    with connections."""
     def attack() -> None:
         address = tmp_path / "address-1"
         deadline = time.monotonic() + 60
@@ -114,6 +115,15 @@ def test_a_process_without_the_jobs_secret_cannot_place_a_copy(tmp_path):
             except ConnectionResetError:  # closed with our bytes unread
                 answer = b""
             assert answer == b""  # closed without a word
+        # A flood of connections that never speak: four wait for their proof (a nonce each), the
+        # rest are closed at once; no thread is held for them.
+        flood = [socket.create_connection((host, port), timeout=10) for _ in range(6)]
+        try:
+            answers = [conn.recv(NONCE_BYTES) for conn in flood]
+        finally:
+            for conn in flood:
+                conn.close()
+        assert [len(answer) for answer in answers] == [NONCE_BYTES] * 4 + [0, 0]
     ranks(tmp_path, 2, "save", "2", before_end=attack)
     assert node(tmp_path, 1).steps(0) == [2, 1]  # rank 0's own copies, not step 99
 
