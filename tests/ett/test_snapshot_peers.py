@@ -43,10 +43,19 @@ def restored(base: Path, world: int = 2) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for out in ranks(base, world, "restore")]
 
 
-@pytest.fixture
-def saved(tmp_path) -> Path:
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory) -> Path:
     """Two nodes of one rank each, four snapshots each, replicated."""
-    ranks(tmp_path, 2, "save", "4")
+    base = tmp_path_factory.mktemp("saved")
+    ranks(base, 2, "save", "4")
+    return base
+
+
+@pytest.fixture
+def saved(saved_once, tmp_path) -> Path:
+    """A copy of the two nodes' folders, for a test to change."""
+    for folder in ("node-0", "node-1"):
+        shutil.copytree(saved_once / folder, tmp_path / folder)
     return tmp_path
 
 
@@ -128,7 +137,7 @@ def test_a_process_without_the_jobs_secret_cannot_place_a_copy(tmp_path):
     assert node(tmp_path, 1).steps(0) == [2, 1]  # rank 0's own copies, not step 99
 
 
-def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(tmp_path):
+def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(tmp_path, monkeypatch):
     """The sender is stuck on a receiver that takes the connection and says nothing; meanwhile the
     loop takes 20 snapshots, each written locally, and the copies wait (the newest replacing the
     one before)."""
@@ -148,5 +157,6 @@ def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(
     snapshots.wait()
     assert snapshots.peers._sending and snapshots.steps() == [20, 19]  # the first copy still stuck
     assert snapshots.peers._newest[0] == 20  # the newest waits; those between were passed over
+    monkeypatch.setattr("ett.snapshots.FLUSH_SECONDS", 0.1)
     snapshots.close()  # waits for the copy FLUSH_SECONDS at most
     silent.close()

@@ -42,14 +42,16 @@ def register_agent(client: httpx.Client, name: str = "node-a", slots: int = 2) -
 
 def give_attempt(service, job_id: str, node_name: str, attempt: int = 0) -> None:
     """Records that the node runs the job's attempt, as the scheduler would but without its events:
-    an agent may report events only for attempts given to its node."""
+    an agent may report events only for attempts given to its node. The job is running from then
+    on, so the live service's own scheduler gives it no other attempt meanwhile."""
     from sqlalchemy import select
 
-    from service.models import Attempt, AttemptNode, Node
+    from service.models import Attempt, AttemptNode, Job, JobState, Node
 
     with service.context.sessions() as session:
         node = session.scalar(select(Node).where(Node.name == node_name))
         row = Attempt(job_id=job_id, number=attempt, master_addr=node.address, master_port=29500)
         row.nodes.append(AttemptNode(node=node, node_rank=0))
         session.add(row)
+        session.get(Job, job_id).state = JobState.running
         session.commit()
