@@ -7,6 +7,7 @@ whichever node now runs it.
 """
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,27 @@ class SnapshotFolder:
 
     def path(self, step: int, rank: int) -> Path:
         return self.root / f"step-{step:08d}" / f"rank-{rank}.snap"
+
+    def staging(self, step: int, rank: int, writer: str) -> Path:
+        """Where `writer` ("own", "peer", "fetched") writes a snapshot before `place` puts it in:
+        a folder no pruning removes (a step's folder goes once its last snapshot does, and a copy
+        of an older step may arrive while its own rank prunes it)."""
+        incoming = self.root / "incoming"
+        incoming.mkdir(parents=True, exist_ok=True)
+        return incoming / f"step-{step:08d}-rank-{rank}.{writer}"
+
+    def place(self, staging: Path, step: int, rank: int) -> Path:
+        """Renames a whole snapshot into its step's folder (whole, or not there)."""
+        target = self.path(step, rank)
+        for tries_left in (2, 1, 0):  # a prune of the folder's last snapshot may remove it in between
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(staging, target)
+                return target
+            except FileNotFoundError:
+                if not tries_left or not staging.exists():
+                    raise
+        return target
 
     def steps(self, rank: int) -> list[int]:
         """The steps this node holds a snapshot of `rank` of, newest first (written whole: renamed

@@ -253,9 +253,7 @@ class PeerReplica:
         CPU at every snapshot. Raises when the connection breaks (the partial file goes)."""
         if size < TRAILER.size:
             raise ConnectionError(f"a snapshot of {size} bytes: not one")
-        target = self.folder.path(step, source)
-        staging = target.with_suffix(".peer-tmp")
-        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.folder.staging(step, source, "peer")
         left = size - TRAILER.size
         try:
             with open(staging, "wb") as file:
@@ -271,7 +269,7 @@ class PeerReplica:
                 logger.warning("the copy of rank %d's snapshot of step %d arrived without its trailer; refused",
                                source, step)
                 return False
-            os.replace(staging, target)
+            self.folder.place(staging, step, source)
         finally:
             staging.unlink(missing_ok=True)
         self.folder.prune(source)

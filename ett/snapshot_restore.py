@@ -87,8 +87,6 @@ def fetch(folder: SnapshotFolder, step: int, sources: dict[int, int], offers: li
     for work in works:
         work.wait()
     if incoming is not None:
-        target = folder.path(step, rank)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_suffix(".fetched-tmp")
+        staging = folder.staging(step, rank, "fetched")
         staging.write_bytes(memoryview(incoming.numpy()))
-        staging.replace(target)
+        folder.place(staging, step, rank)

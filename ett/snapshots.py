@@ -22,7 +22,6 @@ the newer of that snapshot and the persistent checkpoint.
 """
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -114,7 +113,7 @@ class LocalSnapshots:
         self._last_cost: float | None = None  # the snapshot before's copy and write
         self.peers = PeerReplica.join(self.folder, group) if replicate else None
         self.keeps_for = self.peers.keeps_for if self.peers is not None else None
-        self._received_cpu_seconds = 0.0
+        self._peer_cpu_counted = 0.0
         self.restored_from = ""  # after a restore: "local-snapshot" or "peer-snapshot" (a peer's copy)
 
     def maybe_save(self, step: int, state: dict[str, Any]) -> bool:
@@ -145,17 +144,16 @@ class LocalSnapshots:
         if self.peers is None:
             return 0.0
         total = self.peers.cpu_seconds
-        since, self._received_cpu_seconds = total - self._received_cpu_seconds, total
+        since, self._peer_cpu_counted = total - self._peer_cpu_counted, total
         return since
 
     def _write(self, step: int, header: bytes, buffer: torch.Tensor) -> None:
-        target, started = self.folder.path(step, self.rank), time.thread_time()
+        started = time.thread_time()
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = target.with_suffix(".tmp")
+            staging = self.folder.staging(step, self.rank, "own")
             with open(staging, "wb") as file:
                 snapshot_file.write(file, header, buffer)
-            os.replace(staging, target)  # whole, or not there
+            target = self.folder.place(staging, step, self.rank)
         except OSError as error:  # a full or lost local disk: the persistent tier still holds
             logger.warning("local snapshot of step %d not written: %s", step, error)
         else:

@@ -160,3 +160,18 @@ def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(
     monkeypatch.setattr("ett.snapshots.FLUSH_SECONDS", 0.1)
     snapshots.close()  # waits for the copy FLUSH_SECONDS at most
     silent.close()
+
+
+def test_a_copy_arriving_while_its_steps_folder_is_pruned_still_lands(tmp_path):
+    """The node's own rank prunes step 1 (its last snapshot there: the folder goes) while rank 1's
+    copy of step 1 is still arriving: the copy is staged outside the step folders and lands."""
+    folder = SnapshotFolder(tmp_path)
+    own = folder.staging(1, 0, "own")
+    own.write_bytes(b"rank 0")
+    folder.place(own, 1, 0)
+    arriving = folder.staging(1, 1, "peer")
+    arriving.write_bytes(b"rank 1")
+    folder.remove(1, 0)  # the prune: the step's folder is gone
+    assert not folder.path(1, 0).parent.exists()
+    folder.place(arriving, 1, 1)
+    assert folder.steps(1) == [1] and folder.path(1, 1).read_bytes() == b"rank 1"
