@@ -73,6 +73,9 @@ class SnapshotFolder:
             self.remove(old, rank)
 
     def forget_newer_than(self, rank: int, step: int) -> None:
-        """Snapshots of `rank` past a resumed step belong to an abandoned timeline."""
+        """Snapshots of `rank` past a resumed step belong to an abandoned timeline, and what a
+        killed writer left half written of it in the staging folder is nobody's."""
         for newer in [s for s in self.steps(rank) if s > step]:
             self.remove(newer, rank)
+        for left in (self.root / "incoming").glob(f"step-*-rank-{rank}.*"):
+            left.unlink(missing_ok=True)

@@ -175,3 +175,6 @@ def test_a_copy_arriving_while_its_steps_folder_is_pruned_still_lands(tmp_path):
     assert not folder.path(1, 0).parent.exists()
     folder.place(arriving, 1, 1)
     assert folder.steps(1) == [1] and folder.path(1, 1).read_bytes() == b"rank 1"
+    folder.staging(2, 1, "peer").write_bytes(b"half")  # a writer killed mid-copy
+    folder.forget_newer_than(1, 1)  # at restore
+    assert not list((tmp_path / "incoming").iterdir()) and folder.steps(1) == [1]
