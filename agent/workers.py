@@ -35,7 +35,7 @@ from agent.faults import FaultInjector
 from agent.hang import FrozenRanks, HangLimit
 from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
-from agent.oom import oom_kills
+from agent.oom import OomWatch
 from agent.procs import GROUP_MARKER_ENV, cpu_and_state, process_uid, signal_group, signal_marked
 from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
@@ -120,6 +120,7 @@ class WorkerGroup:
         self.runner_pids: dict[int, int] = {}
         self.exited: dict[int, dict[str, Any]] = {}
         self._faults = FaultInjector(command.faults, paths, self.owns, self.lose_node)
+        self._oom = OomWatch()  # the kernel's out-of-memory kills from now on
         self._ranks = SpoolReader()
         self._spool = SpoolReader()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -265,7 +266,7 @@ class WorkerGroup:
                 continue
             record = {k: v for k, v in record.items() if k != "oom"}  # the kernel's word, not the job's
             if record.get("signal") == "SIGKILL" and rank in self.rank_pids:
-                killed = oom_kills({self.rank_pids[rank]})  # by the out-of-memory killer? (agent/oom.py)
+                killed = self._oom.killed({self.rank_pids[rank]})  # by the out-of-memory killer? (agent/oom.py)
                 if killed:
                     record["oom"] = next(iter(killed.values()))
             self.exited[rank] = record
@@ -408,6 +409,7 @@ class WorkerGroup:
                         leftovers)
         if self.cgroup is not None and self.cgroups is not None:
             self.cgroups.empty(self.cgroup, self.spare())
+        self._oom.close()
         code = self._proc.returncode
         if self._ending is not None:
             self.end = self._ending
