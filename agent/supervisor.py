@@ -3,7 +3,6 @@
 import logging
 import os
 import pwd
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -215,9 +214,8 @@ class Supervisor:
                 changed = True
             if group.state.is_terminal:
                 del self.groups[key]
-            if group.state == WorkerState.SUCCEEDED and group.command.checkpoint.local_dir:
-                # The job is done: no attempt will resume from the local copies.
-                shutil.rmtree(group.command.checkpoint.local_dir, ignore_errors=True)
+            if group.state == WorkerState.SUCCEEDED:  # no attempt will resume from the local copies
+                group.remove_local_checkpoints()
         for key, (command, deadline) in list(self.held.items()):
             free = not self.groups and not self._waits_for_warm(command)
             if free or time.monotonic() >= deadline:  # past the deadline, a stuck group is not waited for

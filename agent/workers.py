@@ -240,9 +240,15 @@ class WorkerGroup:
         service learns of it from its peers' failure and the missing heartbeats."""
         log.warning("fault injection: losing this node (the ranks, the local checkpoints, the agent)")
         self.kill()
+        self.remove_local_checkpoints()
+        os.kill(os.getpid(), SIGKILL)
+
+    def remove_local_checkpoints(self) -> None:
+        """Removes the job's node-local checkpoint folder (the agent names it, in its own root). The
+        job writes inside it: shutil.rmtree walks it by descriptors and follows no link in it
+        (`shutil.rmtree.avoids_symlink_attacks` on Linux)."""
         if self.command.checkpoint.local_dir is not None:
             shutil.rmtree(self.command.checkpoint.local_dir, ignore_errors=True)
-        os.kill(os.getpid(), SIGKILL)
 
     def owns(self, pid: int) -> bool:
         """Whether `pid` is a process of this group, by the kernel's word (not the job's records):

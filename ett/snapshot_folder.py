@@ -35,8 +35,8 @@ class SnapshotFolder:
 
     def place(self, staging: Path, step: int, rank: int) -> Path:
         """Renames a whole snapshot into its step's folder (whole, or not there)."""
-        target = self.path(step, rank)
-        for tries_left in (2, 1, 0):  # a prune of the folder's last snapshot may remove it in between
+        target, tries_left = self.path(step, rank), 2
+        while True:  # a prune of the folder's last snapshot may remove it in between: made again
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.replace(staging, target)
@@ -44,7 +44,7 @@ class SnapshotFolder:
             except FileNotFoundError:
                 if not tries_left or not staging.exists():
                     raise
-        return target
+                tries_left -= 1
 
     def steps(self, rank: int) -> list[int]:
         """The steps this node holds a snapshot of `rank` of, newest first (written whole: renamed

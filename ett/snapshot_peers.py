@@ -152,14 +152,14 @@ class PeerReplica:
                     break
                 (step, path), self._newest, self._sending = self._newest, None, True
             started = time.thread_time()
-            self.send(step, path)
+            self._send(step, path)
             self.cpu_seconds += time.thread_time() - started
             with self._wake:
                 self._sending = False
                 self._wake.notify_all()
         self._drop_connection()
 
-    def send(self, step: int, path: Path) -> bool:
+    def _send(self, step: int, path: Path) -> bool:
         """Sends the snapshot file of `step` to the peer; True once the peer stored it whole."""
         if time.monotonic() < self._retry_at:
             return False
