@@ -44,4 +44,5 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 ContextDep = Annotated[ServiceContext, Depends(get_context)]
+# Closed at the end of the request; its endpoint's route closes it first (service/api/routing.py).
 SessionDep = Annotated[Session, Depends(get_session)]

@@ -15,6 +15,8 @@ T = TypeVar("T")
 # between thread hops. Few, because the work they do (ingesting event batches) is Python that
 # holds the GIL: more threads add no throughput, and with 10 of them the event loop and the
 # heartbeat writer waited so long for the GIL that agents were declared lost (BENCHMARKS.md, "Load").
+# SQLite's write lock is one, fewer than the threads: so no transaction of a request outlives its
+# hop (service/api/routing.py).
 DB_THREADS = 4
 
 

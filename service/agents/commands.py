@@ -1,6 +1,7 @@
 """The per-agent command queue and the wake-up signal that makes heartbeats long-poll."""
 
 import asyncio
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Collection
 from typing import Any
@@ -11,6 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
 from service.models import AgentCommand, Node, utcnow
+
+log = logging.getLogger("ett.service")
 
 AgentCommandModel = LaunchCommand | StopCommand | IntervalCommand
 
@@ -56,9 +59,15 @@ class CommandBell:
         """Rings for the commands other service processes queue for nodes whose heartbeats wait here."""
         while True:
             await asyncio.sleep(period)
-            if self._waiting:
-                for node_id in await run_in_threadpool(_with_pending, sessions, list(self._waiting)):
-                    self._events[node_id].set()
+            if not self._waiting:
+                continue
+            try:
+                pending = await run_in_threadpool(_with_pending, sessions, list(self._waiting))
+            except Exception:  # a database busy or away: the next period asks again (the watch must not die)
+                log.exception("looking for commands queued elsewhere failed; retrying next period")
+                continue
+            for node_id in pending:
+                self._events[node_id].set()
 
 
 def _with_pending(sessions: sessionmaker[Session], node_ids: list[int]) -> list[int]:

@@ -7,11 +7,12 @@ from fastapi import APIRouter, Query
 from service.agents.nodes import register_node
 from service.api.deps import AgentCallerDep, AgentDep
 from service.api.long_poll import answer_heartbeat
+from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
 from service.models import Node
 from service.schemas.agents import AgentRegister, Heartbeat, HeartbeatReply, NodeOut
 
-router = APIRouter(prefix="/agents", tags=["agents"])
+router = APIRouter(prefix="/agents", tags=["agents"], route_class=SessionRoute)
 
 
 def node_out(node: Node) -> NodeOut:

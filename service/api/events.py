@@ -4,6 +4,7 @@ from fastapi import APIRouter
 from sqlalchemy.orm import Session
 
 from service.api.deps import AdminDep, AgentCallerDep
+from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
 from service.ingest.batches import unprocessable
 from service.ingest.store import EventRejected, ingest
@@ -12,7 +13,7 @@ from service.outcomes import NotFound
 from service.schemas.events import AgentEventBatch, EventBatch, EventIn, IngestOut
 from service.settings import Settings
 
-router = APIRouter(tags=["events"])
+router = APIRouter(tags=["events"], route_class=SessionRoute)
 
 
 def _store(session: Session, batch: list[tuple[str, EventIn]], settings: Settings) -> IngestOut:

@@ -4,9 +4,10 @@ from fastapi import APIRouter, HTTPException, status
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
+from service.api.routing import SessionRoute
 from service.context import SessionDep
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=SessionRoute)
 
 
 @router.get("/healthz")

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Query, status
 
 from service.accounting.accounts import job_account, restored_steps
 from service.api.deps import UserDep, VisibleJobDep
+from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
 from service.jobs import notifications, scheduler
 from service.jobs.catalog import create_job, fleet_warnings, visible_jobs
@@ -13,7 +14,7 @@ from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec, SlurmOut
 from service.schemas.notify import NotificationOut
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], route_class=SessionRoute)
 
 
 def job_out(job: Job, restored: dict[int, int]) -> JobOut:

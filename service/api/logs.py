@@ -6,11 +6,12 @@ from fastapi import APIRouter, Query
 
 from service.agents.nodes import own_node
 from service.api.deps import AgentCallerDep, VisibleJobDep
+from service.api.routing import SessionRoute
 from service.context import SessionDep
 from service.jobs.logs import Piece, read_log, store_pieces
 from service.schemas.logs import AgentLogBatch, RankLogOut
 
-router = APIRouter(tags=["logs"])
+router = APIRouter(tags=["logs"], route_class=SessionRoute)
 
 
 @router.post("/agents/{name}/logs")

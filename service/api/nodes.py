@@ -6,10 +6,11 @@ from fastapi import APIRouter
 
 from service.agents.nodes import NodeView, drain_node, node_views, return_node
 from service.api.deps import AdminDep
+from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
 from service.schemas.agents import DrainRequest, NodeDetail, NodeOut
 
-router = APIRouter(prefix="/nodes", tags=["nodes"])
+router = APIRouter(prefix="/nodes", tags=["nodes"], route_class=SessionRoute)
 
 
 def detail(view: NodeView) -> NodeDetail:

@@ -8,11 +8,12 @@ from fastapi import APIRouter, Query
 
 from service.accounting.accounts import fleet_figures, job_report
 from service.api.deps import UserDep, VisibleJobDep
+from service.api.routing import SessionRoute
 from service.context import SessionDep
 from service.outcomes import Unprocessable
 from service.schemas.events import EttReport, FleetReport
 
-router = APIRouter(tags=["ett"])
+router = APIRouter(tags=["ett"], route_class=SessionRoute)
 
 
 @router.get("/jobs/{job_id}/ett")

@@ -68,6 +68,7 @@ def page_caller(request: Request, session: SessionDep) -> Token:
     if not secret:
         raise LoginNeeded("sign in with a user or admin token")
     token = find_token(session, secret)
+    session.commit()  # the read ends before the page's own hop, as in current_token (service/api/deps.py)
     if token is None:
         raise LoginNeeded("that token is not valid (revoked, mistyped or from another service)")
     if token.role not in (Role.user, Role.admin):

@@ -20,6 +20,7 @@ from service.accounting.accounts import (
     job_report,
 )
 from service.accounting.engine import CATEGORIES
+from service.api.routing import SessionRoute
 from service.context import SessionDep
 from service.jobs.catalog import visible_job, visible_jobs
 from service.jobs.logs import failure_tails
@@ -28,7 +29,7 @@ from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
 from service.pages.timeline import build_timeline, frame_of
 from service.pages.timeline_data import checkpoint_saves, step_time
 
-router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse)
+router = APIRouter(include_in_schema=False, default_response_class=HTMLResponse, route_class=SessionRoute)
 templates = Jinja2Templates(directory=Path(__file__).resolve().parents[1] / "templates")
 # Pages hold a user's private data and run no script: not cached, nothing loaded from elsewhere.
 HEADERS = {
