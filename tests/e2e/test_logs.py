@@ -16,13 +16,20 @@ from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 ETT = str(Path(sys.executable).parent / "ett")
+# Rank 1 fails once rank 0 has said hello (a mark in the node-local folder both ranks share): else,
+# on a loaded machine, rank 0 was once ended before its first line.
 FAILING = """
 import os, sys, time
 rank = int(os.environ["RANK"])
+said = os.path.join(os.environ["ETT_CHECKPOINT_LOCAL_DIR"], "rank-0-said-hello")
 print(f"hello from rank {rank}, key {os.environ['WANDB_API_KEY']}", flush=True)
-if rank == 1:
-    raise ValueError("bad batch")
-time.sleep(0.5)
+if rank == 0:
+    open(said, "w").close()
+    time.sleep(30)
+deadline = time.monotonic() + 60
+while not os.path.exists(said) and time.monotonic() < deadline:
+    time.sleep(0.05)
+raise ValueError("bad batch")
 """
 CHATTY = """
 import os, time
@@ -48,6 +55,9 @@ def test_ett_logs_shows_the_failed_ranks_traceback_and_follows_a_running_rank(tm
         out, err = ett_logs(c, failing).communicate(timeout=60)  # the failed rank's, by default
         assert "Traceback (most recent call last)" in out and "ValueError: bad batch" in out, (out, err)
         assert "hello from rank 1, key [redacted]" in out and "s3cr3t-key-123" not in out
+        # The agent ships output beside its events, not with the failure's report: rank 0's may come after.
+        wait_for(lambda: "hello from rank 0" in c.user.get(f"/api/v1/jobs/{failing}/logs", params={"rank": 0})
+                 .json()["text"], 30, "rank 0's output to be shipped")  # fmt: skip
         out, _ = ett_logs(c, failing, "--rank", "0").communicate(timeout=60)
         assert out.startswith("hello from rank 0") and "Traceback" not in out
 
