@@ -76,7 +76,7 @@ AgentCallerDep = Annotated[Caller, Depends(current_agent)]
 def get_visible_job(session: SessionDep, job_id: str, caller: UserDep) -> Job:
     """The job named in the path, if the caller may see it (its owner or an admin)."""
     job = visible_job(session, job_id, caller)
-    # Like current_token, end the read before the endpoint's hop (service/context.py, SessionDep);
+    # Like current_token, end the read before the endpoint's hop (service/api/routing.py);
     # the job is read again, in the endpoint's own transaction, at its first use.
     session.commit()
     if job is None:  # someone else's job answers 404 like a missing one: ids are not disclosed
