@@ -49,14 +49,14 @@ def _offer(folder: SnapshotFolder, ranks: set[int]) -> Offer:
     return offer
 
 
-def agree(folder: SnapshotFolder, rank: int, keeps_for: int | None,
+def agree(folder: SnapshotFolder, rank: int, held: set[int],
           group: dist.ProcessGroup | None) -> tuple[int | None, dict[int, int], list[Offer]]:
     """A collective: the step to resume from (None: the fast tier has none), who gives each rank
     its copy, and every rank's offer. Copies that do not verify are removed on the way."""
     world_size = dist.get_world_size(group)
     while True:
         offers: list = [None] * world_size
-        dist.all_gather_object(offers, _offer(folder, {rank} | ({keeps_for} - {None})), group=group)
+        dist.all_gather_object(offers, _offer(folder, held), group=group)
         step, sources = choose(offers, world_size)
         refused = []
         for whose, holder in sources.items():

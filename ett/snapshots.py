@@ -112,7 +112,8 @@ class LocalSnapshots:
         self._write_cpu_seconds = 0.0  # the last write's CPU time, which a busy node's steps lose
         self._last_cost: float | None = None  # the snapshot before's copy and write
         self.peers = PeerReplica.join(self.folder, group) if replicate else None
-        self.keeps_for = self.peers.keeps_for if self.peers is not None else None
+        # The ranks whose snapshots this node holds: this one's, and the peer's whose copies it keeps.
+        self.held = {rank} | ({self.peers.keeps_for} if self.peers is not None else set())
         self._peer_cpu_counted = 0.0
         self.restored_from = ""  # after a restore: "local-snapshot" or "peer-snapshot" (a peer's copy)
 
@@ -181,7 +182,7 @@ class LocalSnapshots:
         """A collective: the newest step of which every rank's snapshot exists and verifies, on its
         node or a peer's; after it each rank's own node holds its snapshot of that step (fetched
         from the peer when needed). None when there is no such step."""
-        step, sources, offers = snapshot_restore.agree(self.folder, self.rank, self.keeps_for, group)
+        step, sources, offers = snapshot_restore.agree(self.folder, self.rank, self.held, group)
         if dist.get_rank(group) == 0:  # why a restart did or did not resume from this tier
             from_peers = sorted(whose for whose, holder in sources.items() if holder != whose)
             logger.info("local snapshots: resuming from step %s%s; each rank's offer (whose state: steps): %s", step,
@@ -210,5 +211,5 @@ class LocalSnapshots:
     def forget_newer_than(self, step: int) -> None:
         """Snapshots past the resumed step belong to an abandoned timeline: this rank's, and the
         copies it keeps for its peer."""
-        for whose in {self.rank} | ({self.keeps_for} - {None}):
+        for whose in self.held:
             self.folder.forget_newer_than(whose, step)
