@@ -9,6 +9,9 @@ import threading
 
 DEFAULT_MAX_BYTES = 16 << 20
 CHUNK_BYTES = 1 << 16
+# How long a rank runner waits, once its rank has exited, for the rest of the rank's output (a child
+# of the rank may still hold the pipe); the agent reports the rank's failure once its runner is gone.
+OUTPUT_DRAIN_SECONDS = 2.0
 
 
 class RotatingLog:

@@ -22,11 +22,10 @@ from pathlib import Path
 from agent.jsonl import append_json_line
 from agent.launch_check import launch_problem
 from agent.procs import set_parent_death_signal
-from agent.rank_log import DEFAULT_MAX_BYTES, RotatingLog, copy_to_log
+from agent.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS, RotatingLog, copy_to_log
 from agent.warm_client import WARM_SOCKET_ENV, start_process
 from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file, rank_log
 
-LOG_DRAIN_SECONDS = 2.0
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
@@ -86,7 +85,8 @@ def main(argv: list[str]) -> int:
 
     returncode = child.wait()
     # The record first: the first failure recorded is the attempt's cause (a killed rank's, not the
-    # broken collective's of a peer that exits a moment later); then the rank's last lines.
+    # broken collective's of a peer that exits a moment later); then the rank's last lines, and only
+    # then our exit, which the agent waits for before it reports the failure (agent.workers).
     if fault_code is not None:
         record, code = {"rank": rank, "exit_code": fault_code, "fault": "exit"}, fault_code
     elif returncode < 0:
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
         record, code = {"rank": rank, "exit_code": returncode}, returncode
     append_json_line(args.ranks_file, record)
     if copying is not None:
-        copying.join(LOG_DRAIN_SECONDS)  # a child of the rank may hold the pipe: not waited for long
+        copying.join(OUTPUT_DRAIN_SECONDS)  # a child of the rank may hold the pipe: not waited for long
     return code
 
 

@@ -5,14 +5,16 @@
         +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
 
 A rank that fails makes torchrun tear the others down; the first failure recorded by a rank runner
-is the attempt's cause, reported the moment it is recorded (`reported_state`), before the group is
-gone: the service stops the other nodes and plans the restart meanwhile. Likewise a success is
-reported once every local rank has exited cleanly, before torchrun's own wind-down. Once every
-local rank has exited after a failure or a stop, torchrun is not waited for (it takes seconds to
-wind down). A hang is torn down at once with SIGKILL: the group is broken and its last committed
-checkpoint is all that counts. A stop gets SIGTERM, then SIGKILL after a grace. Whatever happens,
-every process carrying the group's marker is SIGKILLed at the end, and the attempt's cgroup is
-emptied (agent.cgroups): a rank that left its session and its environment behind is gone too.
+is the attempt's cause, reported as soon as that rank's last output is in its log (its runner has
+exited, which it does once the output pipe is drained: the service diagnoses from those lines),
+before the group is gone: the service stops the other nodes and plans the restart meanwhile.
+Likewise a success is reported once every local rank has exited cleanly, before torchrun's own
+wind-down. Once every local rank has exited after a failure or a stop and every runner has drained
+its rank's output, torchrun is not waited for (it takes seconds to wind down). A hang is torn down
+at once with SIGKILL: the group is broken and its last committed checkpoint is all that counts. A
+stop gets SIGTERM, then SIGKILL after a grace. Whatever happens, every process carrying the group's
+marker is SIGKILLed at the end, and the attempt's cgroup is emptied (agent.cgroups): a rank that
+left its session and its environment behind is gone too.
 Process ids are the kernel's: a pid in the ranks' records (the job's to write) is signalled only
 while it is in the attempt's cgroup (or, without one, carries the group's marker).
 """
@@ -37,7 +39,7 @@ from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.oom import OomWatch
 from agent.procs import GROUP_MARKER_ENV, cpu_and_state, process_uid, signal_group, signal_marked
-from agent.rank_log import DEFAULT_MAX_BYTES
+from agent.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
@@ -50,6 +52,8 @@ log = logging.getLogger(__name__)
 WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error", "oom")
 # How soon after a peer's plain exit a rank's SIGKILL is still taken for the cause (_is_root_cause).
 ROOT_CAUSE_SECONDS = 1.0
+# How long after a rank's exit record its runner is waited for (its output drained) at most.
+OUTPUT_WAIT_SECONDS = OUTPUT_DRAIN_SECONDS + 1.0
 
 
 class WorkerState(enum.StrEnum):
@@ -119,6 +123,7 @@ class WorkerGroup:
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
         self.exited: dict[int, dict[str, Any]] = {}
+        self._exited_at: dict[int, float] = {}  # when each rank's exit record was read
         self._faults = FaultInjector(command.faults, paths, self.owns, self.lose_node)
         self._oom = OomWatch()  # the kernel's out-of-memory kills from now on
         self._ranks = SpoolReader()
@@ -135,6 +140,7 @@ class WorkerGroup:
         self._marked_at: float | None = None  # the last change of any rank's progress mark
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
         self._ending_at: float | None = None
+        self._ending_rank: int | None = None  # the rank whose exit record decided it
         self._killed_at: float | None = None  # when the agent SIGKILLed the group
         self._kill_at: float | None = None
         self._pidfds: dict[int, int] = {}  # pid -> pidfd: torchrun's guard and the rank runners (agent.wakeup)
@@ -153,7 +159,8 @@ class WorkerGroup:
         """The attempt state the service is told: a failure as soon as it is decided, a success as
         soon as every local rank has exited cleanly (torchrun's own wind-down, a monitor period and
         its exit barrier, is not the job's time)."""
-        if not self.state.is_terminal and self._ending is not None and self._ending.state == WorkerState.FAILED:
+        if (not self.state.is_terminal and self._ending is not None and self._ending.state == WorkerState.FAILED
+                and self._output_in({self._ending_rank} - {None}, self.clock())):
             return WorkerState.FAILED.value
         if not self.state.is_terminal and self._ending is None and self._ranks_succeeded:
             return WorkerState.SUCCEEDED.value
@@ -166,6 +173,12 @@ class WorkerGroup:
     @property
     def _all_exited(self) -> bool:
         return len(self.exited) == self.command.nproc_per_node
+
+    def _output_in(self, ranks: set[int], now: float) -> bool:
+        """Whether the output of these exited ranks is all in their logs: their runners have exited
+        (each drains its rank's pipe first, agent.rank_runner), or waited for long enough."""
+        return all(self.runner_pids.get(rank) not in self._pidfds
+                   or now - self._exited_at[rank] >= OUTPUT_WAIT_SECONDS for rank in ranks)
 
     def start(self) -> None:
         """Starts torchrun's guard, puts it into the attempt's cgroup, then lets it go on."""
@@ -275,22 +288,22 @@ class WorkerGroup:
                 killed = self._oom.killed({self.rank_pids[rank]})  # by the out-of-memory killer? (agent/oom.py)
                 if killed:
                     record["oom"] = next(iter(killed.values()))
-            self.exited[rank] = record
+            self.exited[rank], self._exited_at[rank] = record, now
             self.events.emit("worker_exited", {k: v for k, v in record.items() if k in WORKER_EXITED_FIELDS})
             failure = end_of_rank(record)
             if failure is not None and self._ending is None:
                 log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, failure.detail)
-                self._ending, self._ending_at = failure, now
+                self._ending, self._ending_at, self._ending_rank = failure, now, rank
                 self._kill_at = now + self.stop_grace_seconds  # torchrun tears the rest down itself first
             elif failure is not None and self._is_root_cause(failure, now):
                 log.warning("attempt %s/%d: %s, the cause of %s", self.command.job_id, self.command.attempt,
                             failure.detail, self._ending.detail if self._ending else "")
-                self._ending = failure
+                self._ending, self._ending_rank = failure, rank
         if self.state == WorkerState.LAUNCHING and len(self.rank_pids) == self.command.nproc_per_node:
             self.state = WorkerState.RUNNING
         if self._all_exited and self._kill_at is None:
             self._kill_at = now + self.stop_grace_seconds  # torchrun should follow its ranks out
-        if self._all_exited and self._ending is not None:
+        if self._all_exited and self._ending is not None and self._output_in(set(self.exited), now):
             self._kill_at = now  # a failed or stopped group: nothing of torchrun's own teardown is needed
 
     def _is_root_cause(self, failure: GroupEnd, now: float) -> bool:
@@ -407,7 +420,7 @@ class WorkerGroup:
         self._read_rank_records(self.clock())
         for rank in sorted(self.rank_pids.keys() - self.exited.keys()):
             # No record: the runner was SIGKILLed (by us or by its parent's death), and so was its rank.
-            self.exited[rank] = {"rank": rank, "signal": "SIGKILL"}
+            self.exited[rank], self._exited_at[rank] = {"rank": rank, "signal": "SIGKILL"}, self.clock()
             self.events.emit("worker_exited", self.exited[rank])
         leftovers = signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
         if leftovers:

@@ -1,7 +1,8 @@
 """Failures diagnosed from the evidence, with real agents and torchrun ranks: an exception gives
-`exception` and its line, a memory hog under a memory cap `out_of_memory`, a missing module ends the
-job at its first attempt, and a job that fails the same way at the same step stops restarting. The
-library's injected faults (raise, fill_memory, fill_disk) fail a script on ett the same ways."""
+`exception` and its line, a memory hog under a memory cap `out_of_memory` (also when its last line
+reaches its log after its exit is recorded), a missing module ends the job at its first attempt, and
+a job that fails the same way at the same step stops restarting. The library's injected faults
+(raise, fill_memory, fill_disk) fail a script on ett the same ways."""
 
 import contextlib
 import os
@@ -28,6 +29,13 @@ for step in range(1, 100):
         raise RuntimeError("NaN loss at step 12")
 """
 MISSING_MODULE = "import no_such_module_anywhere"
+# The rank's last words reach its log after its exit is recorded: a child holding its output writes
+# them (as a slow copy of the rank's own traceback would land late on a loaded node).
+LATE_LAST_WORDS = """
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); print('MemoryError: late', flush=True)"])
+sys.exit(1)
+"""
 
 
 def job(name: str, code: str, **spec):
@@ -40,8 +48,10 @@ def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop
         c.start_agent("node-a")
         exception = c.wait_job(c.submit(**job("exception", EXCEPTION, max_restarts=0)))
         hog = c.wait_job(c.submit(**job("hog", MEMORY_HOG, max_restarts=0)))
-        for done, kind, summary in ((exception, "exception", "ValueError: bad batch"),
-                                    (hog, "out_of_memory", "MemoryError")):
+        late = c.wait_job(c.submit(**job("late", LATE_LAST_WORDS, max_restarts=0)))
+        expected = ((exception, "exception", "ValueError: bad batch"), (hog, "out_of_memory", "MemoryError"),
+                    (late, "out_of_memory", "MemoryError: late"))
+        for done, kind, summary in expected:
             [failure] = c.report(done["id"])["failures"]
             assert (failure["diagnosis"], failure["summary"]) == (kind, summary), failure
 
@@ -57,7 +67,7 @@ def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop
                                         "(max_same_failures)")
 
         fleet = c.user.get("/api/v1/ett").json()
-        assert fleet["failure_diagnoses"] == {"exception": 4, "import_error": 1, "out_of_memory": 1}
+        assert fleet["failure_diagnoses"] == {"exception": 4, "import_error": 1, "out_of_memory": 2}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small file system")
@@ -78,16 +88,20 @@ def test_injected_faults_fail_a_script_on_the_library_as_real_ones_would(tmp_pat
                 [failure] = c.report(job["id"])["failures"]
                 return failure
 
+            def evidence(failure: dict) -> tuple:
+                """What each side saw (once in CI the disk drill ended "torchrun exit code 1" with no rank
+                record, and the memory drill's rank log was read before its last lines were in it)."""
+                torchrun_logs = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
+                                           for p in (tmp_path / "node-a").rglob("torchrun.log"))
+                return failure, c.logs(), torchrun_logs
+
             raised = drill("raise", {"action": "raise", "exception": "ValueError", "message": "bad batch"})
             assert (raised["diagnosis"], raised["summary"]) == ("exception", "ValueError: bad batch")
             capped = ["prlimit", "--as=3000000000", *script]  # the rank's memory cap: 3 GB of address space
-            assert drill("memory", {"action": "fill_memory"}, capped)["diagnosis"] == "out_of_memory"
+            memory = drill("memory", {"action": "fill_memory"}, capped)
+            assert (memory["diagnosis"], memory["summary"]) == ("out_of_memory", "MemoryError"), evidence(memory)
             full = drill("disk", {"action": "fill_disk", "path": str(small)})
-            # Once in CI this ended "torchrun exit code 1" with no rank record: what each side saw.
-            torchrun_logs = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
-                                       for p in (tmp_path / "node-a").rglob("torchrun.log"))
-            assert full["diagnosis"] == "disk_full" and "No space left on device" in full["summary"], \
-                (full, c.logs(), torchrun_logs)
+            assert full["diagnosis"] == "disk_full" and "No space left on device" in full["summary"], evidence(full)
     finally:
         subprocess.run(["umount", str(small)], check=False)
 
