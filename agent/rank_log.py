@@ -2,16 +2,21 @@
 `rank-R.log.1` (the older part, replaced at each rotation), so a rank keeps at most twice that on
 its node, however much it prints. The rank runner copies the rank's stdout and stderr there from a
 pipe (agent.rank_runner); the agent ships what is new to the service (agent/log_shipper.py).
-Imported by the rank runner at every launch: os and threading only."""
+Imported by the rank runner at every launch: os, select and threading only."""
 
 import os
+import select
 import threading
 
 DEFAULT_MAX_BYTES = 16 << 20
 CHUNK_BYTES = 1 << 16
-# How long a rank runner waits, once its rank has exited, for the rest of the rank's output (a child
-# of the rank may still hold the pipe); the agent reports the rank's failure once its runner is gone.
-OUTPUT_DRAIN_SECONDS = 2.0
+# How long a rank runner waits, once its rank has exited, for what the rank wrote to be in its log
+# (milliseconds, unless the node is starved); the agent reports the rank's failure once it is.
+OUTPUT_DRAIN_SECONDS = 1.0
+# How long it then copies what a child of the rank, still holding the pipe, writes.
+CHILDREN_OUTPUT_SECONDS = 2.0
+# The rank runner's record that its rank's output is all in its log (agent.rank_runner -> agent.workers).
+OUTPUT_IN_LOG = "output_in_log"
 
 
 class RotatingLog:
@@ -38,19 +43,55 @@ class RotatingLog:
         os.close(self._fd)
 
 
-def copy_to_log(read_fd: int, log: RotatingLog) -> threading.Thread:
-    """Copies the pipe into the log until every writer has closed it (the rank and its children)."""
+class PipeCopier:
+    """Copies a pipe into the log, on a thread of its own, until every writer has closed it (the
+    rank and its children). `caught_up` tells when what is in the pipe now is in the log: a child of
+    the rank may hold the pipe long after the rank's exit, but the rank's own last words are there."""
 
-    def copy() -> None:
+    def __init__(self, read_fd: int, log: RotatingLog) -> None:
+        self._read_fd, self._log = read_fd, log
+        self._wake_read, wake_write = os.pipe()
+        self._wake_write: int | None = wake_write
+        self._caught_up = threading.Event()
+        self._thread = threading.Thread(target=self._copy, name="rank-log", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        poller = select.poll()
+        poller.register(self._read_fd, select.POLLIN)
+        poller.register(self._wake_read, select.POLLIN)
+        asked = False
         try:
-            while chunk := os.read(read_fd, CHUNK_BYTES):
-                log.write(chunk)
+            while True:
+                ready = dict(poller.poll(0 if asked and not self._caught_up.is_set() else None))
+                if self._wake_read in ready:
+                    poller.unregister(self._wake_read)  # asked once, for good
+                    asked = True
+                if self._read_fd in ready:
+                    chunk = os.read(self._read_fd, CHUNK_BYTES)
+                    if not chunk:
+                        break  # every writer is gone
+                    self._log.write(chunk)
+                elif asked:
+                    self._caught_up.set()  # the pipe read empty after the question: all it held is copied
         except OSError:
             pass  # a full disk: the rank's output is lost, not the rank
         finally:
-            os.close(read_fd)
-            log.close()
+            self._caught_up.set()
+            for fd in (self._read_fd, self._wake_read):
+                os.close(fd)
+            self._log.close()
 
-    thread = threading.Thread(target=copy, name="rank-log", daemon=True)
-    thread.start()
-    return thread
+    def caught_up(self, timeout: float) -> bool:
+        """Once the rank has exited: whether what it wrote is all in the log, within `timeout`."""
+        self._close_wake()  # the copier's poll sees the pipe's end: the question
+        return self._caught_up.wait(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+        self._close_wake()
+
+    def _close_wake(self) -> None:
+        if self._wake_write is not None:
+            os.close(self._wake_write)
+            self._wake_write = None

@@ -3,8 +3,9 @@
     torchrun --no-python python -m agent.rank_runner --ranks-file F --control-dir D
         [--log-dir L --log-max-bytes N] -- ARGV...
 
-Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts and `{"rank", "exit_code"}` or
-`{"rank", "signal"}` when it ends. Stop signals are passed on to the rank (with SIGCONT, so a
+Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts, `{"rank", "exit_code"}` or
+`{"rank", "signal"}` when it ends, and `{"rank", "output_in_log": true}` once what the rank wrote is
+in its log. Stop signals are passed on to the rank (with SIGCONT, so a
 stopped rank can act on them). SIGUSR1 is the agent's "exit" fault: the runner kills the rank and
 exits with the code written in D/rank-R.exit, so torchrun and the agent see a real non-zero exit.
 The rank lives in its own process group, so torchrun's signals reach it once, through here.
@@ -22,7 +23,14 @@ from pathlib import Path
 from agent.jsonl import append_json_line
 from agent.launch_check import launch_problem
 from agent.procs import set_parent_death_signal
-from agent.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS, RotatingLog, copy_to_log
+from agent.rank_log import (
+    CHILDREN_OUTPUT_SECONDS,
+    DEFAULT_MAX_BYTES,
+    OUTPUT_DRAIN_SECONDS,
+    OUTPUT_IN_LOG,
+    PipeCopier,
+    RotatingLog,
+)
 from agent.warm_client import WARM_SOCKET_ENV, start_process
 from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file, rank_log
 
@@ -51,7 +59,7 @@ def main(argv: list[str]) -> int:
         log_write = None
         if args.log_dir is not None:  # the rank's output, in its own bounded file (agent.rank_log)
             log_read, log_write = os.pipe()
-            copying = copy_to_log(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes))
+            copying = PipeCopier(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes))
         try:
             # Not the rank's business: it is forked warm or started fresh here.
             child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), log_write, process_group=0)
@@ -85,8 +93,8 @@ def main(argv: list[str]) -> int:
 
     returncode = child.wait()
     # The record first: the first failure recorded is the attempt's cause (a killed rank's, not the
-    # broken collective's of a peer that exits a moment later); then the rank's last lines, and only
-    # then our exit, which the agent waits for before it reports the failure (agent.workers).
+    # broken collective's of a peer that exits a moment later); then the rank's last lines, which the
+    # agent waits for before it reports the failure (agent.workers): the service diagnoses from them.
     if fault_code is not None:
         record, code = {"rank": rank, "exit_code": fault_code, "fault": "exit"}, fault_code
     elif returncode < 0:
@@ -95,7 +103,9 @@ def main(argv: list[str]) -> int:
         record, code = {"rank": rank, "exit_code": returncode}, returncode
     append_json_line(args.ranks_file, record)
     if copying is not None:
-        copying.join(OUTPUT_DRAIN_SECONDS)  # a child of the rank may hold the pipe: not waited for long
+        if copying.caught_up(OUTPUT_DRAIN_SECONDS):
+            append_json_line(args.ranks_file, {"rank": rank, OUTPUT_IN_LOG: True})
+        copying.join(CHILDREN_OUTPUT_SECONDS)  # a child of the rank may hold the pipe: not waited for long
     return code
 
 

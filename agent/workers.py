@@ -5,16 +5,16 @@
         +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
 
 A rank that fails makes torchrun tear the others down; the first failure recorded by a rank runner
-is the attempt's cause, reported as soon as that rank's last output is in its log (its runner has
-exited, which it does once the output pipe is drained: the service diagnoses from those lines),
-before the group is gone: the service stops the other nodes and plans the restart meanwhile.
+is the attempt's cause, reported as soon as that rank's last output is in its log (its runner says
+so once it has read the rank's pipe empty: the service diagnoses from those lines), before the
+group is gone: the service stops the other nodes and plans the restart meanwhile.
 Likewise a success is reported once every local rank has exited cleanly, before torchrun's own
-wind-down. Once every local rank has exited after a failure or a stop and every runner has drained
-its rank's output, torchrun is not waited for (it takes seconds to wind down). A hang is torn down
-at once with SIGKILL: the group is broken and its last committed checkpoint is all that counts. A
-stop gets SIGTERM, then SIGKILL after a grace. Whatever happens, every process carrying the group's
-marker is SIGKILLed at the end, and the attempt's cgroup is emptied (agent.cgroups): a rank that
-left its session and its environment behind is gone too.
+wind-down. Once every local rank has exited after a failure or a stop and its output is in its log,
+torchrun is not waited for (it takes seconds to wind down). A hang is torn down at once with
+SIGKILL: the group is broken and its last committed checkpoint is all that counts. A stop gets
+SIGTERM, then SIGKILL after a grace. Whatever happens, every process carrying the group's marker is
+SIGKILLed at the end, and the attempt's cgroup is emptied (agent.cgroups): a rank that left its
+session and its environment behind is gone too.
 Process ids are the kernel's: a pid in the ranks' records (the job's to write) is signalled only
 while it is in the attempt's cgroup (or, without one, carries the group's marker).
 """
@@ -39,7 +39,7 @@ from agent.job_user import RunAs, make_passable
 from agent.launch import rank_argv, torchrun_argv, worker_env
 from agent.oom import OomWatch
 from agent.procs import GROUP_MARKER_ENV, cpu_and_state, process_uid, signal_group, signal_marked
-from agent.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS
+from agent.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS, OUTPUT_IN_LOG
 from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
 from agent.wakeup import exited, open_pidfd
 from ett.events import read_progress_mark
@@ -52,8 +52,8 @@ log = logging.getLogger(__name__)
 WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error", "oom")
 # How soon after a peer's plain exit a rank's SIGKILL is still taken for the cause (_is_root_cause).
 ROOT_CAUSE_SECONDS = 1.0
-# How long after a rank's exit record its runner is waited for (its output drained) at most.
-OUTPUT_WAIT_SECONDS = OUTPUT_DRAIN_SECONDS + 1.0
+# How long after a rank's exit record its output is waited for at most (its runner's drain, and a margin).
+OUTPUT_WAIT_SECONDS = OUTPUT_DRAIN_SECONDS + 0.5
 
 
 class WorkerState(enum.StrEnum):
@@ -124,6 +124,7 @@ class WorkerGroup:
         self.runner_pids: dict[int, int] = {}
         self.exited: dict[int, dict[str, Any]] = {}
         self._exited_at: dict[int, float] = {}  # when each rank's exit record was read
+        self._in_log: set[int] = set()  # ranks whose runner said their output is all in their log
         self._faults = FaultInjector(command.faults, paths, self.owns, self.lose_node)
         self._oom = OomWatch()  # the kernel's out-of-memory kills from now on
         self._ranks = SpoolReader()
@@ -175,9 +176,9 @@ class WorkerGroup:
         return len(self.exited) == self.command.nproc_per_node
 
     def _output_in(self, ranks: set[int], now: float) -> bool:
-        """Whether the output of these exited ranks is all in their logs: their runners have exited
-        (each drains its rank's pipe first, agent.rank_runner), or waited for long enough."""
-        return all(self.runner_pids.get(rank) not in self._pidfds
+        """Whether the output of these exited ranks is all in their logs: their runners said so or
+        have exited (agent.rank_runner), or they were waited for long enough."""
+        return all(rank in self._in_log or self.runner_pids.get(rank) not in self._pidfds
                    or now - self._exited_at[rank] >= OUTPUT_WAIT_SECONDS for rank in ranks)
 
     def start(self) -> None:
@@ -282,6 +283,9 @@ class WorkerGroup:
                     self.rank_pids[rank], self.runner_pids[rank] = pid, runner_pid
                     if self.owns(runner_pid):
                         self._watch(runner_pid)
+                continue
+            if record.get(OUTPUT_IN_LOG) is True:
+                self._in_log.add(rank)
                 continue
             record = {k: v for k, v in record.items() if k != "oom"}  # the kernel's word, not the job's
             if record.get("signal") == "SIGKILL" and rank in self.rank_pids:

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.rank_log import RotatingLog, copy_to_log
+from agent.rank_log import PipeCopier, RotatingLog
 
 PRINTER = "import sys\nline = 'x' * 99 + '\\n'\nfor _ in range(int(sys.argv[1])):\n    sys.stdout.write(line)\n"
 
@@ -24,7 +24,7 @@ def run(lines: int, folder: Path, through_pipe: bool) -> tuple[float, float]:
     started = time.perf_counter()
     if through_pipe:
         read_fd, write_fd = os.pipe()
-        copying = copy_to_log(read_fd, RotatingLog(str(folder / "rank-0.log"), 16 << 20))
+        copying = PipeCopier(read_fd, RotatingLog(str(folder / "rank-0.log"), 16 << 20))
         subprocess.run([sys.executable, "-c", PRINTER, str(lines)], stdout=write_fd, check=True)
         os.close(write_fd)
         copying.join()

@@ -3,17 +3,19 @@ service piece by piece, a rotation's rest included, nothing lost across an agent
 
 import json
 import os
+import subprocess
+import sys
 
 import httpx
 
 from agent.log_shipper import PIECE_BYTES, LogShipper
-from agent.rank_log import RotatingLog, copy_to_log
+from agent.rank_log import PipeCopier, RotatingLog
 
 
 def test_a_rank_that_prints_without_end_keeps_at_most_twice_the_bound(tmp_path):
     read_fd, write_fd = os.pipe()
     path = tmp_path / "rank-0.log"
-    copying = copy_to_log(read_fd, RotatingLog(str(path), max_bytes=100_000))
+    copying = PipeCopier(read_fd, RotatingLog(str(path), max_bytes=100_000))
     line = b"y" * 99 + b"\n"
     for i in range(20_000):  # 2 MB
         os.write(write_fd, b"%08d" % i + line[8:])
@@ -23,6 +25,25 @@ def test_a_rank_that_prints_without_end_keeps_at_most_twice_the_bound(tmp_path):
     assert all(size <= 100_000 + 65536 for size in sizes) and sum(sizes) <= 2 * (100_000 + 65536)
     assert path.read_bytes().endswith(b"%08d" % 19_999 + line[8:])  # the newest output is kept
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_caught_up_means_what_the_pipe_held_is_in_the_log_though_a_child_still_holds_it(tmp_path):
+    """The runner's question once its rank has exited: the rank's last words are copied, and a
+    child of the rank that keeps the pipe open (a data loader's worker, a checkpoint process) is not
+    waited for; what the child writes later is still copied until it lets go."""
+    read_fd, write_fd = os.pipe()
+    path = tmp_path / "rank-0.log"
+    copying = PipeCopier(read_fd, RotatingLog(str(path)))
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); print('the child, late')"],
+                             stdin=subprocess.PIPE, stdout=write_fd)  # holds the pipe until told
+    last_words = b"x" * 50_000 + b"\nMemoryError\n"
+    os.write(write_fd, last_words)
+    os.close(write_fd)  # the rank exits
+    assert copying.caught_up(timeout=30)
+    assert path.read_bytes() == last_words and child.poll() is None
+    child.communicate(b"")  # the child writes its line and exits
+    copying.join(30)
+    assert path.read_bytes() == last_words + b"the child, late\n"
 
 
 class Service:

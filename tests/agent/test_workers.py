@@ -135,6 +135,31 @@ def test_a_failure_is_reported_at_once_and_the_next_launch_waits_for_the_group_t
     assert {r.attempt: r.state for r in supervisor.reports.snapshot()} == {0: "failed", 1: "succeeded"}
 
 
+LAST_WORDS_AND_A_CHILD = """
+import subprocess, sys
+child = subprocess.Popen(["sleep", "120"])  # it holds the rank's output pipe
+print(f"child {child.pid}", flush=True)
+print("MemoryError: the last words", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_failure_is_reported_once_the_ranks_last_words_are_in_its_log_and_its_child_is_not_waited_for(supervisor):
+    """The service diagnoses a failure from the rank's last lines as soon as it is reported: those
+    lines are in the rank's log by then (its runner read its pipe empty after the exit), while a
+    child that still holds the pipe delays nothing and is gone with the group."""
+    command = launch_command(nproc=1, entrypoint=[sys.executable, "-c", LAST_WORDS_AND_A_CHILD])
+    supervisor.launch(command)
+    group = supervisor.groups[command.key]
+    wait_for(lambda: supervisor.reports.snapshot()[0].state == "failed", 60, "the failure",
+             while_waiting=supervisor.poll)
+    log = (group.paths.logs_dir / "rank-0.log").read_text()
+    assert log.endswith("MemoryError: the last words\n"), log
+    assert supervisor.reports.snapshot()[0].detail == "rank 0 exit code 1"
+    run_to_end(supervisor, timeout=30)
+    assert not pid_alive(int(log.split()[1]))
+
+
 def test_hang_after_first_step_is_caught_within_the_timeout(supervisor):
     command = launch_command("--steps", "1000", "--hang-at-step", "2", hang_timeout_seconds=2.0)
     supervisor.launch(command)
