@@ -2,8 +2,9 @@
 `rank-R.log.1` (the older part, replaced at each rotation), so a rank keeps at most twice that on
 its node, however much it prints. The rank runner copies the rank's stdout and stderr there from a
 pipe (agent.rank_runner); the agent ships what is new to the service (agent/log_shipper.py).
-Imported by the rank runner at every launch: os, select and threading only."""
+Imported by the rank runner at every launch: a few modules of the standard library only."""
 
+import contextlib
 import os
 import select
 import threading
@@ -30,9 +31,10 @@ class RotatingLog:
 
     def write(self, data: bytes) -> None:
         if self._size and self._size + len(data) > self.max_bytes:
-            os.close(self._fd)
             os.replace(self.path, self.path + ".1")
-            self._fd, self._size = self._open(), 0
+            fresh = self._open()  # first: a full disk leaves the old descriptor in place, still ours to close
+            os.close(self._fd)
+            self._fd, self._size = fresh, 0
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
@@ -71,11 +73,10 @@ class PipeCopier:
                     chunk = os.read(self._read_fd, CHUNK_BYTES)
                     if not chunk:
                         break  # every writer is gone
-                    self._log.write(chunk)
+                    with contextlib.suppress(OSError):  # a full disk: the rank's output is lost, not the rank
+                        self._log.write(chunk)  # (a pipe nobody reads would stop it, a closed one end it)
                 elif asked:
                     self._caught_up.set()  # the pipe read empty after the question: all it held is copied
-        except OSError:
-            pass  # a full disk: the rank's output is lost, not the rank
         finally:
             self._caught_up.set()
             for fd in (self._read_fd, self._wake_read):

@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from agent.log_shipper import PIECE_BYTES, LogShipper
 from agent.rank_log import PipeCopier, RotatingLog
+from tests.support.waiting import wait_for
 
 
 def test_a_rank_that_prints_without_end_keeps_at_most_twice_the_bound(tmp_path):
@@ -44,6 +46,33 @@ def test_caught_up_means_what_the_pipe_held_is_in_the_log_though_a_child_still_h
     child.communicate(b"")  # the child writes its line and exits
     copying.join(30)
     assert path.read_bytes() == last_words + b"the child, late\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small file system")
+def test_a_full_disk_loses_the_ranks_output_not_the_rank(tmp_path):
+    """The log's disk fills up: the copy goes on reading the pipe (a pipe nobody reads would stop the
+    rank at its next print, a closed one end it), and writes again once there is room."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
+    try:
+        read_fd, write_fd = os.pipe()
+        path, printed = small / "rank-0.log", tmp_path / "printed"
+        copying = PipeCopier(read_fd, RotatingLog(str(path), max_bytes=1 << 20))
+        rank = subprocess.Popen([sys.executable, "-c", "import sys\nfor i in range(20_000): print('x' * 99)\n"
+                                 f"sys.stdout.flush(); open({str(printed)!r}, 'w').close()\n"
+                                 "sys.stdin.read(); print('room again')"],
+                                stdin=subprocess.PIPE, stdout=write_fd)  # 2 MB, then a line once told
+        os.close(write_fd)
+        wait_for(printed.exists, 60, "the rank to print its 2 MB")
+        assert path.stat().st_size <= 64 << 10
+        os.truncate(path, 0)  # room again
+        rank.communicate(b"")
+        copying.join(30)
+        assert rank.returncode == 0
+        assert path.read_bytes() == b"room again\n"
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
 
 
 class Service:
