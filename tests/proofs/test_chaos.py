@@ -97,11 +97,13 @@ def tiny_job(name: str, checkpoint_dir, steps: int, interval: int, faults: list[
 
 
 def test_rank_killed_while_checkpoint_is_written_resumes_from_the_previous_committed(tmp_path):
-    # Rank 1 is SIGKILLed the moment rank 0 reports step 8, whose checkpoint then starts. Its
-    # shard file is a named pipe, so the write stalls like a hung disk: the kill always lands
-    # mid-write, however late the agent sees step 8. The pipe is laid once step 4's save has
-    # begun: a fresh run's restore removes any step folder left from before it.
-    kill = {"attempt": 0, "rank": 1, "at_step": 8, "action": "kill"}
+    # Rank 1 is SIGKILLed the moment rank 0 reports step 9: step 8's checkpoint has begun (its
+    # save waited for step 4's commit first; a kill at step 8 itself could land before that commit
+    # on a loaded machine, and did once in CI). Rank 1's shard file of step 8 is a named pipe, so
+    # the write stalls like a hung disk: the kill always lands mid-write, however late the agent
+    # sees step 9. The pipe is laid once step 4's save has begun: a fresh run's restore removes any
+    # step folder left from before it.
+    kill = {"attempt": 0, "rank": 1, "at_step": 9, "action": "kill"}
     root = tmp_path / "checkpoints" / "alice" / "ckpt"  # inside alice's area (tests/proofs/cluster.py)
     stalled = root / "step-00000008"
 
