@@ -157,11 +157,12 @@ class WorkerGroup:
 
     @property
     def reported_state(self) -> str:
-        """The attempt state the service is told: a failure as soon as it is decided, a success as
-        soon as every local rank has exited cleanly (torchrun's own wind-down, a monitor period and
-        its exit barrier, is not the job's time)."""
+        """The attempt state the service is told: a failure as soon as it is decided and the failed
+        rank's last output is in its log, a success as soon as every local rank has exited cleanly
+        (torchrun's own wind-down, a monitor period and its exit barrier, is not the job's time)."""
+        failed_ranks = set() if self._ending_rank is None else {self._ending_rank}  # none for a hang
         if (not self.state.is_terminal and self._ending is not None and self._ending.state == WorkerState.FAILED
-                and self._output_in({self._ending_rank} - {None}, self.clock())):
+                and self._output_in(failed_ranks, self.clock())):
             return WorkerState.FAILED.value
         if not self.state.is_terminal and self._ending is None and self._ranks_succeeded:
             return WorkerState.SUCCEEDED.value
