@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ett.checkpoint_staging import ReusedBufferStager
@@ -49,6 +49,7 @@ from ett.folders import (
 from ett.protocol import JobEnv
 from ett.snapshots import LocalSnapshots
 from ett.state import ModelOptimizerState
+from ett.state_load import LoadReport, ReportingLoadPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -139,18 +140,6 @@ def find_resume_folder(cfg: CheckpointConfig) -> Path | None:
     if cfg.resume_from == "none":
         return None
     return first_verified(resume_candidates(cfg.dir, None if cfg.resume_from == "auto" else cfg.resume_from))
-
-
-class _NotingLoadPlanner(DefaultLoadPlanner):
-    """DCP's own load plan, noting what the checkpoint holds that the state has no place for:
-    DCP loads only the state's keys and passes over the others without a word."""
-
-    not_loaded: list[str] = []
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        if metadata is not None:
-            self.not_loaded = sorted(set(metadata.state_dict_metadata) - set(self.state_dict))
 
 
 class Checkpointer:
@@ -262,9 +251,10 @@ class Checkpointer:
             self.in_flight.result()
             self.in_flight = None
 
-    def restore(self, state: dict) -> tuple[int, list[str]]:
-        """Load the checkpoint to resume from into `state`; returns its step (0: none) and the
-        keys the checkpoint holds that `state` has no place for (not loaded)."""
+    def restore(self, state: dict) -> tuple[int, LoadReport]:
+        """Load the checkpoint to resume from into `state`, from whichever tier holds the newest
+        (ett/state_load.py's rules for all); returns its step (0: none) and what did not match:
+        saved entries `state` has no place for, and entries of `state` the checkpoint lacks."""
         self.wait_for_staging()
         chosen = [None]
         if self.rank == 0:
@@ -273,10 +263,12 @@ class Checkpointer:
         dist.broadcast_object_list(chosen, src=0, group=self.group)
         local = self._newest_snapshot()
         if local is not None and (chosen[0] is None or local > step_of(Path(chosen[0]))):
-            return self._restore_snapshot(local, state), []
+            self.events.emit("restore_start")
+            report = self.snapshots.load(local, state)
+            return self._restored(local, self.snapshots.restored_from, report), report
         if chosen[0] is None:
             self._retire_newer_than(0)
-            return 0, []
+            return 0, LoadReport()
         folder = Path(chosen[0])
         manifest = read_manifest(folder)
         if manifest["world_size"] != self.world_size:
@@ -285,14 +277,11 @@ class Checkpointer:
         self.events.emit("restore_start")
         local = step_folder(self.cfg.local_dir, step_of(folder)) if self.cfg.local_dir else None
         reader = TieredReader(folder, local, manifest["files"])
-        planner = _NotingLoadPlanner()
+        planner = ReportingLoadPlanner()
         dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group)
-        step = manifest["step"]
         logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,
                     reader.bytes_read["local"], reader.bytes_read["persistent"])
-        self.events.emit("restore_end", step=step, source=reader.source)
-        self._retire_newer_than(step)
-        return step, planner.not_loaded
+        return self._restored(manifest["step"], reader.source, planner.report), planner.report
 
     def _newest_snapshot(self) -> int | None:
         """The newest step of which every rank's snapshot is held, on its node or a peer's, unless
@@ -301,13 +290,14 @@ class Checkpointer:
             return None
         return self.snapshots.restore_step(self.group)
 
-    def _restore_snapshot(self, step: int, state: dict) -> int:
-        self.events.emit("restore_start")
-        self.snapshots.load(step, state)
-        source = self.snapshots.restored_from
-        logger.info("resumed from the snapshot of step %d (%s)", step,
-                    "its own node's" if source == "local-snapshot" else "a peer node's copy")
-        self.events.emit("restore_end", step=step, source=source)
+    def _restored(self, step: int, source: str, report: LoadReport) -> int:
+        """A restore done, from any tier: said alike, with what did not match."""
+        if source in ("local-snapshot", "peer-snapshot"):
+            logger.info("resumed from the snapshot of step %d (%s)", step,
+                        "its own node's" if source == "local-snapshot" else "a peer node's copy")
+        if report:
+            logger.warning("restore of step %d (%s): %s", step, source, report.describe())
+        self.events.emit("restore_end", step=step, source=source, **report.event_fields())
         self._retire_newer_than(step)
         return step
 

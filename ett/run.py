@@ -147,7 +147,8 @@ class Run(FrameworkHooks):
         self._init_marked = False
         self._pid = os.getpid()
         self._open_step: Step | None = None  # begun by begin_step, not ended yet
-        self.keys_not_restored: list[str] = []  # what run.restore found saved that its template lacks
+        self.keys_not_restored: list[str] = []  # what run.restore found saved that `state` has no place for
+        self.keys_missing: list[str] = []  # what `state` gave run.restore that the checkpoint lacks
         self._closed = False
         self._sigterm = False  # this rank got SIGTERM
         self._stop_agreed = False  # some rank did, and every rank knows (should_stop)
@@ -205,15 +206,13 @@ class Run(FrameworkHooks):
     def restore(self, state: dict[str, Any]) -> int:
         """Loads, in place, the checkpoint the service named or else the newest committed one that
         verifies in the job's folder; returns its step (0: none, the state is left as it is).
-        What the checkpoint holds that `state` has no place for is not loaded: its keys are in
-        `run.keys_not_restored`, and logged."""
+        What the checkpoint holds that `state` has no place for is not loaded (its keys are in
+        `run.keys_not_restored`), what `state` holds that the checkpoint lacks keeps its value
+        (`run.keys_missing`); both are logged and in the `restore_end` event (ett/state_load.py)."""
         if not self._config.dir:
             return 0
-        step, self.keys_not_restored = self._get_checkpointer().restore(state)
-        if self.keys_not_restored:
-            named = ", ".join(self.keys_not_restored[:10]) + (", ..." if len(self.keys_not_restored) > 10 else "")
-            logger.warning("run.restore: the checkpoint of step %d holds %d entries the state given has no place "
-                           "for, not loaded: %s", step, len(self.keys_not_restored), named)
+        step, report = self._get_checkpointer().restore(state)  # what did not match is logged there
+        self.keys_not_restored, self.keys_missing = report.not_restored, report.missing
         self._last_step = step
         return step
 

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from ett import snapshot_file, snapshot_restore
 from ett.snapshot_file import Slot, StagingBuffer
 from ett.snapshot_folder import SnapshotFolder, snapshots_root
 from ett.snapshot_peers import PeerReplica
+from ett.state_load import LoadReport, load_saved
 
 logger = logging.getLogger(__name__)
 MAX_SHARE = 0.05  # of a step's time, for the copy a snapshot costs the training loop
@@ -61,21 +61,6 @@ def template(value: Any, found: list[tuple[Slot, torch.Tensor]]) -> Any:
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         return template(value.state_dict(), found)
     return value
-
-
-def filled(current: Any, saved: Any) -> Any:
-    """`saved` shaped as `current` is: each DTensor rebuilt from this rank's saved shard with the
-    current layout, tensors on the current device."""
-    if isinstance(current, dict) and isinstance(saved, dict):
-        return {key: filled(current.get(key), item) for key, item in saved.items()}
-    if isinstance(current, list | tuple) and isinstance(saved, list | tuple) and len(current) == len(saved):
-        return type(saved)(filled(c, s) for c, s in zip(current, saved, strict=True))
-    if isinstance(current, DTensor) and isinstance(saved, torch.Tensor):
-        return DTensor.from_local(saved.to(current.device), current.device_mesh, current.placements,
-                                  run_check=False, shape=current.shape, stride=current.stride())
-    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
-        return saved.to(current.device)
-    return saved
 
 
 def next_every(every: int, cost: float, step_seconds: float, previous_cost: float | None = None) -> int:
@@ -194,19 +179,10 @@ class LocalSnapshots:
         self.restored_from = "local-snapshot" if sources[self.rank] == self.rank else "peer-snapshot"
         return step
 
-    def load(self, step: int, state: dict[str, Any]) -> None:
-        """Loads this rank's snapshot of `step` into `state`, in place."""
-        saved = snapshot_file.read(self.folder.path(step, self.rank))["state"]
-        for key, value in saved.items():
-            current = state[key]
-            if hasattr(current, "load_local_state"):
-                current.load_local_state(value)
-            elif isinstance(current, Stateful):
-                current.load_state_dict(filled(current.state_dict(), value))
-            elif isinstance(current, torch.Tensor):
-                current.copy_(value)
-            else:
-                state[key] = value
+    def load(self, step: int, state: dict[str, Any]) -> LoadReport:
+        """Loads this rank's snapshot of `step` into `state`, in place, by the rules every tier
+        shares (ett/state_load.py); returns what did not match."""
+        return load_saved(state, snapshot_file.read(self.folder.path(step, self.rank))["state"])
 
     def forget_newer_than(self, step: int) -> None:
         """Snapshots past the resumed step belong to an abandoned timeline: this rank's, and the

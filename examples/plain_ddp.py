@@ -36,9 +36,16 @@ def train(args: argparse.Namespace) -> None:
             model = DistributedDataParallel(layers)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             torch.manual_seed(1 + rank)  # each rank its own dropout masks
-            state = {"app": ett.ModelOptimizerState(model, optimizer), "rng": ett.RNGState(rank)}
 
-        start = run.restore(state)
+        def training_state() -> dict:
+            # As DCP takes it: state dicts, taken anew for each save (`optimizer.state_dict()` is a
+            # new dict each call, its moments there once the first step made them).
+            return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": ett.RNGState(rank)}
+
+        state = training_state()
+        start = run.restore(state)  # the model's tensors in place; the optimizer's moments added to its dict
+        if start:
+            optimizer.load_state_dict(state["optim"])
         run.total_steps = args.steps  # the service weighs a straggler's cost over the steps left
         for step in range(start + 1, args.steps + 1):
             with run.step(step, tokens=16 * dist.get_world_size()) as s:
@@ -49,7 +56,7 @@ def train(args: argparse.Namespace) -> None:
                 optimizer.step()
                 time.sleep(args.step_seconds)
                 s.loss = loss.item()
-            run.checkpoint(step, state, force=step == args.steps)
+            run.checkpoint(step, training_state(), force=step == args.steps)
 
     if args.out and rank == 0:
         torch.save(model.module.state_dict(), args.out)
