@@ -265,15 +265,21 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
                 if job.reason != reason:  # written when it changes, not every tick
                     job.reason = reason
             continue
-        nodes = _prefer_previous_nodes(job, fitting)[: spec.nodes]
+        nodes = rank_order(job, fitting, spec.nodes)
         _start_attempt(session, settings, job, nodes, now)
         idle = [node for node in idle if node not in nodes]
 
 
-def _prefer_previous_nodes(job: Job, idle: Sequence[Node]) -> list[Node]:
-    """Nodes of the last attempt first, in their old rank order: their local checkpoints are warm."""
+def rank_order(job: Job, idle: Sequence[Node], count: int) -> list[Node]:
+    """`count` of the idle nodes, in the order of their node ranks. The last attempt's nodes keep
+    their node ranks (their local checkpoints and snapshots are of those ranks' state), and a new
+    node takes a lost node's rank: a peer keeps each rank's snapshot copies by rank
+    (ett/snapshot_peers.py), so the survivors' copies line up only if no survivor's rank shifts,
+    whichever node was lost (rank 0's too)."""
     previous = {s.node_id: s.node_rank for s in job.attempts[-1].nodes} if job.attempts else {}
-    return sorted(idle, key=lambda n: (previous.get(n.id, len(previous)), n.name))
+    kept = {previous[n.id]: n for n in idle if previous.get(n.id, count) < count}
+    others = iter(sorted((n for n in idle if n not in kept.values()), key=lambda n: n.name))
+    return [kept[rank] if rank in kept else next(others) for rank in range(count)]
 
 
 def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float) -> None:
