@@ -30,6 +30,9 @@ class MoEConfig:
     z_loss_coef: float = 0.001
     aux_free_bias: bool = False  # DeepSeek-V3 bias that steers selection toward underused experts
     bias_update_rate: float = 0.001
+    # The experts' matmuls: None picks torch._grouped_mm where it has a fast kernel (CUDA, bf16,
+    # 16-byte aligned rows) and the per-expert loop elsewhere; true forces it, false the loop.
+    grouped_mm: bool | None = None
 
     def validate(self) -> None:
         if self.num_experts < 1:
@@ -144,6 +147,7 @@ class MoE(nn.Module):
         self.cfg = cfg
         self.router = TopKRouter(dim, cfg)
         self.experts = GroupedExperts(dim, cfg.expert_hidden_dim, cfg.num_experts)
+        self.experts.use_grouped_mm = cfg.grouped_mm
         self.shared_expert = FeedForward(dim, cfg.expert_hidden_dim) if cfg.shared_expert else None
         # Set by trainer.parallel: the EP group exchanges tokens, the data-parallel group
         # sums the expert load (stats and the aux-free bias must agree on every rank).
