@@ -48,8 +48,9 @@ from ett.folders import (
 )
 from ett.protocol import JobEnv
 from ett.snapshots import LocalSnapshots
-from ett.state import ModelOptimizerState
-from ett.state_load import LoadReport, ReportingLoadPlanner
+from ett.state import ModelOptimizerState, is_stateful
+from ett import rank_values
+from ett.state_load import REPORTED_KEYS, LoadReport, ReportingLoadPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +201,8 @@ class Checkpointer:
         # the background copy is done by its next optimizer.step.
         self.events.emit("ckpt_staged", step=step)
         self.events.writing(True)  # until committed or failed: steps are slower meanwhile (agent/hang.py)
-        self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder)
+        self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder,
+                                               rank_values.digests(state))
         return True
 
     def snapshot(self, step: int, state: dict) -> None:
@@ -214,15 +216,19 @@ class Checkpointer:
         changes parameters or optimizer state (optimizer.step, a load)."""
         self.stager.wait_for_copies()
 
-    def _commit(self, upload: Future, step: int, folder: Path) -> None:
+    def _commit(self, upload: Future, step: int, folder: Path, digests: dict[str, int]) -> None:
         try:
             # A failed background copy fails the upload too, which raises below on every rank
             # (gather_manifest's collective is reached all the same): no commit.
             written = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
-            files = gather_manifest(upload, written, folder, self.group)
-            if self.rank == 0:
-                nbytes = write_marker(folder, step, self.world_size, files)
-                self.events.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes)
+            gathered = gather_manifest(upload, written, folder, self.group, digests)
+            if gathered is not None:  # rank 0
+                files, differs = gathered
+                if differs:
+                    logger.warning("checkpoint of step %d: %s", step, rank_values.describe(differs))
+                nbytes = write_marker(folder, step, self.world_size, files, **{rank_values.MANIFEST_KEY: differs})
+                self.events.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes,
+                                 **({rank_values.MANIFEST_KEY: differs[:REPORTED_KEYS]} if differs else {}))
                 logger.info("checkpoint %s committed (%.1f MiB)", folder, nbytes / 2**20)
             self.pruner.submit(self._prune, step)
         except Exception as error:
@@ -277,8 +283,9 @@ class Checkpointer:
         self.events.emit("restore_start")
         local = step_folder(self.cfg.local_dir, step_of(folder)) if self.cfg.local_dir else None
         reader = TieredReader(folder, local, manifest["files"])
-        planner = ReportingLoadPlanner()
+        planner = ReportingLoadPlanner({key for key, value in state.items() if is_stateful(value)}, self.rank)
         dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group)
+        planner.report.differed = manifest.get(rank_values.MANIFEST_KEY, [])
         logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,
                     reader.bytes_read["local"], reader.bytes_read["persistent"])
         return self._restored(manifest["step"], reader.source, planner.report), planner.report

@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from ett.rank_values import differing
+
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 16 << 20
@@ -67,15 +69,18 @@ def own_shard_files(folder: Path, rank: int) -> list[Path]:
     return sorted(folder.glob(f"__{rank}_*.distcp"))
 
 
-def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.ProcessGroup) -> dict[str, dict] | None:
+def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.ProcessGroup,
+                    digests: dict[str, int]) -> tuple[dict[str, dict], list[str]] | None:
     """Run by every rank once DCP's save to `written` is done. Each rank takes care of its own
     shard files: copied to `folder` durably when `written` is the local tier, else read back for
     their CRC-32s in place (DCP fsynced them; they are still in the page cache). So each rank reads
     only what it wrote, all ranks at once: rank 0 alone reading every rank's files would take as
     long as the whole checkpoint's size over one reader. One all-gather (reached even by a rank
     whose part failed, so none waits for ever) tells all that every part is done; then rank 0
-    adds DCP's metadata, copied last as DCP writes it. Returns the manifest's entries on rank 0,
-    None on the others; raises on every rank when any rank's part failed."""
+    adds DCP's metadata, copied last as DCP writes it. The same gather carries each rank's
+    `digests` of the entries DCP keeps one copy of (ett/rank_values.py). Returns, on rank 0, the
+    manifest's entries and the keys whose values differed between ranks; None on the others;
+    raises on every rank when any rank's part failed."""
     def record(path: Path) -> dict[str, int]:
         return file_entry(path) if written == folder else copy_durably(path, folder / path.name)
 
@@ -89,15 +94,15 @@ def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.Pro
     except Exception as exc:
         error = f"rank {rank}: {exc!r}"
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (entries, error), group=group)
-    errors = [error for _, error in gathered if error]
+    dist.all_gather_object(gathered, (entries, error, digests), group=group)
+    errors = [error for _, error, _ in gathered if error]
     if errors:
         raise RuntimeError(f"checkpoint {folder}: saving failed: {'; '.join(errors)}")
     if rank != 0:
         return None
-    files = {name: entry for rank_entries, _ in gathered for name, entry in rank_entries.items()}
+    files = {name: entry for rank_entries, _, _ in gathered for name, entry in rank_entries.items()}
     files[".metadata"] = record(written / ".metadata")
-    return files
+    return files, differing([rank_digests for _, _, rank_digests in gathered])
 
 
 class TieredFileSystem(FileSystem):

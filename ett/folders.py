@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ett.checkpoint_tiers import file_crc32, file_entry
 
@@ -64,9 +65,10 @@ def folder_manifest(folder: Path) -> Manifest:
     return {str(p.relative_to(folder)): file_entry(p) for p in files}
 
 
-def write_marker(folder: Path, step: int, world_size: int, files: Manifest) -> int:
-    """Commit a checkpoint whose files are all durable in `folder`; returns its size in bytes."""
-    manifest = {"step": step, "world_size": world_size, "files": files}
+def write_marker(folder: Path, step: int, world_size: int, files: Manifest, **notes: Any) -> int:
+    """Commit a checkpoint whose files are all durable in `folder`; returns its size in bytes.
+    `notes`: more of the manifest, each one left out when empty."""
+    manifest = {"step": step, "world_size": world_size, "files": files} | {k: v for k, v in notes.items() if v}
     fsync_folder(folder)  # the files' directory entries are durable before the marker
     tmp = folder / f"{MARKER}.tmp"
     with open(tmp, "w") as f:

@@ -13,6 +13,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 
+def is_stateful(value: object) -> bool:
+    """DCP's `Stateful`, as isinstance would say it (a protocol: that check is slow)."""
+    return hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+
+
 class ModelOptimizerState(Stateful):
     """Model and optimizer as DCP sees them (sharded DTensor state for FSDP2, plain for DDP or one
     process), saved and loaded in place. A save copies their tensors in the background until
