@@ -17,7 +17,7 @@ session of 2026-11-26).
 import pickle
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
@@ -27,6 +27,7 @@ MAGIC = b"ETTSNAP1"
 ALIGN = 64  # bytes: every dtype's view of the buffer starts aligned
 TRAILER = struct.Struct("<8sI")  # b"ETTCRC32", the CRC-32 of the bytes before it
 TRAILER_TAG = b"ETTCRC32"
+MIN_BYTES = len(MAGIC) + 8 + TRAILER.size  # an empty header and no tensors
 CHUNK_BYTES = 4 << 20
 
 
@@ -93,18 +94,25 @@ def write(file: BinaryIO, header: bytes, buffer: torch.Tensor) -> None:
     file.write(TRAILER.pack(TRAILER_TAG, zlib.crc32(data, zlib.crc32(prefix))))
 
 
-def verify(path: Path) -> str | None:
+def verify(path: Path, feed: Callable[[bytes], object] | None = None) -> str | None:
     """Why the file at `path` is not a whole snapshot (cut short, corrupt), or None when it is:
-    its bytes match the trailer's CRC-32. Read in chunks: a rank's snapshot may be gigabytes."""
+    its bytes match the trailer's CRC-32. Read in chunks: a rank's snapshot may be gigabytes.
+    `feed` gets every byte of the file as read (a peer's copy's seal, ett/snapshot_mac.py, is
+    checked in the same pass)."""
     try:
         size = path.stat().st_size
-        if size < len(MAGIC) + 8 + TRAILER.size:
+        if size < MIN_BYTES:
             return "cut short"
         crc, left = 0, size - TRAILER.size
         with open(path, "rb") as file:
             while left and (chunk := file.read(min(CHUNK_BYTES, left))):
                 crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-            tag, expected = TRAILER.unpack(file.read(TRAILER.size))
+                if feed is not None:
+                    feed(chunk)
+            trailer = file.read(TRAILER.size)
+            if feed is not None:
+                feed(trailer)
+            tag, expected = TRAILER.unpack(trailer)
     except OSError as error:
         return f"unreadable ({error.strerror})"
     if tag != TRAILER_TAG:

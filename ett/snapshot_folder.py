@@ -3,7 +3,8 @@
 A node holds the snapshots of its own ranks and, with replication (ett/snapshot_peers.py), the
 copies its ranks keep for the ranks of the node before it in the ring. Both are named by the rank
 whose state they hold, not by who wrote them, so a restart finds a rank's state by its rank
-whichever node now runs it.
+whichever node now runs it. A peer's copy has its seal beside it, `step-N/rank-R.seal`: the proof
+that it passed its MAC on arrival, checked before a restore takes it (ett/snapshot_mac.py).
 """
 
 import contextlib
@@ -25,6 +26,9 @@ class SnapshotFolder:
     def path(self, step: int, rank: int) -> Path:
         return self.root / f"step-{step:08d}" / f"rank-{rank}.snap"
 
+    def seal(self, step: int, rank: int) -> Path:
+        return self.path(step, rank).with_suffix(".seal")
+
     def staging(self, step: int, rank: int, writer: str) -> Path:
         """Where `writer` ("own", "peer", "fetched") writes a snapshot before `place` puts it in:
         a folder no pruning removes (a step's folder goes once its last snapshot does, and a copy
@@ -33,12 +37,16 @@ class SnapshotFolder:
         incoming.mkdir(parents=True, exist_ok=True)
         return incoming / f"step-{step:08d}-rank-{rank}.{writer}"
 
-    def place(self, staging: Path, step: int, rank: int) -> Path:
-        """Renames a whole snapshot into its step's folder (whole, or not there)."""
+    def place(self, staging: Path, step: int, rank: int, seal: bytes | None = None) -> Path:
+        """Renames a whole snapshot into its step's folder (whole, or not there); a peer's copy
+        with its `seal`, written first: a copy in place has its seal (one that lost it to a racing
+        prune is refused at restore, never taken without)."""
         target, tries_left = self.path(step, rank), 2
         while True:  # a prune of the folder's last snapshot may remove it in between: made again
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
+                if seal is not None:
+                    self.seal(step, rank).write_bytes(seal)
                 os.replace(staging, target)
                 return target
             except FileNotFoundError:
@@ -62,6 +70,7 @@ class SnapshotFolder:
         """Removes one snapshot; the last one out removes the step's folder. Other ranks of the node
         (and their peers' receivers) share the folders and may remove one meanwhile."""
         self.path(step, rank).unlink(missing_ok=True)
+        self.seal(step, rank).unlink(missing_ok=True)
         folder = self.path(step, rank).parent
         with contextlib.suppress(FileNotFoundError):
             if not any(folder.glob("rank-*.snap")):

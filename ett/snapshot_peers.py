@@ -7,21 +7,23 @@ peer keeps it on its node-local disk, beside its own (ett/snapshot_folder.py): a
 snapshots of its own ranks and those of the node before it, `KEEP` of each.
 
 Off the training process group and the loop: once the rank's snapshot writer thread has written a
-snapshot, a sender thread sends that file (`socket.sendfile`: no copy in memory) over a TCP
-connection of its own and waits for the peer's word that it is stored. At most one snapshot per
-rank is in flight; one written meanwhile waits, and a newer one replaces it (the local tier never
-waits for the peer). The peer's receiver thread streams it to disk through one buffer (bounded memory) and
-renames it into place once whole, then acknowledges; its CRC-32 (the snapshot's trailer,
-ett/snapshot_file.py) is checked before a restore takes it. A peer that cannot be reached is
-tried again after `RETRY_SECONDS`; the local tier goes on meanwhile.
+snapshot, a sender thread sends that file through one buffer, hashing it on the way, then its MAC,
+over a TCP connection of its own, and waits for the peer's word that it is stored. At most one
+snapshot per rank is in flight; one written meanwhile waits, and a newer one replaces it (the
+local tier never waits for the peer). The peer's receiver thread streams it to disk through one
+buffer (bounded memory), and once whole and its MAC matches, renames it into place beside its
+seal, then acknowledges; its CRC-32 (the snapshot's trailer, ett/snapshot_file.py) and its seal
+are checked before a restore takes it. A peer that cannot be reached is tried again after
+`RETRY_SECONDS`; the local tier goes on meanwhile.
 
 Other jobs' processes share the nodes, and a snapshot's header is unpickled on restore: a receiver
 takes copies only from its own ring neighbour, over a connection that proved it knows the job's
 attempt secret (HMAC-SHA256 of a fresh nonce; the secret is handed to the ranks over their own
-process group).
+process group), and each copy only with its MAC, its header judged before a byte of it is read
+(ett/snapshot_mac.py: which keys, where the proof lives until the restore, the size bound). All of
+it is per connection and per message: more peers would be more of the same.
 """
 
-import hashlib
 import hmac
 import logging
 import os
@@ -34,14 +36,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ett.snapshot_file import TRAILER, TRAILER_TAG
+from ett import snapshot_mac
 from ett.snapshot_folder import SnapshotFolder
+from ett.snapshot_mac import MAC_BYTES, PROOF, STREAM, copy_through, from_secret
 
 logger = logging.getLogger(__name__)
 
 NONCE_BYTES = 16
-HELLO = struct.Struct("<32sq")  # HMAC-SHA256(secret, nonce + source rank), the source rank
-MESSAGE = struct.Struct("<qQ")  # the step, the file's size; then the file's bytes
+HELLO = struct.Struct("<32sq")  # snapshot_mac.from_secret(secret, PROOF, nonce, source rank), the source rank
+MESSAGE = struct.Struct("<qQ")  # the step, the file's size; then the file's bytes, then their MAC (MAC_BYTES)
 STORED, REFUSED = b"\x01", b"\x00"
 CHUNK_BYTES = 4 << 20
 HANDSHAKE_SECONDS = 5.0
@@ -118,6 +121,7 @@ class PeerReplica:
         self.folder, self.rank, (self.sends_to, self.keeps_for) = folder, rank, ring
         self._listener, self._secret, self._peer_address = listener, secret, peer_address
         self._conn: socket.socket | None = None
+        self._stream_key = b""  # the connection's (snapshot_mac.from_secret)
         self._retry_at = 0.0
         self.cpu_seconds = 0.0  # the sender's and receiver's CPU time so far, which the node's steps lose
         self._newest: tuple[int, Path] | None = None  # written, not yet sent
@@ -128,7 +132,7 @@ class PeerReplica:
         threading.Thread(target=self._send_newest, name="ett-snapshot-peer-out", daemon=True).start()
 
     def _proof(self, nonce: bytes, source: int) -> bytes:
-        return hmac.new(self._secret, nonce + source.to_bytes(8, "little", signed=True), hashlib.sha256).digest()
+        return from_secret(self._secret, PROOF, nonce, source)
 
     # -- sending, in a thread of its own ----------------------------------------------------------
     def offer(self, step: int, path: Path) -> None:
@@ -145,6 +149,7 @@ class PeerReplica:
             return self._wake.wait_for(lambda: self._newest is None and not self._sending, timeout)
 
     def _send_newest(self) -> None:
+        chunk = memoryview(bytearray(CHUNK_BYTES))  # the buffer each file passes through
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._newest is not None or self._closed)
@@ -152,15 +157,16 @@ class PeerReplica:
                     break
                 (step, path), self._newest, self._sending = self._newest, None, True
             started = time.thread_time()
-            self._send(step, path)
+            self._send(step, path, chunk)
             self.cpu_seconds += time.thread_time() - started
             with self._wake:
                 self._sending = False
                 self._wake.notify_all()
         self._drop_connection()
 
-    def _send(self, step: int, path: Path) -> bool:
-        """Sends the snapshot file of `step` to the peer; True once the peer stored it whole."""
+    def _send(self, step: int, path: Path, chunk: memoryview) -> bool:
+        """Sends the snapshot file of `step` to the peer through `chunk`, then its MAC; True once
+        the peer stored it whole."""
         if time.monotonic() < self._retry_at:
             return False
         try:
@@ -169,11 +175,13 @@ class PeerReplica:
             return False
         try:
             with file:
-                conn = self._conn or self._connect()
-                conn.sendall(MESSAGE.pack(step, os.fstat(file.fileno()).st_size))
-                conn.sendfile(file)
+                conn, size = self._conn or self._connect(), os.fstat(file.fileno()).st_size
+                conn.sendall(MESSAGE.pack(step, size))
+                # Read to be hashed, and sent from the same buffer: one pass (sendfile would need a second).
+                digest = copy_through(file.readinto, conn.sendall, chunk, size)
+                conn.sendall(snapshot_mac.mac(self._stream_key, step, self.rank, size, digest))
             if _receive_exactly(conn, 1) != STORED:
-                raise ConnectionError("it refused the copy (not whole on arrival)")
+                raise ConnectionError("it refused the copy (see its log)")
             return True
         except OSError as error:
             logger.warning("snapshot of step %d not replicated to rank %d at %s:%d: %s; trying again in %.0f s",
@@ -191,7 +199,7 @@ class PeerReplica:
         except OSError:
             conn.close()
             raise
-        self._conn = conn
+        self._conn, self._stream_key = conn, from_secret(self._secret, STREAM, nonce, self.rank)
         return conn
 
     def _drop_connection(self) -> None:
@@ -214,11 +222,12 @@ class PeerReplica:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                source = self._handshake(conn)
-                if source is None:
+                proved = self._handshake(conn)
+                if proved is None:
                     logger.warning("a connection to the snapshot receiver of rank %d did not prove it is rank %d "
                                    "of this job; closed", self.rank, self.keeps_for)
                     return
+                source, key = proved
                 conn.settimeout(TRANSFER_SECONDS)
                 chunk = memoryview(bytearray(CHUNK_BYTES))
                 while True:
@@ -226,15 +235,23 @@ class PeerReplica:
                         step, size = MESSAGE.unpack(_receive_exactly(conn, MESSAGE.size))
                     except ConnectionError:  # the sender closed between two snapshots
                         return
+                    if why := snapshot_mac.refusal(self.folder, self.rank, step, size):
+                        logger.warning("rank %d announced a snapshot copy of step %d, %d bytes: refused unread (%s); "
+                                       "connection closed", source, step, size, why)
+                        conn.sendall(REFUSED)
+                        return  # its bytes follow, unread: the connection cannot go on
                     started = time.thread_time()
-                    stored = self._store(conn, chunk, source, step, size)
+                    stored = self._store(conn, chunk, key, source, step, size)
                     self.cpu_seconds += time.thread_time() - started
                     conn.sendall(STORED if stored else REFUSED)
+                    if not stored:  # altered on its way, or not from the rank it proved: trusted no more
+                        return
             except OSError as error:
                 logger.info("snapshot copies from rank %d: connection ended (%s)", self.keeps_for, error)
 
-    def _handshake(self, conn: socket.socket) -> int | None:
-        """The rank the connection proved it is (the one this rank keeps copies for), else None."""
+    def _handshake(self, conn: socket.socket) -> tuple[int, bytes] | None:
+        """The rank the connection proved it is (the one this rank keeps copies for) and the key of
+        its messages, else None."""
         try:
             conn.settimeout(HANDSHAKE_SECONDS)
             nonce = secrets.token_bytes(NONCE_BYTES)
@@ -244,32 +261,25 @@ class PeerReplica:
             self._handshakes.release()
         if source != self.keeps_for or not hmac.compare_digest(proof, self._proof(nonce, source)):
             return None
-        return source
+        return source, from_secret(self._secret, STREAM, nonce, source)
 
-    def _store(self, conn: socket.socket, chunk: memoryview, source: int, step: int, size: int) -> bool:
-        """Streams one snapshot to disk through `chunk`, a buffer reused for the connection's life;
-        renamed into place only when whole, its trailer there. Its CRC-32 is checked before any
-        restore reads it (ett/snapshot_restore.py): a second pass here would cost the node's steps
+    def _store(self, conn: socket.socket, chunk: memoryview, key: bytes, source: int, step: int, size: int) -> bool:
+        """Streams one snapshot to disk through `chunk`, a buffer reused for the connection's life,
+        hashing it on the way, then reads its MAC; renamed into place, its seal beside it, only
+        when its MAC matches, else deleted: False. Its CRC-32 is checked with its seal before any
+        restore takes it (ett/snapshot_restore.py): a pass for it here would cost the node's steps
         CPU at every snapshot. Raises when the connection breaks (the partial file goes)."""
-        if size < TRAILER.size:
-            raise ConnectionError(f"a snapshot of {size} bytes: not one")
         staging = self.folder.staging(step, source, "peer")
-        left = size - TRAILER.size
         try:
             with open(staging, "wb") as file:
-                while left > 0:
-                    received = conn.recv_into(chunk, min(len(chunk), left))
-                    if not received:
-                        raise ConnectionError("the connection closed mid-snapshot")
-                    file.write(chunk[:received])
-                    left -= received
-                trailer = _receive_exactly(conn, TRAILER.size)
-                file.write(trailer)
-            if TRAILER.unpack(trailer)[0] != TRAILER_TAG:
-                logger.warning("the copy of rank %d's snapshot of step %d arrived without its trailer; refused",
-                               source, step)
+                digest = copy_through(conn.recv_into, file.write, chunk, size)
+            if not hmac.compare_digest(_receive_exactly(conn, MAC_BYTES),
+                                       snapshot_mac.mac(key, step, source, size, digest)):
+                logger.warning("the copy of rank %d's snapshot of step %d failed its MAC (altered on its way, or not "
+                               "from that rank); discarded, refused, connection closed", source, step)
                 return False
-            self.folder.place(staging, step, source)
+            seal_key = snapshot_mac.node_key(self.folder.root)  # read here: a disk's trouble ends a copy, not the rank
+            self.folder.place(staging, step, source, snapshot_mac.mac(seal_key, step, source, size, digest))
         finally:
             staging.unlink(missing_ok=True)
         self.folder.prune(source)

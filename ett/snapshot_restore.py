@@ -4,10 +4,13 @@ Every rank offers the snapshots its node holds of itself and, with replication, 
 keeps copies for (ett/snapshot_peers.py). The ranks agree on the newest step of which every
 rank's snapshot is offered by someone: a rank takes its own copy when its node has one, else the
 copy its peer keeps (a lost node's replacement). Before the choice stands, each copy chosen is
-verified by its holder (the CRC-32 of ett/snapshot_file.py); one torn or corrupt is removed and
-the choice is made again without it: the next copy of the same step, else an older step, else
-none (the checkpointer then reads the persistent tier). Copies then move holder to rank over the
-checkpointer's own process group, and are written to the rank's node-local folder before loading.
+verified by its holder (the CRC-32 of ett/snapshot_file.py and, for a peer's copy, its seal: the
+proof it passed its MAC on arrival, ett/snapshot_mac.py); one torn, corrupt or without a matching
+seal is removed and the choice is made again without it: the next copy of the same step, else an
+older step, else none (the checkpointer then reads the persistent tier). So no peer's copy is
+unpickled unverified. Copies then move holder to rank over the checkpointer's own process group
+(the job's channel, whose collectives unpickle already), and are written to the rank's node-local
+folder, as its own snapshot, before loading.
 """
 
 import logging
@@ -15,7 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ett import snapshot_file
+from ett import snapshot_mac
 from ett.snapshot_folder import SnapshotFolder
 
 logger = logging.getLogger(__name__)
@@ -60,8 +63,8 @@ def agree(folder: SnapshotFolder, rank: int, held: set[int],
         step, sources = choose(offers, world_size)
         refused = []
         for whose, holder in sources.items():
-            if holder == rank and (why := snapshot_file.verify(path := folder.path(step, whose))):
-                logger.warning("snapshot %s of rank %d refused: %s", path, whose, why)
+            if holder == rank and (why := snapshot_mac.verify(folder, step, whose, sealed=whose != rank)):
+                logger.warning("snapshot %s of rank %d refused: %s", folder.path(step, whose), whose, why)
                 folder.remove(step, whose)
                 refused.append(whose)
         everyone_refused: list = [None] * world_size

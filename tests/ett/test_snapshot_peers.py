@@ -1,20 +1,26 @@
 """The replicated fast tier (ett/snapshot_peers.py, ett/snapshot_restore.py) with real processes:
 each rank's snapshots reach its peer node; a lost node's rank resumes from its peer's copy; a
 torn or corrupt copy is refused for the next one; a process that is not the job's rank cannot
-place a copy."""
+place a copy; a copy altered on its way, announced beyond bound, or on disk without its seal is
+refused (ett/snapshot_mac.py)."""
 
 import json
+import logging
+import pickle
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from ett import snapshot_file, snapshot_mac
 from ett.snapshot_folder import SnapshotFolder, snapshots_root
-from ett.snapshot_peers import HELLO, MESSAGE, NONCE_BYTES, ring_peers
+from ett.snapshot_peers import HELLO, MESSAGE, NONCE_BYTES, REFUSED, PeerReplica, ring_peers
 from ett.snapshot_restore import choose
 from tests.trainer.trainer_runs import REPO
 
@@ -78,6 +84,7 @@ def test_each_snapshot_reaches_the_peer_node_byte_for_byte_and_each_keeps_two(sa
         assert node(saved, rank).steps(rank) == [4, 3]
         assert node(saved, peer).steps(rank) == [4, 3]  # the copies, on the other node
         assert node(saved, peer).path(4, rank).read_bytes() == node(saved, rank).path(4, rank).read_bytes()
+        assert snapshot_mac.verify(node(saved, peer), 4, rank, sealed=True) is None  # its seal beside it
 
 
 def test_a_lost_nodes_rank_resumes_from_its_peers_copy(saved):
@@ -178,3 +185,107 @@ def test_a_copy_arriving_while_its_steps_folder_is_pruned_still_lands(tmp_path):
     folder.staging(2, 1, "peer").write_bytes(b"half")  # a writer killed mid-copy
     folder.forget_newer_than(1, 1)  # at restore
     assert not list((tmp_path / "incoming").iterdir()) and folder.steps(1) == [1]
+
+
+class RunsCode:
+    """A header that, unpickled, creates the file `marker`: what a forged copy could do at restore."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def test_a_copy_on_disk_without_a_matching_seal_is_never_unpickled(saved):
+    """Rank 1's node is lost. Its copy of step 4 on node 0 is replaced by a whole snapshot (its
+    CRC-32 matches) whose header runs code, and its copy of step 3 loses its seal: both are
+    refused, neither unpickled, and both ranks fall back to the persistent tier."""
+    shutil.rmtree(saved / "node-1")
+    holder, marker = node(saved, 0), saved / "unpickled"
+    with open(holder.path(4, 1), "wb") as file:
+        snapshot_file.write(file, pickle.dumps(RunsCode(marker)), torch.empty(0, dtype=torch.uint8))
+    holder.seal(3, 1).unlink()
+    assert snapshot_file.verify(holder.path(4, 1)) is None  # whole: only its seal tells
+    assert snapshot_mac.verify(holder, 4, 1, sealed=True) == "its seal does not match (not the copy that arrived)"
+    assert snapshot_mac.verify(holder, 3, 1, sealed=True).startswith("it has no seal")
+    assert [r["step"] for r in restored(saved)] == [None, None]
+    assert not marker.exists() and holder.steps(1) == []  # never unpickled; refused for good
+
+
+def snapshot(folder: SnapshotFolder, step: int, rank: int) -> Path:
+    staging = folder.staging(step, rank, "own")
+    with open(staging, "wb") as file:
+        snapshot_file.write(file, pickle.dumps({"step": step}), torch.arange(4096, dtype=torch.uint8))
+    return folder.place(staging, step, rank)
+
+
+def relay(target: tuple[str, int], flip_at: int) -> socket.socket:
+    """A man in the middle: relays one connection to `target` both ways, the handshake untouched,
+    and flips a bit of the byte `flip_at` bytes into what the sender sends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pump(source: socket.socket, sink: socket.socket, flip_at: int) -> None:
+        passed = 0
+        try:
+            while data := bytearray(source.recv(1 << 16)):
+                if 0 <= flip_at - passed < len(data):
+                    data[flip_at - passed] ^= 0x01
+                passed += len(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        for conn in (source, sink):
+            conn.close()
+
+    def accept() -> None:
+        sender, _ = listener.accept()
+        receiver = socket.create_connection(target)
+        threading.Thread(target=pump, args=(receiver, sender, -1), daemon=True).start()
+        pump(sender, receiver, flip_at)
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener
+
+
+@pytest.mark.parametrize("flip_at", [HELLO.size, HELLO.size + MESSAGE.size + 1000], ids=["step", "payload"])
+def test_a_copy_altered_on_its_way_is_refused_and_never_placed(tmp_path, caplog, flip_at):
+    """Rank 0 sends its snapshot to rank 1 (real sockets, their real threads) through a man in the
+    middle who lets the handshake pass and flips one bit of the step or of the snapshot's bytes."""
+    secret, sender_folder, receiver_folder = b"s" * 32, SnapshotFolder(tmp_path / "a"), SnapshotFolder(tmp_path / "b")
+    receiver = PeerReplica(receiver_folder, 1, (0, 0), socket.create_server(("127.0.0.1", 0)), secret, ("0.0.0.0", 9))
+    middle = relay(receiver._listener.getsockname()[:2], flip_at)
+    sender = PeerReplica(sender_folder, 0, (1, 1), socket.create_server(("127.0.0.1", 0)), secret,
+                         middle.getsockname()[:2])
+    with caplog.at_level(logging.WARNING):
+        sender.offer(2, snapshot(sender_folder, 2, 0))
+        assert sender.flush(timeout=30)
+    assert receiver_folder.steps(0) == []  # of no step: the flipped one (3) nor the sent one (2)
+    assert not list((receiver_folder.root / "incoming").iterdir())  # discarded
+    assert "failed its MAC" in caplog.text and "refused the copy" in caplog.text  # said by both
+    for replica in (sender, receiver):
+        replica.close()
+    middle.close()
+
+
+def test_a_message_beyond_the_bound_or_with_a_negative_step_is_refused_before_a_byte_is_read(tmp_path):
+    """The job's own sender (it knows the secret) announces a copy of 1 PiB, one past the bound set by
+    the receiver's own snapshot, and one of step -1: each refused and the connection closed with
+    only the header sent, nothing staged."""
+    folder = SnapshotFolder(tmp_path / "w2")  # not there yet: the receiver's rank has written no snapshot
+    receiver = PeerReplica(folder, 1, (0, 0), socket.create_server(("127.0.0.1", 0)), b"s" * 32, ("0.0.0.0", 9))
+    address = receiver._listener.getsockname()[:2]
+
+    def announce(step: int, size: int) -> bytes:
+        with socket.create_connection(address, timeout=10) as conn:
+            nonce = conn.recv(NONCE_BYTES)
+            conn.sendall(HELLO.pack(receiver._proof(nonce, 0), 0) + MESSAGE.pack(step, size))
+            return conn.recv(1) + conn.recv(1)  # the answer, then the close
+
+    assert announce(1, 1 << 50) == REFUSED  # no own snapshot yet: the disk's free space bounds
+    snapshot(folder, 1, 1)  # this rank's own: 4 KiB and its header
+    assert announce(2, snapshot_mac.SIZE_FLOOR + 1) == REFUSED
+    assert announce(-1, 1 << 20) == REFUSED
+    assert not list((folder.root / "incoming").iterdir())  # the own snapshot's staging, renamed; no copy staged
+    assert folder.steps(0) == []
+    receiver.close()
