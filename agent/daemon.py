@@ -32,7 +32,7 @@ from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
 from agent.supervisor import Supervisor
 from agent.wakeup import Wakeup
-from agent.warm import WarmServers
+from agent.warm_servers import WarmServers
 from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 
 log = logging.getLogger(__name__)

@@ -134,6 +134,16 @@ class RunAs:
         assert self.user is not None
         return {"USER": self.user.name, "LOGNAME": self.user.name, "HOME": self.user.home}
 
+    def base_env(self) -> dict[str, str]:
+        """What each of the job's processes, and its warm server, starts from: the agent's
+        environment less the agent's own settings (its token among them), as the job's user, with the
+        interpreter's folder first on PATH (an entrypoint's `python`, torchrun or a script installed
+        beside it is the job interpreter's, not whatever comes first on the agent's PATH, a pyenv shim
+        under /root)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")} | self.env()
+        env["PATH"] = os.pathsep.join([os.path.dirname(self.python), env.get("PATH", os.defpath)])
+        return env
+
     def make_own(self, folder: Path | str) -> None:
         """Creates `folder` (its parents stay the agent's, PASSABLE) and gives it to the job's
         user alone (OWN: no other user's job may read it)."""

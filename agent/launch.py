@@ -95,12 +95,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
 
 def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None,
                run_as: RunAs = RunAs(), cgroup: Path | None = None) -> dict[str, str]:
-    # The agent's own settings (its token among them) are no business of the job.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")}
-    env.update(run_as.env())
-    # An entrypoint's `python` (or torchrun, or a script installed beside it) is the job
-    # interpreter's, not whatever comes first on the agent's PATH (a pyenv shim under /root).
-    env["PATH"] = os.pathsep.join([os.path.dirname(run_as.python), env.get("PATH", os.defpath)])
+    env = run_as.base_env()
     env.update(command.env)
     env.update(job_env(command, paths))
     env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})

@@ -16,7 +16,7 @@ from agent.launch import starts_warm
 from agent.rank_log import DEFAULT_MAX_BYTES
 from agent.report_book import AttemptKey, ReportBook, attempt_report
 from agent.spool import AttemptPaths, write_private
-from agent.warm import WarmServer, WarmServers
+from agent.warm_servers import WarmServer, WarmServers
 from agent.workers import GroupEnd, WorkerGroup, WorkerState
 from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
 from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand

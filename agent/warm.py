@@ -7,12 +7,12 @@ docs/jobspec.md): a server of its own imports those and torchrun, and forks the 
 into `runpy.run_path` with them loaded (`python SCRIPT ARGS`, with the server's interpreter).
 
 A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node) before its first
-line runs, and a restart ran two in a row: torchrun, then the ranks. The agent keeps this server
-ready with MODULE... imported; the guard (for torchrun) and each rank runner (for its rank), when
-the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead of starting an
-interpreter, and fall back to one when the server cannot serve (agent.warm_client). The server runs
-as the job's user, with the job's interpreter (agent.job_user), as the processes it stands in for
-would.
+line runs, and a restart ran two in a row: torchrun, then the ranks. The agent (agent.warm_servers)
+keeps this server ready with MODULE... imported; the guard (for torchrun) and each rank runner (for
+its rank), when the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead
+of starting an interpreter, and fall back to one when the server cannot serve (agent.warm_client).
+The server runs as the job's user, with the job's interpreter (agent.job_user), as the processes it
+stands in for would.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
 - the rank: a process group of its own, the runner's stdin/stdout/stderr (passed over the
@@ -22,16 +22,17 @@ Per request the server forks a keeper, which forks the process (below: the rank)
   rank's process group. Parent-death signals chain agent -> server -> keeper -> rank.
 
 The server starts with one OpenMP/BLAS thread, so the imports start no thread pool (a fork copies
-only the calling thread); each rank sets its own thread count. It serves the code it imported at
-start: the agent restarts it (with itself) to pick up new trainer code.
+only the calling thread); each rank sets its own thread count. It never forks stale code
+(agent.warm_fresh): once a file of a module it holds has changed since it imported it, it refuses
+that request and every later one (the asker starts a fresh interpreter), and exits (STALE_EXIT)
+when what it forked has ended, for the agent to start a fresh server at once. The agent also
+replaces it when the job's interpreter or environment is no longer the one it was started with.
 """
 
 import contextlib
 import gc
-import hashlib
 import importlib
 import json
-import logging
 import os
 import runpy
 import select
@@ -39,30 +40,16 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
-import time
 import traceback
 from pathlib import Path
 
-from agent.cgroups import PROCS, NodeCgroups
-from agent.job_user import RunAs
 from agent.procs import GROUP_CGROUP_ENV, set_parent_death_signal
 from agent.warm_client import python_module, runs_script
+from agent.warm_fresh import Fingerprint, shadowed
 
 MAX_REQUEST_BYTES = 1 << 20
-RESTART_PAUSE_SECONDS = 10.0
-SOCKET_PATH_MAX_BYTES = 107  # sun_path
-
-log = logging.getLogger(__name__)
-# What the server's environment pins for the imports; a rank gets the request's values.
-SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-
-
-def socket_path(data_dir: Path, uid: int) -> Path:
-    """Where the warm server of a job user, under an agent with this data folder, listens once its
-    imports are done."""
-    return (data_dir / "warm" / str(uid) / "warm.sock").resolve()
+STALE_EXIT = 75  # its code changed under it: the agent starts a fresh one at once, not after a pause
 
 
 def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str | None = None) -> bool:
@@ -77,134 +64,35 @@ def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str
     return python is not None and os.path.realpath(python) == os.path.realpath(sys.executable)
 
 
-def imports_key(imports: list[str]) -> str:
-    """A short name for a set of imports: its server's socket and log."""
-    return hashlib.sha1(" ".join(sorted(imports)).encode()).hexdigest()[:10]
-
-
-class WarmServer:
-    """The agent's handle on one job user's warm server: started, started again when it died,
-    stopped. Called from the monitor loop only: the thread that forks a child owns its
-    parent-death signal."""
-
-    def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs(),
-                 cgroup: Path | None = None, imports: list[str] | None = None) -> None:
-        self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
-        self.imports = imports or []  # a job's own imports: the server then starts its scripts
-        self.cgroup = cgroup  # its user's warm/ cgroup (agent.cgroups), if the machine gives one
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._next_start = 0.0
-
-    @property
-    def usable(self) -> bool:
-        return len(os.fsencode(self.socket_path)) <= SOCKET_PATH_MAX_BYTES
-
-    @property
-    def starting(self) -> bool:
-        """Started and still importing: not listening yet."""
-        return self._proc is not None and self._proc.poll() is None and not self.socket_path.exists()
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
-
-    def ensure_running(self) -> None:
-        if not self.usable or (self._proc is not None and self._proc.poll() is None):
-            return
-        if time.monotonic() < self._next_start:
-            return
-        if self._proc is not None:
-            log.warning("warm server exited with code %s (see %s); starting it again", self._proc.returncode,
-                        self.log_path)
-        # Neither the agent's settings (its token) nor a thread pool at import time (see above).
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_AGENT_")} | SINGLE_THREAD_ENV
-        self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
-        self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
-        with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
-            self._proc = subprocess.Popen(
-                [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules,
-                 *(["--imports", *self.imports] if self.imports else [])],
-                env=env | self.run_as.env() | {"PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
-            )  # fmt: skip
-        if self.cgroup is not None:  # long before its imports are done and it forks anything
-            (self.cgroup / PROCS).write_text(str(self._proc.pid))
-        self._next_start = time.monotonic() + RESTART_PAUSE_SECONDS
-
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()  # keepers and ranks follow through their parent-death signals
-            self._proc.wait()
-        self.socket_path.unlink(missing_ok=True)
-
-
-class WarmServers:
-    """A warm server per job user (a server forks what it serves as its own user, and serves no
-    caller of another, SO_PEERCRED), and per set of a job's own imports: the first launch of a
-    user starts its server and waits for its imports, later ones fork from it. At most
-    MAX_SERVERS are kept, the least recently used stopped first."""
-
-    MAX_SERVERS = 4
-
-    def __init__(self, data_dir: Path, modules: list[str], cgroups: NodeCgroups | None = None) -> None:
-        self.data_dir, self.modules, self.cgroups = data_dir, modules, cgroups
-        self._servers: dict[tuple[int, str], WarmServer] = {}  # by uid and imports, least recently used first
-
-    def for_user(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer:
-        """The user's server of the trainer, or (`imports`: a job's `warm_imports`) of its scripts."""
-        uid = run_as.user.uid if run_as.user is not None else os.geteuid()
-        key = (uid, imports_key(imports) if imports else "")
-        server = self._servers.pop(key, None)
-        if server is None:
-            cgroup = None
-            if self.cgroups is not None and run_as.user is not None:
-                owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
-                cgroup = owner / "warm" if owner is not None else None
-            sock = socket_path(self.data_dir, uid)
-            if imports:  # torchrun, and the job's imports
-                sock = sock.with_name(f"w-{key[1]}.sock")
-            modules = ["torch.distributed.run"] if imports else self.modules
-            server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if imports else ''}.log",
-                                run_as, cgroup, imports)
-        self._servers[key] = server
-        while len(self._servers) > self.MAX_SERVERS:
-            self._servers.pop(next(iter(self._servers))).stop()
-        return server
-
-    def pids(self) -> set[int]:
-        """The live servers' pids (their keepers are their children)."""
-        return {pid for server in self._servers.values() if (pid := server.pid) is not None}
-
-    def ensure_running(self) -> None:
-        for server in self._servers.values():
-            server.ensure_running()
-
-    def stop(self) -> None:
-        for server in self._servers.values():
-            server.stop()
-
-
 def serve(socket_path: Path, modules: list[str], imports: list[str] | None = None) -> None:
     set_parent_death_signal()  # the agent gone: the server goes, and every keeper and rank with it
     if os.getppid() == 1:
         return  # the agent died before the request above took hold
-    for module in modules:
-        importlib.import_module(module)
-        del sys.modules[module]  # it runs as __main__; what it imports stays loaded
-    for module in imports or []:  # a job's own: its scripts import them again, from here
-        try:
+    fingerprint = Fingerprint()
+    with fingerprint.recording():
+        for module in modules:
             importlib.import_module(module)
-        except Exception as exc:  # the script would fail as it did: this server still serves torchrun
-            print(f"agent.warm: warm_imports {module}: {exc!r}", file=sys.stderr, flush=True)
+            del sys.modules[module]  # it runs as __main__, read afresh at each fork; what it imports stays loaded
+        for module in imports or []:  # a job's own: its scripts import them again, from here
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # the script would fail as it did: this server still serves torchrun
+                print(f"agent.warm: warm_imports {module}: {exc!r}", file=sys.stderr, flush=True)
+    fingerprint.changed()  # records the files not seen loading: extension modules, the interpreter
     gc.collect()
     gc.freeze()  # a rank's collections then leave the imported objects' pages shared with the server
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
-    socket_path.unlink(missing_ok=True)
+    # Bound under a name of the same length (sun_path), and put in place once listening: a socket
+    # there is one that accepts (the agent takes its appearance for the end of the imports).
+    bound = socket_path.with_name("." + socket_path.name[1:])
+    bound.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(str(socket_path))
-    os.chmod(socket_path, 0o600)  # whoever connects runs code as us
+    listener.bind(str(bound))
+    os.chmod(bound, 0o600)  # whoever connects runs code as us
     listener.listen(64)
-    while True:
+    os.rename(bound, socket_path)
+    stale = None
+    while stale is None:
         conn, _ = listener.accept()
         fds: list[int] = []
         try:
@@ -216,6 +104,12 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
             path = request.get("env", {}).get("PATH")
             if len(fds) != 3 or not serves(request["argv"], modules, bool(imports), path):
                 raise ValueError(f"cannot serve {request.get('argv')!r} with {len(fds)} descriptors")
+            stale = fingerprint.changed()  # checked here, where it forks: nothing stale is ever forked
+            if stale is not None:
+                raise ValueError(f"{stale} changed since this server imported it")
+            shadow = shadowed(script_path(request)) if runs_script(request["argv"]) else None
+            if shadow is not None:  # for this script only: a fresh interpreter imports that one
+                raise ValueError(f"{shadow}, beside the script, stands in for a module this server holds")
             if os.fork() == 0:
                 listener.close()
                 _keep(conn, fds, request)
@@ -225,6 +119,19 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
             conn.close()
             for fd in fds:
                 os.close(fd)
+    # Stale: it takes no more requests, and exits (STALE_EXIT, for the agent to start a fresh one)
+    # once its keepers are gone: its exit would kill them, and the ranks of a launch forked from it.
+    print("agent.warm: stale; exiting once the processes forked from it have ended", file=sys.stderr, flush=True)
+    listener.close()
+    socket_path.unlink(missing_ok=True)
+    with contextlib.suppress(ChildProcessError):
+        os.wait()  # with SIGCHLD ignored: returns once every child has ended (wait(2))
+    sys.exit(STALE_EXIT)
+
+
+def script_path(request: dict) -> str:
+    """A request's `python SCRIPT`, absolute: its folder is the first on a fresh interpreter's path."""
+    return os.path.abspath(os.path.join(request["cwd"], request["argv"][1]))
 
 
 def _keep(conn: socket.socket, fds: list[int], request: dict) -> None:
@@ -280,7 +187,7 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
         argv = request["argv"]
         if runs_script(argv):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
             sys.argv = argv[1:]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+            sys.path.insert(0, os.path.dirname(script_path(request)))
             runpy.run_path(argv[1], run_name="__main__")
         else:
             sys.argv = [argv[0], *argv[4:]]

@@ -128,7 +128,7 @@ def _wait_warm(data_dirs: list[Path], uid: int, agents: list[subprocess.Popen], 
     as on a cluster whose agents were up before the job came: a job allocated earlier would wait
     for them inside its window. Returns the seconds waited; gives up quietly after `timeout` (the
     job then starts cold)."""
-    from agent.warm import socket_path
+    from agent.warm_servers import socket_path
 
     started = time.monotonic()
     while time.monotonic() - started < timeout and any(agent.poll() is None for agent in agents):

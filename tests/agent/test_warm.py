@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.job_user import RunAs
-from agent.warm import WarmServer, WarmServers
+from agent.warm_servers import WarmServer, WarmServers
 from agent.warm_client import WarmProcess, python_module
 from tests.support.waiting import wait_for
 

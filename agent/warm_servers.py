@@ -1,0 +1,155 @@
+"""The agent's side of warm start: a warm server (agent.warm) per job user and set of imports,
+started, started again when it died or went stale, replaced when the job's interpreter or
+environment is no longer the one it was started with, stopped."""
+
+import hashlib
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from agent.cgroups import PROCS, NodeCgroups
+from agent.job_user import RunAs
+from agent.warm import STALE_EXIT
+from agent.warm_client import python_module
+
+RESTART_PAUSE_SECONDS = 10.0
+SOCKET_PATH_MAX_BYTES = 107  # sun_path
+
+log = logging.getLogger(__name__)
+# What the server's environment pins for the imports; a rank gets the request's values.
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def socket_path(data_dir: Path, uid: int) -> Path:
+    """Where the warm server of a job user, under an agent with this data folder, listens once its
+    imports are done."""
+    return (data_dir / "warm" / str(uid) / "warm.sock").resolve()
+
+
+def imports_key(imports: list[str]) -> str:
+    """A short name for a set of imports: its server's socket and log."""
+    return hashlib.sha1(" ".join(sorted(imports)).encode()).hexdigest()[:10]
+
+
+class WarmServer:
+    """The agent's handle on one job user's warm server: started, started again when it died (at
+    once when it went stale), stopped. Called from the monitor loop only: the thread that forks a child owns its
+    parent-death signal."""
+
+    def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs(),
+                 cgroup: Path | None = None, imports: list[str] | None = None) -> None:
+        self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
+        self.imports = imports or []  # a job's own imports: the server then starts its scripts
+        self.cgroup = cgroup  # its user's warm/ cgroup (agent.cgroups), if the machine gives one
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._next_start = 0.0
+        self._env: dict[str, str] | None = None  # what it was started with
+
+    def environment(self) -> dict[str, str]:
+        """What it starts with: the job's processes' own, with no thread pool at import time (above)."""
+        return self.run_as.base_env() | SINGLE_THREAD_ENV | {"PYTHONUNBUFFERED": "1"}
+
+    def serves_job(self, run_as: RunAs) -> bool:
+        """Whether it runs as a job of `run_as` would: that interpreter and user, and the environment
+        it would be started with now (variables read at import took effect there, not in the job)."""
+        return run_as == self.run_as and self._env in (None, self.environment())
+
+    @property
+    def usable(self) -> bool:
+        return len(os.fsencode(self.socket_path)) <= SOCKET_PATH_MAX_BYTES
+
+    @property
+    def starting(self) -> bool:
+        """Started and not listening: still importing (or stale, waiting for what it forked to end)."""
+        return self._proc is not None and self._proc.poll() is None and not self.socket_path.exists()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def ensure_running(self) -> None:
+        if not self.usable or (self._proc is not None and self._proc.poll() is None):
+            return
+        stale = self._proc is not None and self._proc.returncode == STALE_EXIT
+        if time.monotonic() < self._next_start and not stale:
+            return
+        if stale:
+            log.info("warm server %s: a module it held changed (see %s); starting a fresh one", self.socket_path,
+                     self.log_path)
+        elif self._proc is not None:
+            log.warning("warm server exited with code %s (see %s); starting it again", self._proc.returncode,
+                        self.log_path)
+        self._env = self.environment()
+        self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
+        self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
+        with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
+            self._proc = subprocess.Popen(
+                [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules,
+                 *(["--imports", *self.imports] if self.imports else [])],
+                env=self._env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
+            )  # fmt: skip
+        if self.cgroup is not None:  # long before its imports are done and it forks anything
+            (self.cgroup / PROCS).write_text(str(self._proc.pid))
+        self._next_start = time.monotonic() + RESTART_PAUSE_SECONDS
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()  # keepers and ranks follow through their parent-death signals
+            self._proc.wait()
+        self.socket_path.unlink(missing_ok=True)
+
+
+class WarmServers:
+    """A warm server per job user (a server forks what it serves as its own user, and serves no
+    caller of another, SO_PEERCRED), and per set of a job's own imports: the first launch of a
+    user starts its server and waits for its imports, later ones fork from it. At most
+    MAX_SERVERS are kept, the least recently used stopped first."""
+
+    MAX_SERVERS = 4
+
+    def __init__(self, data_dir: Path, modules: list[str], cgroups: NodeCgroups | None = None) -> None:
+        self.data_dir, self.modules, self.cgroups = data_dir, modules, cgroups
+        self._servers: dict[tuple[int, str], WarmServer] = {}  # by uid and imports, least recently used first
+
+    def for_user(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer:
+        """The user's server of the trainer, or (`imports`: a job's `warm_imports`) of its scripts,
+        a fresh one if it no longer runs as this job would. Asked at a launch, when the node runs no
+        group: a server stopped here takes no job's process with it."""
+        uid = run_as.user.uid if run_as.user is not None else os.geteuid()
+        key = (uid, imports_key(imports) if imports else "")
+        server = self._servers.pop(key, None)
+        if server is not None and not server.serves_job(run_as):  # replaced: a fresh one of the job's
+            log.info("warm server %s: the job's interpreter or environment changed; starting a fresh one",
+                     server.socket_path)
+            server.stop()
+            server = None
+        if server is None:
+            cgroup = None
+            if self.cgroups is not None and run_as.user is not None:
+                owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
+                cgroup = owner / "warm" if owner is not None else None
+            sock = socket_path(self.data_dir, uid)
+            if imports:  # torchrun, and the job's imports
+                sock = sock.with_name(f"w-{key[1]}.sock")
+            modules = ["torch.distributed.run"] if imports else self.modules
+            server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if imports else ''}.log",
+                                run_as, cgroup, imports)
+        self._servers[key] = server
+        while len(self._servers) > self.MAX_SERVERS:
+            self._servers.pop(next(iter(self._servers))).stop()
+        return server
+
+    def pids(self) -> set[int]:
+        """The live servers' pids (their keepers are their children)."""
+        return {pid for server in self._servers.values() if (pid := server.pid) is not None}
+
+    def ensure_running(self) -> None:
+        for server in self._servers.values():
+            server.ensure_running()
+
+    def stop(self) -> None:
+        for server in self._servers.values():
+            server.stop()
