@@ -34,6 +34,13 @@ def train(args: argparse.Namespace) -> None:
             torch.manual_seed(0)  # the same initial weights on every rank
             layers = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
             model = DistributedDataParallel(layers)
+            # DDP regroups its gradient buckets after its first backward. A restart's first step
+            # would still sum in the first grouping, which with three or more ranks rounds
+            # differently: one backward of nothing (zero gradients, no random numbers drawn)
+            # settles the grouping first, so every step sums alike, resumed or not.
+            with torch.random.fork_rng():
+                model(torch.zeros(1, 32)).sum().mul(0.0).backward()
+            model.zero_grad(set_to_none=True)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
             torch.manual_seed(1 + rank)  # each rank its own dropout masks
 
