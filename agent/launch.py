@@ -88,6 +88,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
         JobEnv.CHECKPOINT_KEEP: str(ckpt.keep),
         JobEnv.CHECKPOINT_INTERVAL_FILE: str(paths.interval_file),
         JobEnv.CHECKPOINT_SNAPSHOTS: "1" if ckpt.snapshots and ckpt.local_dir else None,
+        JobEnv.CHECKPOINT_SNAPSHOT_COPIES: str(ckpt.snapshot_copies) if ckpt.snapshots and ckpt.local_dir else None,
         JobEnv.FAULTS: json.dumps(library_faults) if library_faults else None,
     }
     return {name: value for name, value in env.items() if value is not None}

@@ -77,6 +77,9 @@ class CheckpointConfig:
     # On a job of several nodes, each snapshot also goes to a peer node (ett/snapshot_peers.py), so
     # a lost node's ranks resume from their peers' copies. False: each node keeps its own only.
     snapshot_peers: bool = True
+    # How many peer nodes keep a copy of each snapshot (the next ones of the ring): that many
+    # neighbouring nodes may be lost at once. Default: $ETT_CHECKPOINT_SNAPSHOT_COPIES, else 1.
+    snapshot_copies: int = field(default_factory=lambda: int(os.environ.get(JobEnv.CHECKPOINT_SNAPSHOT_COPIES) or 1))
     # A new interval handed to a running job (`interval_steps: "auto"`, retuned by the service):
     # "<interval_steps> <from_step>", looked at by every `due`. Empty: none.
     interval_file: str = field(default_factory=lambda: os.environ.get(JobEnv.CHECKPOINT_INTERVAL_FILE, ""))
@@ -94,6 +97,8 @@ class CheckpointConfig:
             raise UsageError(f"checkpoint.interval_steps must be >= 0, got {self.interval_steps}")
         if self.keep < 1:
             raise UsageError(f"checkpoint.keep must be >= 1, got {self.keep}")
+        if self.snapshot_copies < 1:
+            raise UsageError(f"checkpoint.snapshot_copies must be >= 1, got {self.snapshot_copies}")
         if self.write_threads < 1:
             raise UsageError(f"checkpoint.write_threads must be >= 1, got {self.write_threads}")
         if self.resume_from not in ("auto", "none") and step_of(Path(self.resume_from)) is None:
@@ -165,7 +170,7 @@ class Checkpointer:
         self.pruner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-ckpt-prune")
         self.in_flight: Future | None = None  # the last save, until committed (or failed)
         self.snapshots = (LocalSnapshots(cfg.local_dir, self.rank, self.world_size, cfg.snapshot_every,
-                                         replicate=cfg.snapshot_peers, group=self.group)
+                                         replicate=cfg.snapshot_peers, group=self.group, copies=cfg.snapshot_copies)
                           if cfg.local_dir and cfg.snapshots else None)  # fmt: skip
 
     def save(self, step: int, state: dict) -> bool:

@@ -6,18 +6,20 @@ on the next node, in a ring over the nodes (rank r to r + ranks-per-node, modulo
 peer keeps it on its node-local disk, beside its own (ett/snapshot_folder.py): a node holds the
 snapshots of its own ranks and those of the node before it, `KEEP` of each.
 
+With `checkpoint.snapshot_copies = k` (default 1), each snapshot goes to the same local rank on
+each of the next k nodes, and a node keeps those of the k nodes before it: any k neighbouring
+nodes may be lost at once.
+
 Off the training process group and the loop: once the rank's snapshot writer thread has written a
-snapshot, a sender thread sends that file through one buffer, hashing it on the way, then its MAC,
-over a TCP connection of its own, and waits for the peer's word that it is stored. At most one
-snapshot per rank is in flight; one written meanwhile waits, and a newer one replaces it (the
-local tier never waits for the peer). The peer's receiver thread streams it to disk through one
-buffer (bounded memory), and once whole and its MAC matches, renames it into place beside its
-seal, then acknowledges; its CRC-32 (the snapshot's trailer, ett/snapshot_file.py) and its seal
-are checked before a restore takes it. A peer that cannot be reached is tried again after
-`RETRY_SECONDS`; the local tier goes on meanwhile.
+snapshot, a sender thread per peer (ett/snapshot_sender.py) sends that file, then its MAC, and
+waits for the peer's word that it is stored; a slow peer costs that copy's freshness, never the
+loop or the local tier. The peer's receiver thread streams it to disk through one buffer
+(bounded memory), and once whole and its MAC matches, renames it into place beside its seal,
+then acknowledges; its CRC-32 (the snapshot's trailer, ett/snapshot_file.py) and its seal are
+checked before a restore takes it.
 
 Other jobs' processes share the nodes, and a snapshot's header is unpickled on restore: a receiver
-takes copies only from its own ring neighbour, over a connection that proved it knows the job's
+takes copies only from the ranks it keeps copies for, over a connection that proved it knows the job's
 attempt secret (HMAC-SHA256 of a fresh nonce; the secret is handed to the ranks over their own
 process group), and each copy only with its MAC, its header judged before a byte of it is read
 (ett/snapshot_mac.py: which keys, where the proof lives until the restore, the size bound). All of
@@ -39,26 +41,33 @@ import torch.distributed as dist
 from ett import snapshot_mac
 from ett.snapshot_folder import SnapshotFolder
 from ett.snapshot_mac import MAC_BYTES, PROOF, STREAM, copy_through, from_secret
+from ett.snapshot_sender import (
+    CHUNK_BYTES,
+    HANDSHAKE_SECONDS,
+    HELLO,
+    MESSAGE,
+    NONCE_BYTES,
+    REFUSED,
+    STORED,
+    TRANSFER_SECONDS,
+    PeerSender,
+    receive_exactly,
+)
 
 logger = logging.getLogger(__name__)
 
-NONCE_BYTES = 16
-HELLO = struct.Struct("<32sq")  # snapshot_mac.from_secret(secret, PROOF, nonce, source rank), the source rank
-MESSAGE = struct.Struct("<qQ")  # the step, the file's size; then the file's bytes, then their MAC (MAC_BYTES)
-STORED, REFUSED = b"\x01", b"\x00"
-CHUNK_BYTES = 4 << 20
-HANDSHAKE_SECONDS = 5.0
-TRANSFER_SECONDS = 60.0  # a peer that takes longer to store a snapshot is skipped until RETRY_SECONDS
-RETRY_SECONDS = 30.0
 HANDSHAKES_AT_ONCE = 4  # connections not yet proved; more are closed at once
 
 
-def ring_peers(rank: int, world_size: int, ranks_per_node: int) -> tuple[int, int] | None:
-    """(the rank this rank sends its snapshots to, the rank whose snapshots it keeps); None on one
-    node, or nodes of unequal sizes."""
+def ring_peers(rank: int, world_size: int, ranks_per_node: int, copies: int = 1) -> tuple[list[int], list[int]] | None:
+    """(the ranks this rank sends its snapshots to, the ranks whose snapshots it keeps): the same
+    local rank on the next `copies` nodes, and on the `copies` nodes before (at most every other
+    node); None on one node, or nodes of unequal sizes."""
     if ranks_per_node < 1 or world_size <= ranks_per_node or world_size % ranks_per_node:
         return None
-    return (rank + ranks_per_node) % world_size, (rank - ranks_per_node) % world_size
+    copies = max(1, min(copies, world_size // ranks_per_node - 1))
+    return ([(rank + k * ranks_per_node) % world_size for k in range(1, copies + 1)],
+            [(rank - k * ranks_per_node) % world_size for k in range(1, copies + 1)])
 
 
 def node_address() -> str:
@@ -81,24 +90,14 @@ def _open_receiver() -> socket.socket | None:
         return None
 
 
-def _receive_exactly(conn: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("the connection closed")
-        data += chunk
-    return bytes(data)
-
-
 class PeerReplica:
     """One rank's side of the ring: a receiver for the rank it keeps copies of, a sender to its
     peer. Made by `join`."""
 
     @classmethod
-    def join(cls, folder: SnapshotFolder, group: dist.ProcessGroup | None) -> "PeerReplica | None":
-        """A collective of every rank of `group`: each opens its receiver and learns its peer's
-        address and the attempt's secret. None on every rank when there is no ring (one node, or
+    def join(cls, folder: SnapshotFolder, group: dist.ProcessGroup | None, copies: int = 1) -> "PeerReplica | None":
+        """A collective of every rank of `group`: each opens its receiver and learns its peers'
+        addresses and the attempt's secret. None on every rank when there is no ring (one node, or
         nodes that run different numbers of ranks)."""
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         if world_size < 2:
@@ -109,103 +108,41 @@ class PeerReplica:
         offer = (*(address or (None, None)), secrets.token_bytes(32) if rank == 0 else None, ranks_per_node)
         everyone: list = [None] * world_size
         dist.all_gather_object(everyone, offer, group=group)
-        ring = ring_peers(rank, world_size, ranks_per_node)
+        ring = ring_peers(rank, world_size, ranks_per_node, copies)
         if ring is None or any(other[3] != ranks_per_node or other[0] is None for other in everyone):
             if listener is not None:
                 listener.close()
             return None
-        return cls(folder, rank, ring, listener, everyone[0][2], everyone[ring[0]][:2])
+        return cls(folder, rank, ring, listener, everyone[0][2], [everyone[peer][:2] for peer in ring[0]])
 
-    def __init__(self, folder: SnapshotFolder, rank: int, ring: tuple[int, int], listener: socket.socket,
-                 secret: bytes, peer_address: tuple[str, int]) -> None:
-        self.folder, self.rank, (self.sends_to, self.keeps_for) = folder, rank, ring
-        self._listener, self._secret, self._peer_address = listener, secret, peer_address
-        self._conn: socket.socket | None = None
-        self._stream_key = b""  # the connection's (snapshot_mac.from_secret)
-        self._retry_at = 0.0
-        self.cpu_seconds = 0.0  # the sender's and receiver's CPU time so far, which the node's steps lose
-        self._newest: tuple[int, Path] | None = None  # written, not yet sent
-        self._sending = self._closed = False
-        self._wake = threading.Condition()
+    def __init__(self, folder: SnapshotFolder, rank: int, ring: tuple[list[int], list[int]],
+                 listener: socket.socket, secret: bytes, peer_addresses: list[tuple[str, int]]) -> None:
+        self.folder, self.rank, (sends_to, keeps_for) = folder, rank, ring
+        self.keeps_for = set(keeps_for)
+        self._listener, self._secret = listener, secret
+        self.senders = [PeerSender(rank, peer, address, secret)
+                        for peer, address in zip(sends_to, peer_addresses, strict=True)]
+        self._receiver_cpu_seconds = 0.0
         self._handshakes = threading.BoundedSemaphore(HANDSHAKES_AT_ONCE)
         threading.Thread(target=self._accept, name="ett-snapshot-peer", daemon=True).start()
-        threading.Thread(target=self._send_newest, name="ett-snapshot-peer-out", daemon=True).start()
 
     def _proof(self, nonce: bytes, source: int) -> bytes:
         return from_secret(self._secret, PROOF, nonce, source)
 
-    # -- sending, in a thread of its own ----------------------------------------------------------
     def offer(self, step: int, path: Path) -> None:
-        """Hands the snapshot file just written to the sender thread. One is in flight at a time;
-        a newer snapshot replaces one still waiting, so a slow peer costs the copies' freshness,
-        never the loop's time (the local write never waits for the peer)."""
-        with self._wake:
-            self._newest = (step, path)
-            self._wake.notify_all()
+        """Hands the snapshot file just written to each peer's sender (ett/snapshot_sender.py)."""
+        for sender in self.senders:
+            sender.offer(step, path)
 
     def flush(self, timeout: float) -> bool:
-        """Waits, `timeout` seconds at most, until the newest snapshot offered has been sent."""
-        with self._wake:
-            return self._wake.wait_for(lambda: self._newest is None and not self._sending, timeout)
+        """Waits, `timeout` seconds at most, until the newest snapshot offered reached every peer."""
+        deadline = time.monotonic() + timeout
+        return all([sender.flush(max(0.0, deadline - time.monotonic())) for sender in self.senders])
 
-    def _send_newest(self) -> None:
-        chunk = memoryview(bytearray(CHUNK_BYTES))  # the buffer each file passes through
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._newest is not None or self._closed)
-                if self._closed:
-                    break
-                (step, path), self._newest, self._sending = self._newest, None, True
-            started = time.thread_time()
-            self._send(step, path, chunk)
-            self.cpu_seconds += time.thread_time() - started
-            with self._wake:
-                self._sending = False
-                self._wake.notify_all()
-        self._drop_connection()
-
-    def _send(self, step: int, path: Path, chunk: memoryview) -> bool:
-        """Sends the snapshot file of `step` to the peer through `chunk`, then its MAC; True once
-        the peer stored it whole."""
-        if time.monotonic() < self._retry_at:
-            return False
-        try:
-            file = open(path, "rb")  # noqa: SIM115 (open, it stays readable even if pruned meanwhile)
-        except FileNotFoundError:  # pruned before its turn: a newer one is on its way
-            return False
-        try:
-            with file:
-                conn, size = self._conn or self._connect(), os.fstat(file.fileno()).st_size
-                conn.sendall(MESSAGE.pack(step, size))
-                # Read to be hashed, and sent from the same buffer: one pass (sendfile would need a second).
-                digest = copy_through(file.readinto, conn.sendall, chunk, size)
-                conn.sendall(snapshot_mac.mac(self._stream_key, step, self.rank, size, digest))
-            if _receive_exactly(conn, 1) != STORED:
-                raise ConnectionError("it refused the copy (see its log)")
-            return True
-        except OSError as error:
-            logger.warning("snapshot of step %d not replicated to rank %d at %s:%d: %s; trying again in %.0f s",
-                           step, self.sends_to, *self._peer_address, error, RETRY_SECONDS)
-            self._drop_connection()
-            self._retry_at = time.monotonic() + RETRY_SECONDS
-            return False
-
-    def _connect(self) -> socket.socket:
-        conn = socket.create_connection(self._peer_address, timeout=HANDSHAKE_SECONDS)
-        try:
-            nonce = _receive_exactly(conn, NONCE_BYTES)
-            conn.sendall(HELLO.pack(self._proof(nonce, self.rank), self.rank))
-            conn.settimeout(TRANSFER_SECONDS)
-        except OSError:
-            conn.close()
-            raise
-        self._conn, self._stream_key = conn, from_secret(self._secret, STREAM, nonce, self.rank)
-        return conn
-
-    def _drop_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    @property
+    def cpu_seconds(self) -> float:
+        """The senders' and the receiver's CPU time so far, which the node's steps lose."""
+        return self._receiver_cpu_seconds + sum(sender.cpu_seconds for sender in self.senders)
 
     # -- receiving, in threads of its own -------------------------------------------------------
     def _accept(self) -> None:
@@ -224,15 +161,15 @@ class PeerReplica:
             try:
                 proved = self._handshake(conn)
                 if proved is None:
-                    logger.warning("a connection to the snapshot receiver of rank %d did not prove it is rank %d "
-                                   "of this job; closed", self.rank, self.keeps_for)
+                    logger.warning("a connection to the snapshot receiver of rank %d did not prove it is one of "
+                                   "ranks %s of this job; closed", self.rank, sorted(self.keeps_for))
                     return
                 source, key = proved
                 conn.settimeout(TRANSFER_SECONDS)
                 chunk = memoryview(bytearray(CHUNK_BYTES))
                 while True:
                     try:
-                        step, size = MESSAGE.unpack(_receive_exactly(conn, MESSAGE.size))
+                        step, size = MESSAGE.unpack(receive_exactly(conn, MESSAGE.size))
                     except ConnectionError:  # the sender closed between two snapshots
                         return
                     if why := snapshot_mac.refusal(self.folder, self.rank, step, size):
@@ -242,12 +179,12 @@ class PeerReplica:
                         return  # its bytes follow, unread: the connection cannot go on
                     started = time.thread_time()
                     stored = self._store(conn, chunk, key, source, step, size)
-                    self.cpu_seconds += time.thread_time() - started
+                    self._receiver_cpu_seconds += time.thread_time() - started
                     conn.sendall(STORED if stored else REFUSED)
                     if not stored:  # altered on its way, or not from the rank it proved: trusted no more
                         return
             except OSError as error:
-                logger.info("snapshot copies from rank %d: connection ended (%s)", self.keeps_for, error)
+                logger.info("snapshot copies to rank %d: a connection ended (%s)", self.rank, error)
 
     def _handshake(self, conn: socket.socket) -> tuple[int, bytes] | None:
         """The rank the connection proved it is (the one this rank keeps copies for) and the key of
@@ -256,10 +193,10 @@ class PeerReplica:
             conn.settimeout(HANDSHAKE_SECONDS)
             nonce = secrets.token_bytes(NONCE_BYTES)
             conn.sendall(nonce)
-            proof, source = HELLO.unpack(_receive_exactly(conn, HELLO.size))
+            proof, source = HELLO.unpack(receive_exactly(conn, HELLO.size))
         finally:
             self._handshakes.release()
-        if source != self.keeps_for or not hmac.compare_digest(proof, self._proof(nonce, source)):
+        if source not in self.keeps_for or not hmac.compare_digest(proof, self._proof(nonce, source)):
             return None
         return source, from_secret(self._secret, STREAM, nonce, source)
 
@@ -273,7 +210,7 @@ class PeerReplica:
         try:
             with open(staging, "wb") as file:
                 digest = copy_through(conn.recv_into, file.write, chunk, size)
-            if not hmac.compare_digest(_receive_exactly(conn, MAC_BYTES),
+            if not hmac.compare_digest(receive_exactly(conn, MAC_BYTES),
                                        snapshot_mac.mac(key, step, source, size, digest)):
                 logger.warning("the copy of rank %d's snapshot of step %d failed its MAC (altered on its way, or not "
                                "from that rank); discarded, refused, connection closed", source, step)
@@ -286,7 +223,6 @@ class PeerReplica:
         return True
 
     def close(self) -> None:
-        with self._wake:
-            self._closed = True
-            self._wake.notify_all()
+        for sender in self.senders:
+            sender.close()
         self._listener.close()

@@ -80,11 +80,11 @@ def next_every(every: int, cost: float, step_seconds: float, previous_cost: floa
 
 
 class LocalSnapshots:
-    """One rank's fast tier. `replicate`: on a job of several nodes, each snapshot also goes to a
-    peer node (made with every rank at once: a collective on `group`)."""
+    """One rank's fast tier. `replicate`: on a job of several nodes, each snapshot also goes to
+    `copies` peer nodes (made with every rank at once: a collective on `group`)."""
 
     def __init__(self, local_dir: str, rank: int, world_size: int, every: int = 0, replicate: bool = False,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, copies: int = 1) -> None:
         self.folder = SnapshotFolder(snapshots_root(local_dir, world_size))
         self.rank = rank
         self.adaptive = every == 0  # else fixed at `every`
@@ -96,9 +96,9 @@ class LocalSnapshots:
         self._last_call: float | None = None
         self._write_cpu_seconds = 0.0  # the last write's CPU time, which a busy node's steps lose
         self._last_cost: float | None = None  # the snapshot before's copy and write
-        self.peers = PeerReplica.join(self.folder, group) if replicate else None
-        # The ranks whose snapshots this node holds: this one's, and the peer's whose copies it keeps.
-        self.held = {rank} | ({self.peers.keeps_for} if self.peers is not None else set())
+        self.peers = PeerReplica.join(self.folder, group, copies) if replicate else None
+        # The ranks whose snapshots this node holds: this one's, and the peers' whose copies it keeps.
+        self.held = {rank} | (self.peers.keeps_for if self.peers is not None else set())
         self._peer_cpu_counted = 0.0
         self.restored_from = ""  # after a restore: "local-snapshot" or "peer-snapshot" (a peer's copy)
 

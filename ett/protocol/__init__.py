@@ -98,5 +98,6 @@ class JobEnv:
     CHECKPOINT_KEEP = "ETT_CHECKPOINT_KEEP"
     CHECKPOINT_INTERVAL_FILE = "ETT_CHECKPOINT_INTERVAL_FILE"
     CHECKPOINT_SNAPSHOTS = "ETT_CHECKPOINT_SNAPSHOTS"
+    CHECKPOINT_SNAPSHOT_COPIES = "ETT_CHECKPOINT_SNAPSHOT_COPIES"  # peer nodes that keep each snapshot
     # The faults a rank's own code sets off (ett/faults.py): a JSON list, only where the job has some.
     FAULTS = "ETT_FAULTS"

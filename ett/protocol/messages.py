@@ -51,6 +51,7 @@ class CheckpointSpec(Incoming):
     local_dir: str | None = None
     resume_from: str | None = None
     snapshots: bool = False  # the fast tier (ett/snapshots.py), with the agent's local folder
+    snapshot_copies: int = Field(1, ge=1)  # peer nodes that keep each snapshot (ett/snapshot_peers.py)
 
 
 class AttemptCommand(Incoming):

@@ -14,7 +14,8 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
     first, last = share.node_rank * per_node, (share.node_rank + 1) * per_node
     checkpoint = CheckpointSpec(
         interval_steps=interval, keep=spec.checkpoint.keep, dir=job_checkpoint_dir(settings, job),
-        snapshots=spec.checkpoint.snapshots, area=str(owner_area(settings, job.owner)), resume_from=attempt.resume_from,
+        snapshots=spec.checkpoint.snapshots, snapshot_copies=spec.checkpoint.snapshot_copies,
+        area=str(owner_area(settings, job.owner)), resume_from=attempt.resume_from,
     )  # fmt: skip
     return LaunchCommand(
         type="launch", job_id=job.id, attempt=attempt.number, owner=job.owner, owner_number=owner_number,

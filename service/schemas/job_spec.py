@@ -43,6 +43,9 @@ class CheckpointSpec(Strict):
     # Each rank also snapshots its own state on its node's local disk after every step (the fast
     # tier): a restart on the same nodes loses at most a step (docs/trainer.md, "Local snapshots").
     snapshots: bool = False
+    # With snapshots on a job of several nodes: how many of the next nodes keep a copy of each
+    # rank's snapshot; that many neighbouring nodes may be lost at once (docs/trainer.md).
+    snapshot_copies: Annotated[int, Field(ge=1, le=8)] = 1
 
 
 class FaultSpec(Strict):

@@ -5,6 +5,8 @@ node's local folder `<base>/node-R`.
     python -m tests.ett.peer_ranks BASE RANK WORLD save STEPS   # snapshots steps 1..STEPS
     python -m tests.ett.peer_ranks BASE RANK WORLD restore     # prints {"step", "source", "value"}
 
+$PEER_COPIES: how many peer nodes keep each snapshot (1 by default).
+
 With `save`, each rank writes its receiver's address to `<base>/address-R` and waits for
 `<base>/go` before it ends, so a test can try its receiver meanwhile.
 """
@@ -26,7 +28,9 @@ def main() -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{base}/rendezvous-{mode}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
-    snapshots = LocalSnapshots(str(base / f"node-{rank}"), rank, world, every=1, replicate=True, group=group)
+    copies = int(os.environ.get("PEER_COPIES", "1"))  # each snapshot's copies, on the next nodes
+    snapshots = LocalSnapshots(str(base / f"node-{rank}"), rank, world, every=1, replicate=True, group=group,
+                               copies=copies)
     state = {"weights": torch.zeros(1000), "position": 0}
     if mode == "save":
         for step in range(1, int(sys.argv[5]) + 1):

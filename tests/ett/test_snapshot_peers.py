@@ -5,6 +5,7 @@ place a copy; a copy altered on its way, announced beyond bound, or on disk with
 refused (ett/snapshot_mac.py)."""
 
 import json
+import os
 import logging
 import pickle
 import shutil
@@ -25,10 +26,11 @@ from ett.snapshot_restore import choose
 from tests.trainer.trainer_runs import REPO
 
 
-def ranks(base: Path, world: int, *args: str, before_end=None) -> list[str]:
+def ranks(base: Path, world: int, *args: str, before_end=None, copies: int = 1) -> list[str]:
     """`world` ranks of tests/ett/peer_ranks.py; `before_end` runs once every rank wrote its address."""
+    env = {**os.environ, "PEER_COPIES": str(copies)}
     processes = [subprocess.Popen([sys.executable, "-m", "tests.ett.peer_ranks", str(base), str(rank), str(world),
-                                   *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                  for rank in range(world)]  # fmt: skip
     try:
         if before_end is not None:
@@ -45,8 +47,8 @@ def node(base: Path, rank: int, world: int = 2) -> SnapshotFolder:
     return SnapshotFolder(snapshots_root(base / f"node-{rank}", world))
 
 
-def restored(base: Path, world: int = 2) -> list[dict]:
-    return [json.loads(out.strip().splitlines()[-1]) for out in ranks(base, world, "restore")]
+def restored(base: Path, world: int = 2, copies: int = 1) -> list[dict]:
+    return [json.loads(out.strip().splitlines()[-1]) for out in ranks(base, world, "restore", copies=copies)]
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +68,10 @@ def saved(saved_once, tmp_path) -> Path:
 
 
 def test_the_ring_pairs_each_rank_with_the_same_local_rank_of_the_next_node():
-    assert ring_peers(0, 4, 2) == (2, 2) and ring_peers(3, 4, 2) == (1, 1)
-    assert ring_peers(1, 6, 2) == (3, 5)  # sends to the next node, keeps for the one before
+    assert ring_peers(0, 4, 2) == ([2], [2]) and ring_peers(3, 4, 2) == ([1], [1])
+    assert ring_peers(1, 6, 2) == ([3], [5])  # sends to the next node, keeps for the one before
+    assert ring_peers(1, 8, 2, copies=2) == ([3, 5], [7, 5])  # the next two nodes; keeps for the two before
+    assert ring_peers(0, 4, 2, copies=3) == ([2], [2])  # at most every other node
     assert ring_peers(0, 2, 2) is None and ring_peers(0, 5, 2) is None  # one node; unequal nodes
 
 
@@ -94,6 +98,17 @@ def test_a_lost_nodes_rank_resumes_from_its_peers_copy(saved):
     assert (first["step"], first["source"], first["value"]) == (4, "local-snapshot", 4.0)
     assert (second["step"], second["source"], second["value"], second["position"]) == (4, "peer-snapshot", 104.0, 4)
     assert node(saved, 1).steps(1) == [4]  # the replacement's node holds its state again
+
+
+def test_with_two_copies_two_neighbouring_nodes_lost_at_once_resume_from_the_third(tmp_path):
+    """Three nodes of one rank each, each snapshot kept by the next two: nodes 1 and 2 go, node 0
+    holds both their states."""
+    ranks(tmp_path, 3, "save", "3", copies=2)
+    assert [node(tmp_path, 0, 3).steps(whose) for whose in (0, 1, 2)] == [[3, 2]] * 3
+    for lost in ("node-1", "node-2"):
+        shutil.rmtree(tmp_path / lost)
+    got = [(r["step"], r["source"], r["value"]) for r in restored(tmp_path, 3, copies=2)]
+    assert got == [(3, "local-snapshot", 3.0), (3, "peer-snapshot", 103.0), (3, "peer-snapshot", 203.0)]
 
 
 def test_a_corrupt_copy_is_refused_and_the_next_step_used_and_none_left_means_the_persistent_tier(saved):
@@ -155,15 +170,16 @@ def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(
 
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never speaks
     snapshots = LocalSnapshots(str(tmp_path), rank=0, world_size=2, every=1)
-    snapshots.peers = PeerReplica(snapshots.folder, 0, (1, 1), socket.create_server(("127.0.0.1", 0)),
-                                  b"s" * 32, silent.getsockname()[:2])
+    snapshots.peers = PeerReplica(snapshots.folder, 0, ([1], [1]), socket.create_server(("127.0.0.1", 0)),
+                                  b"s" * 32, [silent.getsockname()[:2]])
     state = {"weights": torch.zeros(1 << 18)}
     for step in range(1, 21):
         state["weights"].fill_(step)
         assert snapshots.maybe_save(step, state)
     snapshots.wait()
-    assert snapshots.peers._sending and snapshots.steps() == [20, 19]  # the first copy still stuck
-    assert snapshots.peers._newest[0] == 20  # the newest waits; those between were passed over
+    [sender] = snapshots.peers.senders
+    assert sender._sending and snapshots.steps() == [20, 19]  # the first copy still stuck
+    assert sender._newest[0] == 20  # the newest waits; those between were passed over
     monkeypatch.setattr("ett.snapshots.FLUSH_SECONDS", 0.1)
     snapshots.close()  # waits for the copy FLUSH_SECONDS at most
     silent.close()
@@ -253,10 +269,11 @@ def test_a_copy_altered_on_its_way_is_refused_and_never_placed(tmp_path, caplog,
     """Rank 0 sends its snapshot to rank 1 (real sockets, their real threads) through a man in the
     middle who lets the handshake pass and flips one bit of the step or of the snapshot's bytes."""
     secret, sender_folder, receiver_folder = b"s" * 32, SnapshotFolder(tmp_path / "a"), SnapshotFolder(tmp_path / "b")
-    receiver = PeerReplica(receiver_folder, 1, (0, 0), socket.create_server(("127.0.0.1", 0)), secret, ("0.0.0.0", 9))
+    receiver = PeerReplica(receiver_folder, 1, ([0], [0]), socket.create_server(("127.0.0.1", 0)), secret,
+                           [("0.0.0.0", 9)])
     middle = relay(receiver._listener.getsockname()[:2], flip_at)
-    sender = PeerReplica(sender_folder, 0, (1, 1), socket.create_server(("127.0.0.1", 0)), secret,
-                         middle.getsockname()[:2])
+    sender = PeerReplica(sender_folder, 0, ([1], [1]), socket.create_server(("127.0.0.1", 0)), secret,
+                         [middle.getsockname()[:2]])
     with caplog.at_level(logging.WARNING):
         sender.offer(2, snapshot(sender_folder, 2, 0))
         assert sender.flush(timeout=30)
@@ -273,7 +290,8 @@ def test_a_message_beyond_the_bound_or_with_a_negative_step_is_refused_before_a_
     the receiver's own snapshot, and one of step -1: each refused and the connection closed with
     only the header sent, nothing staged."""
     folder = SnapshotFolder(tmp_path / "w2")  # not there yet: the receiver's rank has written no snapshot
-    receiver = PeerReplica(folder, 1, (0, 0), socket.create_server(("127.0.0.1", 0)), b"s" * 32, ("0.0.0.0", 9))
+    receiver = PeerReplica(folder, 1, ([0], [0]), socket.create_server(("127.0.0.1", 0)), b"s" * 32,
+                           [("0.0.0.0", 9)])
     address = receiver._listener.getsockname()[:2]
 
     def announce(step: int, size: int) -> bytes:

@@ -15,7 +15,7 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "no_retry_exit_codes": [],
         "max_same_failures": 3,
         "stragglers": "report",
-        "checkpoint": {"interval_steps": 5, "keep": 2, "dir": None, "snapshots": False},
+        "checkpoint": {"interval_steps": 5, "keep": 2, "dir": None, "snapshots": False, "snapshot_copies": 1},
         "hang_timeout_seconds": 30,
         "faults": [],
         "env": {},
