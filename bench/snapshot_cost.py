@@ -1,8 +1,10 @@
 """What the fast tier costs a training step: the same cpu-demo run (EP 2, ZeRO-3; 2 ranks, or 4 as
 in `ett demo`) without snapshots, with local snapshots (ett/snapshots.py) and with them replicated
-to the peer node (ett/snapshot_peers.py), alternated, median step time of each.
+to the peer node (ett/snapshot_peers.py), and kept by the next two nodes (`snapshot_copies = 2`,
+three nodes or more), alternated, median step time of each.
 
     .venv/bin/python bench/snapshot_cost.py [--steps 40] [--rounds 2] [--nproc 2] [--every 0] [--nodes 2]
+    .venv/bin/python bench/snapshot_cost.py --shapes 2:2,4:4   # both shapes, one and two copies, alternated
 
 The ranks run as `--nodes` torchrun "nodes" on this machine (static rendezvous on loopback), each
 with a node-local folder of its own, so the replicated mode sends each snapshot to the other
@@ -27,7 +29,10 @@ from pathlib import Path
 
 MODES = {"off": ["--checkpoint.snapshots", "false"],
          "local": ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_peers", "false"],
-         "replicated": ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_peers", "true"]}  # fmt: skip
+         "replicated": ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_peers", "true"],
+         # Each snapshot kept by the next two nodes (checkpoint.snapshot_copies): three nodes at least.
+         "replicated-x2": ["--checkpoint.snapshots", "true", "--checkpoint.snapshot_peers", "true",
+                           "--checkpoint.snapshot_copies", "2"]}  # fmt: skip
 
 
 def free_port() -> int:
@@ -70,22 +75,30 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks in all (the demo runs 4)")
     parser.add_argument("--every", type=int, default=0, help="0: the adaptive cadence; N: every N steps")
     parser.add_argument("--nodes", type=int, default=2, help="torchrun nodes the ranks are split over")
+    parser.add_argument("--shapes", default=None,
+                        help="shapes run side by side, e.g. 2:2,4:4 (ranks:nodes); in place of --nproc, --nodes")
     args = parser.parse_args()
-    if args.nproc % args.nodes:
-        parser.error("--nproc must be a multiple of --nodes")
-    modes = [mode for mode in MODES if args.nodes > 1 or mode != "replicated"]
-    results: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in modes}
+    shapes = ([tuple(map(int, shape.split(":"))) for shape in args.shapes.split(",")] if args.shapes
+              else [(args.nproc, args.nodes)])
+    if any(nproc % nodes for nproc, nodes in shapes):
+        parser.error("the ranks must be a multiple of the nodes")
+    # Replication needs two nodes, two copies three.
+    results: dict[tuple[int, int, str], list[tuple[float, float, int]]] = {
+        (nproc, nodes, mode): [] for nproc, nodes in shapes for mode in MODES
+        if (mode != "replicated" or nodes > 1) and (mode != "replicated-x2" or nodes > 2)}
     for _ in range(args.rounds):
-        for mode in modes:
-            results[mode].append(run(args.steps, mode, args.nproc, args.every, args.nodes))
-    for mode, runs in results.items():
-        print(f"snapshots {mode:10}: step " + ", ".join(f"{s * 1e3:.1f}" for s, _, _ in runs)
-              + " ms; step end to step end " + ", ".join(f"{g * 1e3:.1f}" for _, g, _ in runs) + " ms"
+        for nproc, nodes, mode in results:
+            results[nproc, nodes, mode].append(run(args.steps, mode, nproc, args.every, nodes))
+    for (nproc, nodes, mode), runs in results.items():
+        print(f"{nproc} ranks on {nodes} nodes, snapshots {mode:13}: step "
+              + ", ".join(f"{s * 1e3:.1f}" for s, _, _ in runs) + " ms; step end to step end " + ", ".join(f"{g * 1e3:.1f}" for _, g, _ in runs) + " ms"
               + (f"; a snapshot every {', '.join(str(e) for _, _, e in runs)} step(s)" if mode != "off" else ""))
-    off = statistics.median(g for _, g, _ in results["off"])
-    for mode in modes[1:]:
-        on = statistics.median(g for _, g, _ in results[mode])
-        print(f"{mode} snapshots cost {100 * (on / off - 1):+.1f}% of a step (ratio {on / off:.3f}; target <= 1.05)")
+    for (nproc, nodes, mode), runs in results.items():
+        if mode != "off":
+            off = statistics.median(g for _, g, _ in results[nproc, nodes, "off"])
+            on = statistics.median(g for _, g, _ in runs)
+            print(f"{nproc} ranks on {nodes} nodes: {mode} snapshots cost {100 * (on / off - 1):+.1f}% of a step "
+                  f"(ratio {on / off:.3f}; target <= 1.05)")
 
 
 if __name__ == "__main__":
