@@ -13,6 +13,7 @@ COPY ett_cli ett_cli
 COPY service service
 COPY agent agent
 COPY trainer trainer
+COPY migrations migrations
 RUN pip install '.[postgres]' && rm -rf /src
 
 # An unprivileged user; /run/ett is created here so a named volume mounted there is its to write.

@@ -128,7 +128,7 @@ def _nested_overrides(spec: dict[str, Any]) -> list[tuple[tuple, str]]:
 
 def load_spec(path: Path) -> dict[str, Any]:
     """Reads and checks a job spec; SpecFileError with one line per mistake."""
-    from service.schemas.job_spec import JobSpec
+    from service.spec.job_spec import JobSpec
 
     try:
         text = path.read_text()

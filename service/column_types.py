@@ -5,8 +5,8 @@ from typing import Any
 
 from sqlalchemy import JSON, DateTime, TypeDecorator
 
-from service.schemas.job_spec import JobSpec
-from service.schemas.notify import revealed
+from service.spec.job_spec import JobSpec
+from service.spec.notify import revealed
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -8,7 +8,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"  # Alembic's scripts: read by Alembic, not imported
+# Alembic's scripts, read by Alembic and imported by no module of ours: they sit beside the
+# service package, at the repository's root in a checkout and in site-packages where the wheel
+# installs them (pyproject.toml), so one path finds them in both.
+MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 
 
 class DatabaseNotAtHead(RuntimeError):

@@ -8,7 +8,7 @@ from sqlalchemy import JSON, Enum, MetaData
 from sqlalchemy.orm import DeclarativeBase
 
 from service.column_types import JobSpecJSON, UTCDateTime
-from service.schemas.job_spec import JobSpec
+from service.spec.job_spec import JobSpec
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",

@@ -19,7 +19,7 @@ from service.column_types import UTCDateTime  # noqa: F401 (the migrations name 
 from service.evidence_models import RankLog, StragglerFlag  # noqa: F401 (every table is imported from here)
 from service.model_base import Base, enum_column, utcnow
 from service.notification_models import Notification  # noqa: F401 (every table is imported from here)
-from service.schemas.job_spec import JobSpec
+from service.spec.job_spec import JobSpec
 from service.states import (  # noqa: F401 (the states are the models' vocabulary: imported from here)
     ACTIVE_ATTEMPT_STATES,
     AttemptState,

@@ -15,8 +15,8 @@ from service.jobs.checkpoints import confined_checkpoint_dir
 from service.jobs.owners import number_owner
 from service.models import Job, JobState, Role, Token
 from service.outcomes import Forbidden, Unprocessable
-from service.schemas.job_spec import JobSpec
 from service.settings import Settings
+from service.spec.job_spec import JobSpec
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,7 @@
-"""Pydantic request and response models (requests reject unknown fields)."""
+"""Pydantic request and response models (requests reject unknown fields: service.spec.Strict, the
+base they share with the job spec, which sits below the models that store it)."""
 
 import re
-
-from pydantic import BaseModel, ConfigDict
 
 # A validator's message that names a field deeper than its own: "faults.1.rank: rank 9 ...".
 NESTED_FIELD = re.compile(r"^Value error, ((?:\w+\.)*\w+): (.*)$", re.S)
@@ -19,9 +18,3 @@ def field_and_message(field: str, message: str) -> tuple[str, str]:
     if nested[1].split(".")[0] != own:
         return field, message
     return (f"{head}." if head else "") + nested[1], nested[2]
-
-
-class Strict(BaseModel):
-    """Base of every request body: unknown fields and coerced types are errors."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)

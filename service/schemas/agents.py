@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field, StringConstraints
 
 from ett.protocol.messages import NAME_PATTERN, AttemptReport
 from service.models import NodeState
-from service.schemas import Strict
+from service.spec import Strict
 
 NodeName = Annotated[str, StringConstraints(pattern=NAME_PATTERN.pattern)]
 

@@ -13,7 +13,7 @@ from pydantic import (
 
 from ett.protocol import AGENT_KINDS, EVENT_KINDS, SERVICE_KINDS
 from service.accounting.engine import CATEGORIES
-from service.schemas import Strict
+from service.spec import Strict
 
 EventKind = Literal[tuple(sorted(EVENT_KINDS))]  # type: ignore[valid-type]
 Source = Annotated[str, StringConstraints(pattern=r"^(rank:\d{1,6}|node:[A-Za-z0-9._-]{1,128}|service)$")]

@@ -1,11 +1,11 @@
-"""The job views the API returns (the spec itself: service/schemas/job_spec.py)."""
+"""The job views the API returns (the spec itself: service/spec/job_spec.py)."""
 
 from datetime import datetime
 
 from pydantic import BaseModel
 
 from service.models import AttemptState, JobState
-from service.schemas.job_spec import JobSpec
+from service.spec.job_spec import JobSpec
 
 
 class AttemptOut(BaseModel):

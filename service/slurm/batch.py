@@ -11,8 +11,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from service.schemas.job_spec import JobSpec
 from service.settings import Settings
+from service.spec.job_spec import JobSpec
 
 TOKEN_FILE = "agent.token"
 SCRIPT_FILE = "allocation.sh"

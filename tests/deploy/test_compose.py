@@ -136,9 +136,10 @@ def test_grafana_provisions_the_datasource_and_the_dashboard_it_mounts(compose):
 
 
 def test_the_image_copies_every_package_the_project_installs():
-    # The packages pyproject.toml installs (ett, ett_cli, service, agent, trainer): one left out of
-    # the image installs nothing and fails only when first imported in a container.
+    # The packages pyproject.toml installs (ett, ett_cli, service, agent, trainer, and the migrations
+    # the service reads by path): one left out of the image installs nothing and fails only when
+    # first imported (or, the migrations, first read) in a container.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {name.rstrip("*") for name in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "Dockerfile").read_text(), re.M))
-    assert packages == copied == {"ett", "ett_cli", "service", "agent", "trainer"}
+    assert packages == copied == {"ett", "ett_cli", "service", "agent", "trainer", "migrations"}

@@ -10,8 +10,8 @@ import pytest
 
 from service.jobs.catalog import check_webhooks
 from service.outcomes import Unprocessable
-from service.schemas.job_spec import JobSpec
 from service.settings import Settings
+from service.spec.job_spec import JobSpec
 from tests.service.factories import register_agent, submit
 from tests.support.waiting import wait_for
 from tests.support.webhook import silent_receiver, webhook_receiver

@@ -6,9 +6,9 @@ import subprocess
 import pytest
 from pydantic import ValidationError
 
-from service.schemas.job_spec import JobSpec
 from service.settings import Settings
 from service.slurm.batch import render_script, sbatch_options
+from service.spec.job_spec import JobSpec
 from tests.service.factories import job_spec
 
 

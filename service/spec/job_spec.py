@@ -13,8 +13,8 @@ from pydantic import (
 )
 
 from ett.protocol import FAULT_ACTIONS
-from service.schemas import Strict
-from service.schemas.notify import NotifySpec
+from service.spec import Strict
+from service.spec.notify import NotifySpec
 
 JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
