@@ -21,6 +21,7 @@ from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose, drain_if_
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
+from service.jobs.placement import rank_order
 from service.jobs.rendezvous import free_master_port
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
@@ -268,18 +269,6 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         nodes = rank_order(job, fitting, spec.nodes)
         _start_attempt(session, settings, job, nodes, now)
         idle = [node for node in idle if node not in nodes]
-
-
-def rank_order(job: Job, idle: Sequence[Node], count: int) -> list[Node]:
-    """`count` of the idle nodes, in the order of their node ranks. The last attempt's nodes keep
-    their node ranks (their local checkpoints and snapshots are of those ranks' state), and a new
-    node takes a lost node's rank: a peer keeps each rank's snapshot copies by rank
-    (ett/snapshot_peers.py), so the survivors' copies line up only if no survivor's rank shifts,
-    whichever node was lost (rank 0's too)."""
-    previous = {s.node_id: s.node_rank for s in job.attempts[-1].nodes} if job.attempts else {}
-    kept = {previous[n.id]: n for n in idle if previous.get(n.id, count) < count}
-    others = iter(sorted((n for n in idle if n not in kept.values()), key=lambda n: n.name))
-    return [kept[rank] if rank in kept else next(others) for rank in range(count)]
 
 
 def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float) -> None:
