@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
             else:  # a check across settings: its message names them
                 print(f"ett agent: {error['msg'].removeprefix('Value error, ')}", file=sys.stderr)
         return 2
-    from agent.job_user import JobUserError
+    from agent.confinement.job_user import JobUserError
 
     try:
         agent = Agent(settings)

@@ -40,7 +40,7 @@ class ServiceClient:
         return self._http.post(f"/agents/{self.name}/events", json={"events": events})
 
     def post_logs(self, pieces: list[dict[str, Any]]) -> httpx.Response:
-        """New output of the ranks (agent/log_shipper.py); the raw answer."""
+        """New output of the ranks (agent/forwarding/log_shipper.py); the raw answer."""
         return self._http.post(f"/agents/{self.name}/logs", json={"logs": pieces})
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ Threads, and why each exists:
 - main: the monitor loop. It alone starts and signals processes (the kernel ties a child's
   parent-death signal to the thread that forked it, so that thread must live as long as we do);
   it never blocks: commands arrive through a queue, reports leave through the ReportBook. Between
-  polls it sleeps until a command comes, a watched process exits or the period ends (agent.wakeup).
+  polls it sleeps until a command comes, a watched process exits or the period ends (agent.groups.wakeup).
 - long-poll: heartbeats with ?wait=S, so commands arrive the moment the service queues them.
 - reporter: a heartbeat at once whenever an attempt's state changes, not at the next period.
 - forwarder: posts spooled events, and may sit in backoff while the service is down.
@@ -21,18 +21,18 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from agent.cgroups import NodeCgroups, agent_cgroup_name
 from agent.client import ServiceClient
-from agent.forward import ForwardConfig, Forwarder
-from agent.health import HealthCheck
-from agent.job_user import make_passable, resolve_job_users
-from agent.log_shipper import LogShipper
-from agent.metrics import AgentStats, serve_metrics
+from agent.confinement.cgroups import NodeCgroups, agent_cgroup_name
+from agent.confinement.job_user import make_passable, resolve_job_users
+from agent.forwarding.forward import ForwardConfig, Forwarder
+from agent.forwarding.log_shipper import LogShipper
+from agent.groups.supervisor import Supervisor
+from agent.groups.wakeup import Wakeup
+from agent.node.health import HealthCheck
+from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import slurm_job_id, termination
-from agent.supervisor import Supervisor
-from agent.wakeup import Wakeup
-from agent.warm_servers import WarmServers
+from agent.warm.servers import WarmServers
 from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 
 log = logging.getLogger(__name__)

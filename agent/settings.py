@@ -32,7 +32,7 @@ class AgentSettings(BaseSettings):
     # Where jobs' checkpoint folders may be (the service's checkpoint root, as this node mounts it):
     # a launch whose folder resolves elsewhere is refused. None: only the job's own area is checked.
     checkpoint_root: Path | None = None
-    # Who runs the jobs' processes (agent/job_user.py, docs/agent.md "The job's user"): an agent
+    # Who runs the jobs' processes (agent/confinement/job_user.py, docs/agent.md "The job's user"): an agent
     # started as root runs each owner's jobs as a uid of its own, job_uid_base plus the owner's
     # number (the service's), below job_uid_base + job_uid_count; with job_user, every job as that
     # user (as root only with allow_root_jobs). Any other agent runs them as itself.
@@ -43,7 +43,7 @@ class AgentSettings(BaseSettings):
     # The interpreter of the jobs' processes (torchrun, rank runners, the trainer): one the job's
     # user can run, with ett installed. Default: the agent's own.
     job_python: str = Field(default_factory=lambda: sys.executable, min_length=1)
-    # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm).
+    # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm.server).
     warm_start: bool = True
     # Let a job's `lose_node` fault take this node down as a dead machine would: every job's
     # processes, the job's node-local checkpoints, the agent itself. For drills and demos on nodes
@@ -67,11 +67,11 @@ class AgentSettings(BaseSettings):
     # Forwarded spool data is given back to the disk; past this much unforwarded, the agent warns.
     spool_max_bytes: int = Field(1 << 30, ge=1)
     # The operator's node health check, a command line (e.g. "nvidia-smi"): run at start, before
-    # each launch and every interval; failing, the node takes no new work (agent/health.py).
+    # each launch and every interval; failing, the node takes no new work (agent/node/health.py).
     health_check: str | None = None
     health_check_interval_seconds: float = Field(300.0, gt=0)
     # Each rank's output is kept in a file rotated at this size (at most twice it per rank on the
-    # node) and shipped to the service, which keeps its last part (agent/rank_log.py).
+    # node) and shipped to the service, which keeps its last part (agent/launching/rank_log.py).
     rank_log_max_bytes: int = Field(16 << 20, ge=4096)
     # The agent's own /metrics; 0 turns the endpoint off.
     metrics_port: int = Field(0, ge=0, le=65535)

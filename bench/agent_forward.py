@@ -1,6 +1,6 @@
 """Benchmark: the agent's event forwarder against the real service (SQLite, its own process, loopback).
 
-A spool of N `step` events (one rank, one job) is forwarded with agent.forward.Forwarder, the
+A spool of N `step` events (one rank, one job) is forwarded with agent.forwarding.forward.Forwarder, the
 code `ett agent` runs, for each batch size asked; batch size 1 (one POST per event) is the
 baseline the others are compared with. Each batch size gets a job of its own, so nothing is a
 repeat. The rate is events stored per second of wall time, from the first read to the last
@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent.forward import ForwardConfig, Forwarder  # noqa: E402
-from agent.metrics import AgentStats  # noqa: E402
+from agent.forwarding.forward import ForwardConfig, Forwarder  # noqa: E402
+from agent.node.metrics import AgentStats  # noqa: E402
 from service.db import make_engine, make_session_factory  # noqa: E402
 from service.migrate import upgrade  # noqa: E402
 from service.models import Role  # noqa: E402

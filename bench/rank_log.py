@@ -1,4 +1,4 @@
-"""What a rank's output costs through its runner's pipe into the rotated log (agent/rank_log.py),
+"""What a rank's output costs through its runner's pipe into the rotated log (agent/launching/rank_log.py),
 against the same output written straight to a file: a child process prints N lines of 100 bytes.
 
     .venv/bin/python bench/rank_log.py [--lines 2000000] [--reps 3]
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent.rank_log import PipeCopier, RotatingLog
+from agent.launching.rank_log import PipeCopier, RotatingLog
 
 PRINTER = "import sys\nline = 'x' * 99 + '\\n'\nfor _ in range(int(sys.argv[1])):\n    sys.stdout.write(line)\n"
 

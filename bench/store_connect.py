@@ -1,5 +1,5 @@
 """How late a torchrun store client connects when the master's store comes up after it: torch's
-own back-off against agent.guard's wait (a probe every 5 ms), in one run.
+own back-off against agent.launching.guard's wait (a probe every 5 ms), in one run.
 
     python bench/store_connect.py [--delays 0 0.05 0.2 0.5]
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent.guard import wait_for_listener  # noqa: E402
+from agent.launching.guard import wait_for_listener  # noqa: E402
 from tests.support.postgres import free_port  # noqa: E402
 
 

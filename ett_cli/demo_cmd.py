@@ -109,7 +109,7 @@ def _job_user_settings(root: Path) -> tuple[dict[str, str], int]:
     with the agents, as on a cluster whose agents have served that owner before); where it cannot
     (an interpreter under root's home folder), as root, said explicitly (ETT_AGENT_ALLOW_ROOT_JOBS)
     and printed: these agents serve this demo only."""
-    from agent.job_user import RunAs, resolve_job_user
+    from agent.confinement.job_user import RunAs, resolve_job_user
 
     if os.geteuid() != 0:
         return {}, os.geteuid()
@@ -124,11 +124,11 @@ def _job_user_settings(root: Path) -> tuple[dict[str, str], int]:
 
 
 def _wait_warm(data_dirs: list[Path], uid: int, agents: list[subprocess.Popen], timeout: float = 30) -> float:
-    """Waits until each agent's warm server for the job's user has done its imports (agent/warm.py),
+    """Waits until each agent's warm server for the job's user has done its imports (agent/warm/server.py),
     as on a cluster whose agents were up before the job came: a job allocated earlier would wait
     for them inside its window. Returns the seconds waited; gives up quietly after `timeout` (the
     job then starts cold)."""
-    from agent.warm_servers import socket_path
+    from agent.warm.servers import socket_path
 
     started = time.monotonic()
     while time.monotonic() - started < timeout and any(agent.poll() is None for agent in agents):

@@ -238,3 +238,34 @@ def test_no_file_of_the_service_is_over_300_lines():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "service").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 300}  # fmt: skip
     assert long == {}
+
+
+# The agent's rooms (its sub-packages, one concern each), lowest first: a room imports only itself
+# and the rooms below it. The agent's top-level modules (the daemon, its command line, its settings,
+# the service's client, Slurm's word) stand above every room, and no room imports them.
+AGENT_ROOMS = ("agent.files", "agent.node", "agent.confinement", "agent.checkpoints", "agent.warm",
+               "agent.launching", "agent.groups", "agent.forwarding")
+
+
+def agent_room(name: str) -> int:
+    room = ".".join(name.split(".")[:2])
+    return AGENT_ROOMS.index(room) if room in AGENT_ROOMS else len(AGENT_ROOMS)
+
+
+def test_the_agents_rooms_import_only_rooms_below_them():
+    rooms = {module_name(p) for p in (ROOT / "agent").glob("*/__init__.py")}
+    assert rooms == set(AGENT_ROOMS), "each room of the agent is ranked in AGENT_ROOMS"
+    upward = sorted(f"{name} imports {target}" for name, targets in graph().items() if name.startswith("agent.")
+                    for target in targets if target.startswith("agent.") and agent_room(target) > agent_room(name))
+    assert upward == []
+
+
+def test_each_room_of_the_agent_is_small_and_says_what_it_owns():
+    # A room a newcomer takes in at once: at most 15 modules, and an __init__.py of one line saying
+    # what it owns and nothing else (the guard and each rank runner load it).
+    for room in AGENT_ROOMS:
+        folder = ROOT / room.replace(".", "/")
+        assert 0 < len([p for p in folder.glob("*.py") if p.name != "__init__.py"]) <= 15, room
+        tree = ast.parse((folder / "__init__.py").read_text())
+        docstring = ast.get_docstring(tree) or ""
+        assert len(tree.body) == 1 and docstring and "\n" not in docstring, f"{folder}/__init__.py"

@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from agent.cgroups import NodeCgroups
-from agent.supervisor import Supervisor
+from agent.confinement.cgroups import NodeCgroups
+from agent.groups.supervisor import Supervisor
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agent.supervisor import Supervisor
+from agent.groups.supervisor import Supervisor
 from ett.protocol.messages import LaunchCommand, command_adapter
 
 FAKE_RANK = Path(__file__).parent / "scripts" / "fake_rank.py"

@@ -1,4 +1,4 @@
-"""The agent checks a job's checkpoint folder again at each launch (agent/confine.py): a folder
+"""The agent checks a job's checkpoint folder again at each launch (agent/confinement/confine.py): a folder
 that resolves outside the job's area, or outside the agent's checkpoint root, and a resume point
 outside the folder, are refused; the refusal is a configuration error (not retried) and starts
 no process."""
@@ -6,8 +6,8 @@ no process."""
 import os
 from pathlib import Path
 
-from agent.confine import launch_refusal
-from agent.supervisor import Supervisor
+from agent.confinement.confine import launch_refusal
+from agent.groups.supervisor import Supervisor
 from ett.protocol.messages import Fault
 from tests.agent.helpers import launch_command, run_to_end
 from tests.support.processes import pids_with_env

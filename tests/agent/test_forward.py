@@ -9,10 +9,10 @@ import time
 import pytest
 
 from agent.client import ServiceClient
-from agent.forward import ForwardConfig, Forwarder, rejected_indices
-from agent.metrics import AgentStats
+from agent.files.spool import AttemptPaths, disk_bytes
+from agent.forwarding.forward import ForwardConfig, Forwarder, rejected_indices
+from agent.node.metrics import AgentStats
 from agent.settings import AgentSettings
-from agent.spool import AttemptPaths, disk_bytes
 from tests.agent.fake_service import FakeService
 from tests.agent.helpers import free_port
 from tests.proofs.cluster import cluster, fake_rank_job
@@ -176,7 +176,7 @@ def test_flush_sends_what_is_written_without_waiting_for_a_batch(fake_service, t
 
 
 def test_a_flush_tries_again_at_once_when_the_forwarder_is_in_backoff(fake_service, tmp_path):
-    # An attempt's end is reported once its events are in (agent.report_book.ReportBook): after an
+    # An attempt's end is reported once its events are in (agent.groups.report_book.ReportBook): after an
     # outage the reporter's flush must not wait out the forwarder's backoff (here a minute).
     forwarder = forwarder_for(fake_service, tmp_path, retry_base_seconds=120.0, retry_max_seconds=120.0)
     stop = threading.Event()
@@ -269,7 +269,7 @@ def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tm
 def test_a_ranks_events_say_only_what_a_rank_may_and_a_commit_is_checked_on_disk(fake_service, tmp_path):
     """The agent stamps job, attempt and source from where a line was found; a `ckpt_committed` is
     a resume point only if its folder, inside the job's checkpoint folder, has a marker of its
-    step listing files that are there (agent/checkpoint_check.py)."""
+    step listing files that are there (agent/checkpoints/checkpoint_check.py)."""
     from ett.folders import folder_manifest, step_folder, write_marker
     from ett.protocol.messages import LaunchCommand
     from tests.agent.helpers import launch_command

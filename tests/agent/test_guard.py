@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from agent.procs import GROUP_MARKER_ENV
+from agent.confinement.procs import GROUP_MARKER_ENV
 from tests.agent.helpers import free_port
 
 STAMP_CHILD = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(repr(time.time()))"
@@ -16,7 +16,7 @@ STAMP_CHILD = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(r
 def start_guard(port: int, stamp) -> subprocess.Popen:
     """The guard on a node that is not the master: --wait-for 127.0.0.1:PORT, then a child that
     writes the time it started to `stamp`."""
-    argv = [sys.executable, "-m", "agent.guard", str(os.getpid()), "--wait-for", f"127.0.0.1:{port}", "--",
+    argv = [sys.executable, "-m", "agent.launching.guard", str(os.getpid()), "--wait-for", f"127.0.0.1:{port}", "--",
             sys.executable, "-c", STAMP_CHILD, str(stamp)]
     return subprocess.Popen(argv, env={**os.environ, GROUP_MARKER_ENV: "guard-test"})
 
@@ -45,9 +45,10 @@ def test_a_sigterm_while_the_guard_waits_ends_it_and_nothing_starts(tmp_path):
 def test_the_guard_and_the_rank_runner_import_only_what_they_need():
     # Both start as fresh interpreters at every launch (once per node, once per rank), on CPUs the
     # other ranks are using: the agent's own modules, logging or torch would cost every restart.
-    code = "import sys, agent.guard, agent.rank_runner; print(*sys.modules)"
+    code = "import sys, agent.launching.guard, agent.launching.rank_runner; print(*sys.modules)"
     loaded = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    heavy = {"torch", "pydantic", "logging", "dataclasses", "agent.spool", "agent.warm", "agent.job_user"}
+    heavy = {"torch", "pydantic", "logging", "dataclasses", "agent.files.spool", "agent.warm.server",
+             "agent.confinement.job_user"}
     assert not heavy & set(loaded)
     # Of the library, only the protocol's names (exit codes, file names) and what its package needs.
     assert {m for m in loaded if m.split(".")[0] == "ett"} == {"ett", "ett.errors", "ett.protocol"}

@@ -1,9 +1,9 @@
-"""The adaptive hang limit (agent/hang.py) on its own: it follows the longest gap between steps,
+"""The adaptive hang limit (agent/groups/hang.py) on its own: it follows the longest gap between steps,
 never below the floor or above the ceiling, and a save's gap does not count as a step's."""
 
 import pytest
 
-from agent.hang import FACTOR, FLOOR_SECONDS, WARMUP_STEPS, HangLimit
+from agent.groups.hang import FACTOR, FLOOR_SECONDS, WARMUP_STEPS, HangLimit
 
 
 def steps(limit: HangLimit, first: int, count: int, start: float, seconds: float) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.job_user import PASSABLE, RunAs, make_passable, resolve_job_user
+from agent.confinement.job_user import PASSABLE, RunAs, make_passable, resolve_job_user
 from tests.support.job_user import closed_folder, job_python, open_folder
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="an agent started as root")
@@ -41,7 +41,7 @@ def test_an_interpreter_the_job_user_cannot_run_stops_the_agent_with_what_to_set
     result = start_agent(tmp_path, job_python=str(closed))
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    # Checked as the first uid of the owners' range, which no owner gets (agent/job_user.py).
+    # Checked as the first uid of the owners' range, which no owner gets (agent/confinement/job_user.py).
     assert last.startswith(f"ett agent: job user ett-2000000000 cannot run {closed}: Permission denied;")
     assert "ETT_AGENT_JOB_PYTHON" in last
 

@@ -8,11 +8,11 @@ import httpx
 from prometheus_client import CollectorRegistry
 
 from agent import cli
-from agent.launch import torchrun_argv, worker_env
-from agent.metrics import AgentStats, serve_metrics
-from agent.procs import GROUP_MARKER_ENV
+from agent.confinement.procs import GROUP_MARKER_ENV
+from agent.files.spool import AttemptPaths
+from agent.launching.launch import torchrun_argv, worker_env
+from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
-from agent.spool import AttemptPaths
 from tests.agent.helpers import free_port, launch_command
 
 
@@ -27,7 +27,7 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
     paths = AttemptPaths.of(tmp_path, command.job_id, 0)
     argv = torchrun_argv(command, paths)
 
-    runner = argv.index("agent.rank_runner")
+    runner = argv.index("agent.launching.rank_runner")
     torchrun = argv[argv.index("torch.distributed.run") + 1: runner - 3]
     assert torchrun == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                         "--master-port", "29517", "--max-restarts", "0", "--no-python"]
@@ -43,7 +43,7 @@ def test_only_the_nodes_but_the_master_wait_for_its_store(tmp_path):
     def guard_options(node_rank: int) -> list[str]:
         argv = torchrun_argv(trainer_command(nnodes=2, node_rank=node_rank, master_port=29517),
                              AttemptPaths.of(tmp_path, "j", 0))
-        return argv[argv.index("agent.guard") + 2: argv.index("--")]  # after the agent's pid
+        return argv[argv.index("agent.launching.guard") + 2: argv.index("--")]  # after the agent's pid
 
     assert guard_options(0) == []
     assert guard_options(1) == ["--wait-for", "127.0.0.1:29517"]

@@ -1,4 +1,4 @@
-"""What the rank runner checks before it starts a rank (agent/launch_check.py): the program is found
+"""What the rank runner checks before it starts a rank (agent/launching/launch_check.py): the program is found
 on the ranks' PATH and may be run, the script a Python interpreter is handed exists and may be read;
 each refusal names the file and the error. The run as an unprivileged user: tests/e2e/test_job_user.py."""
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from agent.launch_check import launch_problem, python_script
+from agent.launching.launch_check import launch_problem, python_script
 
 
 @pytest.fixture

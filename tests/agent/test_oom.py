@@ -1,4 +1,4 @@
-"""The kernel's out-of-memory kills as the agent reads them (agent/oom.py): only those logged since
+"""The kernel's out-of-memory kills as the agent reads them (agent/groups/oom.py): only those logged since
 the attempt began. The records are written into the real kernel log (/dev/kmsg, root only), for
 pids above the kernel's highest (4194304), which no process can have."""
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from agent.oom import OomWatch
+from agent.groups.oom import OomWatch
 
 
 def log_kill(pid: int) -> None:

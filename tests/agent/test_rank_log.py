@@ -9,8 +9,8 @@ import sys
 import httpx
 import pytest
 
-from agent.log_shipper import PIECE_BYTES, LogShipper
-from agent.rank_log import PipeCopier, RotatingLog
+from agent.forwarding.log_shipper import PIECE_BYTES, LogShipper
+from agent.launching.rank_log import PipeCopier, RotatingLog
 from tests.support.waiting import wait_for
 
 

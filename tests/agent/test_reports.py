@@ -1,8 +1,8 @@
 """An ended attempt's report waits for the node's events: heartbeats say `running` until the
 reporter releases it (after a flush), then carry it until a heartbeat with it is acknowledged."""
 
-from agent.report_book import ReportBook, attempt_report
-from agent.workers import GroupEnd, WorkerState
+from agent.groups.report_book import ReportBook, attempt_report
+from agent.groups.workers import GroupEnd, WorkerState
 
 
 def test_an_end_is_sent_only_once_released_and_kept_until_acknowledged():

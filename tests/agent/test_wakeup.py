@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agent.wakeup import Wakeup, exited, open_pidfd
+from agent.groups.wakeup import Wakeup, exited, open_pidfd
 from tests.agent.helpers import launch_command
 from tests.support.waiting import wait_for
 

@@ -1,4 +1,4 @@
-"""The warm server (agent.warm) with a small preloaded module in place of the trainer: a forked
+"""The warm server (agent.warm.server) with a small preloaded module in place of the trainer: a forked
 rank gets the request's argv, environment and cwd, its exit reaches the runner as a parent would
 see it, and it never outlives its runner."""
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.job_user import RunAs
-from agent.warm_servers import WarmServer, WarmServers
-from agent.warm_client import WarmProcess, python_module
+from agent.confinement.job_user import RunAs
+from agent.warm.client import WarmProcess, python_module
+from agent.warm.servers import WarmServer, WarmServers
 from tests.support.waiting import wait_for
 
 RANK_MODULE = textwrap.dedent("""
@@ -68,7 +68,7 @@ def test_a_module_the_server_did_not_load_is_refused(warm, tmp_path):
 
 RUNNER = """
 import sys, time
-from agent.warm_client import WarmProcess
+from agent.warm.client import WarmProcess
 from tests.support.waiting import wait_for
 rank = WarmProcess(sys.argv[1], [sys.executable, "-P", "-m", "warm_rank_module", sys.argv[2], "0", "60"])
 print(rank.pid, flush=True)
@@ -90,7 +90,7 @@ def test_a_warm_rank_dies_with_its_runner(warm, tmp_path):
 
 PEER_SCRIPT = """
 import os, sys
-from agent.warm_client import WarmProcess
+from agent.warm.client import WarmProcess
 os.setgid(65534)
 os.setuid(65534)  # nobody, from here on: the server sees it in SO_PEERCRED
 WarmProcess(sys.argv[1], sys.argv[2:])

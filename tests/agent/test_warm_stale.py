@@ -1,4 +1,4 @@
-"""A warm server never forks stale code (agent.warm_fresh): a job's module edited between two
+"""A warm server never forks stale code (agent.warm.fresh): a job's module edited between two
 launches runs its new version, the server is replaced when the job's environment or interpreter
 changed, and a module beside a script never gives way to one the server holds. Real servers,
 forking a job's own script as its rank runners would ask them."""
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.job_user import RunAs
-from agent.warm import STALE_EXIT
-from agent.warm_client import WarmProcess, start_process
-from agent.warm_servers import WarmServer, WarmServers
+from agent.confinement.job_user import RunAs
+from agent.warm.client import WarmProcess, start_process
+from agent.warm.server import STALE_EXIT
+from agent.warm.servers import WarmServer, WarmServers
 from tests.support.waiting import wait_for
 
 # A job's script: the VALUE of the module it names, whether the server had it loaded, and then a

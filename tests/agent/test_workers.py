@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.cgroups import remove_when_released
-from agent.spool import AttemptPaths
-from agent.supervisor import Supervisor
+from agent.confinement.cgroups import remove_when_released
+from agent.files.spool import AttemptPaths
+from agent.groups.supervisor import Supervisor
 from ett.protocol import FROZEN_SECONDS
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
@@ -354,8 +354,8 @@ def command_adapter_stop(command):
 AGENT_CRASH_SCRIPT = """
 import os, sys, time
 from pathlib import Path
-from agent.cgroups import NodeCgroups
-from agent.supervisor import Supervisor
+from agent.confinement.cgroups import NodeCgroups
+from agent.groups.supervisor import Supervisor
 from tests.agent.helpers import launch_command
 from tests.support.waiting import wait_for
 cgroups = NodeCgroups(sys.argv[3]) if os.geteuid() == 0 else None

@@ -13,7 +13,7 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.metrics import AgentStats, StatsCollector
+from agent.node.metrics import AgentStats, StatsCollector
 from tests.deploy.replayed import replayed_job
 from tests.deploy.servers import prometheus, tool
 from tests.support.waiting import wait_for

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="ne
 
 
 def owner_uid(c: Cluster, owner: str) -> int:
-    """The uid the agents run the owner's jobs as (agent/job_user.py: their default first job uid)."""
+    """The uid the agents run the owner's jobs as (agent/confinement/job_user.py: their default first job uid)."""
     with c.service.context.sessions() as session:
         return AgentSettings.model_fields["job_uid_base"].default + session.scalars(
             select(Owner.id).where(Owner.name == owner)).one()
@@ -55,7 +55,7 @@ def warm_servers(root: Path) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"agent.warm" in argv and any(arg.startswith(os.fsencode(root)) for arg in argv):
+        if b"agent.warm.server" in argv and any(arg.startswith(os.fsencode(root)) for arg in argv):
             pids.append(int(proc.name))
     return pids
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cgroups import agent_cgroup_name
-from agent.spool import AttemptPaths
+from agent.confinement.cgroups import agent_cgroup_name
+from agent.files.spool import AttemptPaths
 from ett.protocol import JobEnv, rank_spool
 from ett.snapshot_folder import SnapshotFolder, snapshots_root
 from tests.e2e.test_own_scripts import assert_same_parameters, plain_torchrun

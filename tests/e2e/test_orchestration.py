@@ -6,7 +6,7 @@ import signal
 import pytest
 from sqlalchemy import select
 
-from agent.cgroups import agent_cgroup_name
+from agent.confinement.cgroups import agent_cgroup_name
 from service.models import Node, NodeState
 from tests.support.cluster import (
     assert_categories_sum_to_wall,

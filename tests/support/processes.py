@@ -33,7 +33,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def pids_in_cgroups_of(agent_cgroup: str) -> list[int]:
-    """Live processes in an agent's cgroups (agent/cgroups.py: ett-NAME/, NAME from agent_cgroup_name)."""
+    """Live processes in an agent's cgroups (agent/confinement/cgroups.py: ett-NAME/, NAME from agent_cgroup_name)."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:

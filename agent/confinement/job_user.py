@@ -44,7 +44,7 @@ PREFLIGHT_SCRIPT = (
     "    for above in (os.sep.join(parts[:i]) for i in range(2, len(parts) + 1)):\n"
     "        if not os.access(above, os.X_OK):\n"
     f"            print(above); sys.exit({CLOSED_FOLDER_EXIT})\n"
-    "import agent.rank_runner\n"
+    "import agent.launching.rank_runner\n"
 )
 
 

@@ -1,7 +1,7 @@
 """A rank's output in a file of its own, bounded: `rank-R.log` is rotated at `max_bytes` into
 `rank-R.log.1` (the older part, replaced at each rotation), so a rank keeps at most twice that on
 its node, however much it prints. The rank runner copies the rank's stdout and stderr there from a
-pipe (agent.rank_runner); the agent ships what is new to the service (agent/log_shipper.py).
+pipe (agent.launching.rank_runner); the agent ships what is new to the service (agent/forwarding/log_shipper.py).
 Imported by the rank runner at every launch: a few modules of the standard library only."""
 
 import contextlib
@@ -16,7 +16,8 @@ CHUNK_BYTES = 1 << 16
 OUTPUT_DRAIN_SECONDS = 1.0
 # How long it then copies what a child of the rank, still holding the pipe, writes.
 CHILDREN_OUTPUT_SECONDS = 2.0
-# The rank runner's record that its rank's output is all in its log (agent.rank_runner -> agent.workers).
+# The rank runner's record that its rank's output is all in its log
+# (agent.launching.rank_runner -> agent.groups.rank_records).
 OUTPUT_IN_LOG = "output_in_log"
 
 

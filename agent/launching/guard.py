@@ -1,17 +1,17 @@
 """Nothing of a worker group may outlive the agent: the parent-death signal, and the group's guard.
 
-    python -m agent.guard AGENT_PID [--go-fd FD] [--wait-for HOST:PORT] -- torchrun ARGV...
+    python -m agent.launching.guard AGENT_PID [--go-fd FD] [--wait-for HOST:PORT] -- torchrun ARGV...
 
 The agent starts torchrun through this small process. The guard asks the kernel for SIGUSR1
 when the agent dies (PR_SET_PDEATHSIG), and then SIGKILLs every process carrying the group's
-marker (agent.procs), so even a rank's own children, which no parent-death signal covers, go, and
-then every process of the attempt's cgroup, itself included (agent.cgroups).
+marker (agent.confinement.procs), so even a rank's own children, which no parent-death signal covers, go, and
+then every process of the attempt's cgroup, itself included (agent.confinement.cgroups).
 Otherwise it only waits for torchrun (its child, in its process group) and exits as torchrun
 did. SIGTERM sent to the group reaches torchrun directly, so the guard ignores it; a torchrun
-forked by the agent's warm server (agent.warm) is in a group of its own: the guard passes it on.
+forked by the agent's warm server (agent.warm.server) is in a group of its own: the guard passes it on.
 
 With `--go-fd`, the guard starts nothing until the agent has written a byte there: the agent first
-puts it into the attempt's cgroup (agent.cgroups), so that everything it starts is in there too.
+puts it into the attempt's cgroup (agent.confinement.cgroups), so that everything it starts is in there too.
 
 On every node but the master, `--wait-for` the master's torchrun store first: a torchrun whose
 store client finds nothing listening backs off, and connected 0.25 to 1 s after a store that came
@@ -29,12 +29,12 @@ import sys
 import time
 from collections.abc import Callable
 
-from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
-from agent.warm_client import WARM_SOCKET_ENV, WarmProcess, start_process
+from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
+from agent.warm.client import WARM_SOCKET_ENV, WarmProcess, start_process
 
 WAIT_SECONDS = 60.0
 POLL_SECONDS = 0.005
-USAGE = "usage: python -m agent.guard AGENT_PID [--go-fd FD] [--wait-for HOST:PORT] -- ARGV..."
+USAGE = "usage: python -m agent.launching.guard AGENT_PID [--go-fd FD] [--wait-for HOST:PORT] -- ARGV..."
 
 
 def wait_for_listener(address: str, stopped: Callable[[], bool] = lambda: False, timeout: float = WAIT_SECONDS) -> None:

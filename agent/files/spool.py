@@ -4,7 +4,7 @@
         events/                 the job's (its user, 0700)
             rank-R.jsonl        written by the ranks (ETT_EVENT_DIR), forwarded to the service
             progress-rank-R     each rank's progress mark, read by the monitor loop
-        logs/                   the job's (its user, 0700): rank-R.log, each rank's output (agent.rank_log)
+        logs/                   the job's (its user, 0700): rank-R.log, each rank's output (agent.launching.rank_log)
         control/                the job's (its user, 0700)
             ranks.jsonl         rank runner records: start (pids) and end (exit code or signal)
             checkpoint-interval new checkpoint intervals; rank-R.exit, an injected exit's code
@@ -15,10 +15,10 @@
 
 What the agent reads in the job's two folders it opens without following a link, as regular files
 of one link only (a hard link to a root-only file is not read), bounded; it writes nothing there
-but through agent.beneath.
+but through agent.files.beneath.
 
 Once an ended attempt is all forwarded, its events/ folder is deleted and the rest of the folder
-moves to DATA_DIR/finished/JOB_ID/ATTEMPT/ (agent.forward).
+moves to DATA_DIR/finished/JOB_ID/ATTEMPT/ (agent.forwarding.forward).
 """
 
 import ctypes
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.jsonl import append_json_line
+from agent.files.jsonl import append_json_line
 from ett.events import make_event
 from ett.protocol import (
     CONTROL_DIR,

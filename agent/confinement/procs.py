@@ -11,7 +11,7 @@ import signal
 
 # Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
 GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
-# The attempt's cgroup (agent.cgroups), where a process the warm server forks moves itself.
+# The attempt's cgroup (agent.confinement.cgroups), where a process the warm server forks moves itself.
 GROUP_CGROUP_ENV = "ETT_WORKER_CGROUP"
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)

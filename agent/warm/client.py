@@ -1,5 +1,5 @@
 """Warm start, the asking side: the guard and each rank runner get their process from the agent's
-warm server (agent.warm) when they can, else start a fresh interpreter.
+warm server (agent.warm.server) when they can, else start a fresh interpreter.
 
 Kept apart from the server, and light: these two processes start fresh at every launch (the
 guard once per node, a runner once per rank), so every import here is paid by every attempt.
@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 
-from agent.procs import set_parent_death_signal
+from agent.confinement.procs import set_parent_death_signal
 
 WARM_SOCKET_ENV = "ETT_WARM_SOCKET"  # set by the agent for ranks it may start warm
 HANDSHAKE_TIMEOUT_SECONDS = 10.0

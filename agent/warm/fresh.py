@@ -1,4 +1,4 @@
-"""What keeps a warm server (agent.warm) from forking code a fresh interpreter would not run.
+"""What keeps a warm server (agent.warm.server) from forking code a fresh interpreter would not run.
 
 A server serves the modules it imported, for as long as it lives: a module edited since (a job's
 own, installed editable or on PYTHONPATH, the trainer, an upgraded package) would run its old

@@ -1,17 +1,17 @@
 """Warm start: a node's server that has imported the trainer and torchrun once, and forks them.
 
-    python -P -m agent.warm SOCKET MODULE... [--imports IMPORT...]
+    python -P -m agent.warm.server SOCKET MODULE... [--imports IMPORT...]
 
 A job's own Python script starts warm too when its spec names what it imports (`warm_imports`,
 docs/jobspec.md): a server of its own imports those and torchrun, and forks the script's ranks
 into `runpy.run_path` with them loaded (`python SCRIPT ARGS`, with the server's interpreter).
 
 A fresh interpreter spends seconds importing torch (5-10 s on a loaded CPU node) before its first
-line runs, and a restart ran two in a row: torchrun, then the ranks. The agent (agent.warm_servers)
+line runs, and a restart ran two in a row: torchrun, then the ranks. The agent (agent.warm.servers)
 keeps this server ready with MODULE... imported; the guard (for torchrun) and each rank runner (for
 its rank), when the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead
-of starting an interpreter, and fall back to one when the server cannot serve (agent.warm_client).
-The server runs as the job's user, with the job's interpreter (agent.job_user), as the processes it
+of starting an interpreter, and fall back to one when the server cannot serve (agent.warm.client).
+The server runs as the job's user, with the job's interpreter (agent.confinement.job_user), as the processes it
 stands in for would.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
@@ -23,7 +23,7 @@ Per request the server forks a keeper, which forks the process (below: the rank)
 
 The server starts with one OpenMP/BLAS thread, so the imports start no thread pool (a fork copies
 only the calling thread); each rank sets its own thread count. It never forks stale code
-(agent.warm_fresh): once a file of a module it holds has changed since it imported it, it refuses
+(agent.warm.fresh): once a file of a module it holds has changed since it imported it, it refuses
 that request and every later one (the asker starts a fresh interpreter), and exits (STALE_EXIT)
 when what it forked has ended, for the agent to start a fresh server at once. The agent also
 replaces it when the job's interpreter or environment is no longer the one it was started with.
@@ -44,9 +44,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from agent.procs import GROUP_CGROUP_ENV, set_parent_death_signal
-from agent.warm_client import python_module, runs_script
-from agent.warm_fresh import Fingerprint, shadowed
+from agent.confinement.procs import GROUP_CGROUP_ENV, set_parent_death_signal
+from agent.warm.client import python_module, runs_script
+from agent.warm.fresh import Fingerprint, shadowed
 
 MAX_REQUEST_BYTES = 1 << 20
 STALE_EXIT = 75  # its code changed under it: the agent starts a fresh one at once, not after a pause
@@ -205,7 +205,7 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
-        sys.exit("usage: python -P -m agent.warm SOCKET MODULE... [--imports IMPORT...]")
+        sys.exit("usage: python -P -m agent.warm.server SOCKET MODULE... [--imports IMPORT...]")
     args = sys.argv[2:]
     cut = args.index("--imports") if "--imports" in args else len(args)
     serve(Path(sys.argv[1]), args[:cut], args[cut + 1:])

@@ -1,6 +1,6 @@
 """Runs one rank under torchrun and records how it ended, which torchrun itself does not tell.
 
-    torchrun --no-python python -m agent.rank_runner --ranks-file F --control-dir D
+    torchrun --no-python python -m agent.launching.rank_runner --ranks-file F --control-dir D
         [--log-dir L --log-max-bytes N] -- ARGV...
 
 Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts, `{"rank", "exit_code"}` or
@@ -9,9 +9,9 @@ in its log. Stop signals are passed on to the rank (with SIGCONT, so a
 stopped rank can act on them). SIGUSR1 is the agent's "exit" fault: the runner kills the rank and
 exits with the code written in D/rank-R.exit, so torchrun and the agent see a real non-zero exit.
 The rank lives in its own process group, so torchrun's signals reach it once, through here.
-With --log-dir, the rank's stdout and stderr go to L/rank-R.log, rotated at N bytes (agent.rank_log).
+With --log-dir, the rank's stdout and stderr go to L/rank-R.log, rotated at N bytes (agent.launching.rank_log).
 With $ETT_WARM_SOCKET set, a rank the agent's warm server can start is forked from there, its
-imports already done (agent.warm); otherwise, or when the server cannot, it is a fresh process.
+imports already done (agent.warm.server); otherwise, or when the server cannot, it is a fresh process.
 """
 
 import argparse
@@ -20,10 +20,10 @@ import signal
 import sys
 from pathlib import Path
 
-from agent.jsonl import append_json_line
-from agent.launch_check import launch_problem
-from agent.procs import set_parent_death_signal
-from agent.rank_log import (
+from agent.confinement.procs import set_parent_death_signal
+from agent.files.jsonl import append_json_line
+from agent.launching.launch_check import launch_problem
+from agent.launching.rank_log import (
     CHILDREN_OUTPUT_SECONDS,
     DEFAULT_MAX_BYTES,
     OUTPUT_DRAIN_SECONDS,
@@ -31,14 +31,14 @@ from agent.rank_log import (
     PipeCopier,
     RotatingLog,
 )
-from agent.warm_client import WARM_SOCKET_ENV, start_process
+from agent.warm.client import WARM_SOCKET_ENV, start_process
 from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file, rank_log
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="agent.rank_runner")
+    parser = argparse.ArgumentParser(prog="agent.launching.rank_runner")
     parser.add_argument("--ranks-file", type=Path, required=True)
     parser.add_argument("--control-dir", type=Path, required=True)
     parser.add_argument("--log-dir", type=Path, default=None)
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     copying = None
     if problem is None:
         log_write = None
-        if args.log_dir is not None:  # the rank's output, in its own bounded file (agent.rank_log)
+        if args.log_dir is not None:  # the rank's output, in its own bounded file (agent.launching.rank_log)
             log_read, log_write = os.pipe()
             copying = PipeCopier(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes))
         try:
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
         finally:
             if log_write is not None:
                 os.close(log_write)  # the rank holds it now: the copy ends when the rank and its children do
-    if problem is not None:  # it would fail the same way on every try: not retried (agent.launch_check)
+    if problem is not None:  # it would fail the same way on every try: not retried (agent.launching.launch_check)
         append_json_line(args.ranks_file, {"rank": rank, "exit_code": EXIT_CONFIG_ERROR, "error": problem})
         return EXIT_CONFIG_ERROR
     append_json_line(args.ranks_file, {"rank": rank, "pid": child.pid, "runner_pid": os.getpid()})
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     returncode = child.wait()
     # The record first: the first failure recorded is the attempt's cause (a killed rank's, not the
     # broken collective's of a peer that exits a moment later); then the rank's last lines, which the
-    # agent waits for before it reports the failure (agent.workers): the service diagnoses from them.
+    # agent waits for before it reports the failure (agent.groups.workers): the service diagnoses from them.
     if fault_code is not None:
         record, code = {"rank": rank, "exit_code": fault_code, "fault": "exit"}, fault_code
     elif returncode < 0:

@@ -3,7 +3,7 @@
 A rank's spool is the job's to write: a line may claim any job, attempt or source, and any
 checkpoint committed. The forwarder sets the job and attempt from the folder the line was found
 in and the source from the file's name (`rank-R.jsonl` is `rank:R`), and checks a `ckpt_committed`
-on disk (agent.checkpoint_check): `data.verified` says whether the service may resume from it.
+on disk (agent.checkpoints.checkpoint_check): `data.verified` says whether the service may resume from it.
 The agent's own spool (`node-NAME.jsonl`, in a folder no job writes) is sent as it was written.
 """
 
@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from agent.checkpoint_check import unverified_reason
-from agent.spool import AttemptPaths, parse_event
+from agent.checkpoints.checkpoint_check import unverified_reason
+from agent.files.spool import AttemptPaths, parse_event
 from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Each attempt's processes in a cgroup v2 of their own, which the agent empties at the end.
 
 A rank that calls `setsid`, forks and re-execs with a clean environment leaves its process group,
-its session and the group's marker (agent.procs) behind; it cannot leave its cgroup. The agent
+its session and the group's marker (agent.confinement.procs) behind; it cannot leave its cgroup. The agent
 makes, under its own cgroup in the v2 hierarchy (wherever that is mounted: /sys/fs/cgroup on a
 pure v2 machine, /sys/fs/cgroup/unified beside v1 controllers):
 
@@ -154,8 +154,8 @@ class NodeCgroups:
         folder = owner / name
         folder.mkdir()
         folder.chmod(FOLDER_MODE)
-        os.chown(folder / PROCS, uid, gid)  # a warm-forked rank moves itself in (agent.warm)
-        with contextlib.suppress(FileNotFoundError):  # its guard empties it when the agent dies (agent.guard)
+        os.chown(folder / PROCS, uid, gid)  # a warm-forked rank moves itself in (agent.warm.server)
+        with contextlib.suppress(FileNotFoundError):  # its guard empties it when the agent dies (agent.launching.guard)
             os.chown(folder / KILL, uid, gid)
         return folder
 

@@ -13,7 +13,7 @@ wind-down. Once every local rank has exited after a failure or a stop and its ou
 torchrun is not waited for (it takes seconds to wind down). A hang is torn down at once with
 SIGKILL: the group is broken and its last committed checkpoint is all that counts. A stop gets
 SIGTERM, then SIGKILL after a grace. Whatever happens, every process carrying the group's marker is
-SIGKILLed at the end, and the attempt's cgroup is emptied (agent.cgroups): a rank that left its
+SIGKILLed at the end, and the attempt's cgroup is emptied (agent.confinement.cgroups): a rank that left its
 session and its environment behind is gone too.
 Process ids are the kernel's: a pid in the ranks' records (the job's to write) is signalled only
 while it is in the attempt's cgroup (or, without one, carries the group's marker).
@@ -32,16 +32,16 @@ from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import Any
 
-from agent.cgroups import PROCS, NodeCgroups, kill_cgroup, pids_in
-from agent.faults import FaultInjector
-from agent.hang import FrozenRanks, HangLimit
-from agent.job_user import RunAs, make_passable
-from agent.launch import rank_argv, torchrun_argv, worker_env
-from agent.oom import OomWatch
-from agent.procs import GROUP_MARKER_ENV, cpu_and_state, process_uid, signal_group, signal_marked
-from agent.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS, OUTPUT_IN_LOG
-from agent.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
-from agent.wakeup import exited, open_pidfd
+from agent.confinement.cgroups import PROCS, NodeCgroups, kill_cgroup, pids_in
+from agent.confinement.job_user import RunAs, make_passable
+from agent.confinement.procs import GROUP_MARKER_ENV, cpu_and_state, process_uid, signal_group, signal_marked
+from agent.files.spool import AttemptPaths, NodeEventLog, SpoolReader, write_private
+from agent.groups.faults import FaultInjector
+from agent.groups.hang import FrozenRanks, HangLimit
+from agent.groups.oom import OomWatch
+from agent.groups.wakeup import exited, open_pidfd
+from agent.launching.launch import rank_argv, torchrun_argv, worker_env
+from agent.launching.rank_log import DEFAULT_MAX_BYTES, OUTPUT_DRAIN_SECONDS, OUTPUT_IN_LOG
 from ett.events import read_progress_mark
 from ett.protocol import FROZEN_SECONDS, PROGRESS_GLOB, RANK_SPOOL_GLOB, rank_of_progress_file
 from ett.protocol.messages import LaunchCommand
@@ -91,7 +91,7 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
     code = record.get("exit_code")
     if code == 0:
         return None
-    if record.get("error"):  # the rank's program could not be started at all (agent.launch_check)
+    if record.get("error"):  # the rank's program could not be started at all (agent.launching.launch_check)
         return GroupEnd(WorkerState.FAILED, "exit", f"rank {rank} cannot start: {record['error']}", code)
     note = " (injected fault)" if record.get("fault") else ""
     return GroupEnd(WorkerState.FAILED, "exit", f"rank {rank} exit code {code}{note}", code)
@@ -103,15 +103,15 @@ class WorkerGroup:
                  run_as: RunAs = RunAs(), cgroups: NodeCgroups | None = None,
                  spare: Callable[[], set[int]] = set, rank_log_max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.command = command
-        self.run_as = run_as  # the job's interpreter and user (agent.job_user)
-        self.warm_socket = warm_socket  # the agent's warm server (agent.warm), if it runs one
+        self.run_as = run_as  # the job's interpreter and user (agent.confinement.job_user)
+        self.warm_socket = warm_socket  # the agent's warm server (agent.warm.server), if it runs one
         self.paths = paths
         self.stop_grace_seconds = stop_grace_seconds
         self.clock = clock
         self.state = WorkerState.LAUNCHING
         self.end: GroupEnd | None = None
         self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
-        self.cgroups = cgroups  # this node's cgroups (agent.cgroups), if the machine gives it any
+        self.cgroups = cgroups  # this node's cgroups (agent.confinement.cgroups), if the machine gives it any
         self.spare = spare  # the warm servers' pids: their keepers outlive an attempt, nothing else
         self.cgroup: Path | None = None  # the attempt's own, made at start
         self.rank_log_max_bytes = rank_log_max_bytes  # each rank's output is rotated at this size
@@ -132,8 +132,8 @@ class WorkerGroup:
         self._proc: subprocess.Popen[bytes] | None = None
         self._launched_at = self._last_progress = clock()
         self._last_step: int | None = None
-        self._hang_limit = HangLimit(command.hang_timeout_seconds)  # adaptive once steps are seen (agent/hang.py)
-        self._frozen = FrozenRanks()  # ranks whose pulse and CPU time stand still (agent/hang.py)
+        self._hang_limit = HangLimit(command.hang_timeout_seconds)  # adaptive once steps are seen (agent/groups/hang.py)
+        self._frozen = FrozenRanks()  # ranks whose pulse and CPU time stand still (agent/groups/hang.py)
         self._saving: set[str] = set()  # sources (ranks) in a checkpoint's blocking part
         self._progress_marks: dict[str, tuple[int, ...]] = {}
         # Per rank: events its writer could not write yet (a full disk), and events it dropped.
@@ -144,7 +144,7 @@ class WorkerGroup:
         self._ending_rank: int | None = None  # the rank whose exit record decided it
         self._killed_at: float | None = None  # when the agent SIGKILLed the group
         self._kill_at: float | None = None
-        self._pidfds: dict[int, int] = {}  # pid -> pidfd: torchrun's guard and the rank runners (agent.wakeup)
+        self._pidfds: dict[int, int] = {}  # pid -> pidfd: torchrun's guard and the rank runners (agent.groups.wakeup)
 
     @property
     def live_ranks(self) -> int:
@@ -178,7 +178,7 @@ class WorkerGroup:
 
     def _output_in(self, ranks: set[int], now: float) -> bool:
         """Whether the output of these exited ranks is all in their logs: their runners said so or
-        have exited (agent.rank_runner), or they were waited for long enough."""
+        have exited (agent.launching.rank_runner), or they were waited for long enough."""
         return all(rank in self._in_log or self.runner_pids.get(rank) not in self._pidfds
                    or now - self._exited_at[rank] >= OUTPUT_WAIT_SECONDS for rank in ranks)
 
@@ -290,7 +290,7 @@ class WorkerGroup:
                 continue
             record = {k: v for k, v in record.items() if k != "oom"}  # the kernel's word, not the job's
             if record.get("signal") == "SIGKILL" and rank in self.rank_pids:
-                killed = self._oom.killed({self.rank_pids[rank]})  # by the out-of-memory killer? (agent/oom.py)
+                killed = self._oom.killed({self.rank_pids[rank]})  # by the out-of-memory killer? (agent/groups/oom.py)
                 if killed:
                     record["oom"] = next(iter(killed.values()))
             self.exited[rank], self._exited_at[rank] = record, now
@@ -393,7 +393,7 @@ class WorkerGroup:
         self.kill()
 
     def _frozen_rank(self, now: float) -> tuple[float, float, str] | None:
-        """(seconds, limit, detail) of a rank of this group that froze (agent/hang.py), by the kernel's word."""
+        """(seconds, limit, detail) of a rank of this group that froze (agent/groups/hang.py), by the kernel's word."""
         for rank, seconds in sorted(self._frozen.frozen(now).items()):
             pid = self.rank_pids[rank]
             vitals = cpu_and_state(pid)

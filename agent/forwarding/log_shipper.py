@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from agent.spool import open_job_file, save_private_json
+from agent.files.spool import open_job_file, save_private_json
 from ett.protocol import LOGS_DIR
 
 log = logging.getLogger(__name__)

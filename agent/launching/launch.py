@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.job_user import RunAs
-from agent.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
-from agent.rank_log import DEFAULT_MAX_BYTES
-from agent.spool import AttemptPaths
-from agent.warm_client import WARM_SOCKET_ENV, python_module, runs_script
+from agent.confinement.job_user import RunAs
+from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
+from agent.files.spool import AttemptPaths
+from agent.launching.rank_log import DEFAULT_MAX_BYTES
+from agent.warm.client import WARM_SOCKET_ENV, python_module, runs_script
 from ett.protocol import LIBRARY_FAULT_ACTIONS, JobEnv
 from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 
@@ -44,15 +44,15 @@ def rank_argv(command: LaunchCommand, python: str = sys.executable) -> list[str]
 
 def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys.executable,
                   go_fd: int | None = None, log_max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
-    """torchrun, under the group's guard, runs each rank through agent.rank_runner, which records
+    """torchrun, under the group's guard, runs each rank through agent.launching.rank_runner, which records
     its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
     Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
     started must not shadow them. Every node but the master's waits for the master's store
-    (agent.guard) rather than let torchrun back off; with `go_fd`, the guard waits for the agent's
+    (agent.launching.guard) rather than let torchrun back off; with `go_fd`, the guard waits for the agent's
     word that it is in the attempt's cgroup."""
     master = f"{command.master_addr}:{command.master_port}"
     return [
-        *python_module(python, "agent.guard"), str(os.getpid()),
+        *python_module(python, "agent.launching.guard"), str(os.getpid()),
         *(["--go-fd", str(go_fd)] if go_fd is not None else []),
         *(["--wait-for", master] if command.node_rank else []), "--",
         *python_module(python, "torch.distributed.run"),
@@ -63,7 +63,7 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
         "--master-port", str(command.master_port),
         "--max-restarts", "0",
         "--no-python",
-        *python_module(python, "agent.rank_runner"),
+        *python_module(python, "agent.launching.rank_runner"),
         "--ranks-file", str(paths.ranks_file),
         "--control-dir", str(paths.control_dir),
         "--log-dir", str(paths.logs_dir), "--log-max-bytes", str(log_max_bytes),
@@ -75,7 +75,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
     """What every rank of every job is handed, entrypoint or trainer (docs/library.md, "The job's
     environment"); `ett.init()` reads it. Unset values are left out."""
     ckpt = command.checkpoint
-    # The faults the ranks' own ett.Run sets off (ett/faults.py); the agent's are agent/faults.py's.
+    # The faults the ranks' own ett.Run sets off (ett/faults.py); the agent's are agent/groups/faults.py's.
     library_faults = [f.model_dump(exclude_none=True) for f in command.faults if f.action in LIBRARY_FAULT_ACTIONS]
     env = {
         JobEnv.JOB_ID: command.job_id,

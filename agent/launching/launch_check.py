@@ -1,6 +1,6 @@
 """Whether a rank's command can start at all: its program found and runnable, and the script a
 Python interpreter is handed there to read. Run by the rank runner, so as the job's user, in the
-job's working folder and with its PATH (the job interpreter's folder first: agent.launch).
+job's working folder and with its PATH (the job interpreter's folder first: agent.launching.launch).
 
 A command that cannot start fails the same way on every try: the runner records it with
 EXIT_CONFIG_ERROR, which the service does not retry.

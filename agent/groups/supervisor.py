@@ -7,17 +7,17 @@ import sys
 import time
 from pathlib import Path
 
-from agent.beneath import open_folder_beneath, read_beneath, replace_beneath
-from agent.cgroups import NodeCgroups
-from agent.confine import launch_refusal
-from agent.health import HealthCheck
-from agent.job_user import JobUser, JobUserError, JobUsers, RunAs
-from agent.launch import starts_warm
-from agent.rank_log import DEFAULT_MAX_BYTES
-from agent.report_book import AttemptKey, ReportBook, attempt_report
-from agent.spool import AttemptPaths, write_private
-from agent.warm_servers import WarmServer, WarmServers
-from agent.workers import GroupEnd, WorkerGroup, WorkerState
+from agent.confinement.cgroups import NodeCgroups
+from agent.confinement.confine import launch_refusal
+from agent.confinement.job_user import JobUser, JobUserError, JobUsers, RunAs
+from agent.files.beneath import open_folder_beneath, read_beneath, replace_beneath
+from agent.files.spool import AttemptPaths, write_private
+from agent.groups.report_book import AttemptKey, ReportBook, attempt_report
+from agent.groups.workers import GroupEnd, WorkerGroup, WorkerState
+from agent.launching.launch import starts_warm
+from agent.launching.rank_log import DEFAULT_MAX_BYTES
+from agent.node.health import HealthCheck
+from agent.warm.servers import WarmServer, WarmServers
 from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
 from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
 
@@ -36,13 +36,13 @@ class Supervisor:
         self.spool_root = spool_root
         # Node-local fast checkpoint folders, one per job, kept across its attempts (None: no local tier).
         self.local_checkpoint_root = local_checkpoint_root
-        self.warm = warm  # the job users' warm servers (agent.warm); None: every rank starts fresh
-        self.checkpoint_root = checkpoint_root  # where jobs' checkpoint folders may be (agent/confine.py)
-        # Who runs each launch, with which interpreter (agent/job_user.py); default: as the agent.
+        self.warm = warm  # the job users' warm servers (agent.warm.server); None: every rank starts fresh
+        self.checkpoint_root = checkpoint_root  # where jobs' checkpoint folders may be (agent/confinement/confine.py)
+        # Who runs each launch, with which interpreter (agent/confinement/job_user.py); default: as the agent.
         self.job_users = job_users or JobUsers(sys.executable, JobUser.of(pwd.getpwuid(os.geteuid())))
-        self.cgroups = cgroups  # each attempt's own (agent.cgroups); None: the marker scan only
+        self.cgroups = cgroups  # each attempt's own (agent.confinement.cgroups); None: the marker scan only
         self.rank_log_max_bytes = rank_log_max_bytes
-        self.health = health  # the operator's node check, run again before each launch (agent/health.py)
+        self.health = health  # the operator's node check, run again before each launch (agent/node/health.py)
         self.node_loss_drills = node_loss_drills  # a job's lose_node fault may end this agent
         self.node_name = node_name
         self.stop_grace_seconds = stop_grace_seconds
@@ -58,7 +58,7 @@ class Supervisor:
 
     @property
     def exit_fds(self) -> list[int]:
-        """pidfds of every group's processes: the monitor loop wakes when one exits (agent.wakeup)."""
+        """pidfds of every group's processes: the monitor loop wakes when one exits (agent.groups.wakeup)."""
         return [fd for group in self.groups.values() for fd in group.exit_fds]
 
     def rank_events_unwritten_and_dropped(self) -> tuple[int, int]:
@@ -172,7 +172,7 @@ class Supervisor:
         if group is None:
             log.info("checkpoint interval for attempt %s/%d, which does not run here; ignored", *command.key)
             return
-        attempt = group.paths.root  # the job's: no link in it is followed (agent/beneath.py)
+        attempt = group.paths.root  # the job's: no link in it is followed (agent/files/beneath.py)
         try:
             control = open_folder_beneath(attempt.parent, Path(attempt.name) / CONTROL_DIR)
             try:

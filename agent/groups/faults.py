@@ -3,14 +3,14 @@
 - kill: SIGKILL the rank (the attempt fails with cause signal)
 - hang: SIGSTOP the rank (the others block in their next collective; hang detection follows)
 - exit: the rank's runner kills it and exits with the fault's code (cause exit); see
-  agent.rank_runner, so no trainer support is needed.
+  agent.launching.rank_runner, so no trainer support is needed.
 - lose_node: the node goes as a dead machine would: every process of the attempt, the job's
   node-local checkpoint folder and the agent itself (WorkerGroup's `lose_node`), with no word to
-  the service. Only on agents whose settings allow the drill (agent/confine.py).
+  the service. Only on agents whose settings allow the drill (agent/confinement/confine.py).
 
 The pids come from the ranks' records, which the job writes: a process is signalled only while
-the group owns it by the kernel's word (agent.workers, WorkerGroup.owns), and the exit code is
-written into the job's control folder without following a link (agent.beneath).
+the group owns it by the kernel's word (agent.groups.workers, WorkerGroup.owns), and the exit code is
+written into the job's control folder without following a link (agent.files.beneath).
 """
 
 import logging
@@ -19,8 +19,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.beneath import open_folder_beneath, replace_beneath
-from agent.spool import AttemptPaths
+from agent.files.beneath import open_folder_beneath, replace_beneath
+from agent.files.spool import AttemptPaths
 from ett.protocol import AGENT_FAULT_ACTIONS, CONTROL_DIR, NODE_LOSS_FAULT, fault_exit_file
 from ett.protocol.messages import Fault
 

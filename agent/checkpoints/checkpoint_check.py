@@ -3,7 +3,7 @@
 The service resumes a job from the newest checkpoint its events say was committed, and a rank's
 events are the job's to write: one forged line would name any folder at any step. Before the
 forwarder sends such an event it looks, as root and so without following a link anywhere below the
-job's checkpoint folder (agent.beneath), for the folder inside the job's own checkpoint folder, its
+job's checkpoint folder (agent.files.beneath), for the folder inside the job's own checkpoint folder, its
 commit marker with the event's step, and each file the marker lists, of the listed size. The
 contents' CRC-32s are left to resume, which checks them before loading (ett/folders.py, verify).
 """
@@ -14,7 +14,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from agent.beneath import open_folder_beneath, read_beneath
+from agent.files.beneath import open_folder_beneath, read_beneath
 from ett.folders import MARKER
 
 MARKER_MAX_BYTES = 16 << 20  # a manifest lists each file once: far less in any real checkpoint

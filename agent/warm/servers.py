@@ -1,4 +1,4 @@
-"""The agent's side of warm start: a warm server (agent.warm) per job user and set of imports,
+"""The agent's side of warm start: a warm server (agent.warm.server) per job user and set of imports,
 started, started again when it died or went stale, replaced when the job's interpreter or
 environment is no longer the one it was started with, stopped."""
 
@@ -9,10 +9,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from agent.cgroups import PROCS, NodeCgroups
-from agent.job_user import RunAs
-from agent.warm import STALE_EXIT
-from agent.warm_client import python_module
+from agent.confinement.cgroups import PROCS, NodeCgroups
+from agent.confinement.job_user import RunAs
+from agent.warm.client import python_module
+from agent.warm.server import STALE_EXIT
 
 RESTART_PAUSE_SECONDS = 10.0
 SOCKET_PATH_MAX_BYTES = 107  # sun_path
@@ -42,7 +42,7 @@ class WarmServer:
                  cgroup: Path | None = None, imports: list[str] | None = None) -> None:
         self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
         self.imports = imports or []  # a job's own imports: the server then starts its scripts
-        self.cgroup = cgroup  # its user's warm/ cgroup (agent.cgroups), if the machine gives one
+        self.cgroup = cgroup  # its user's warm/ cgroup (agent.confinement.cgroups), if the machine gives one
         self._proc: subprocess.Popen[bytes] | None = None
         self._next_start = 0.0
         self._env: dict[str, str] | None = None  # what it was started with
@@ -86,7 +86,7 @@ class WarmServer:
         self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
         with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
             self._proc = subprocess.Popen(
-                [*python_module(self.run_as.python, "agent.warm"), str(self.socket_path), *self.modules,
+                [*python_module(self.run_as.python, "agent.warm.server"), str(self.socket_path), *self.modules,
                  *(["--imports", *self.imports] if self.imports else [])],
                 env=self._env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),

@@ -33,11 +33,11 @@ from typing import Any
 
 import httpx
 
-from agent.jsonl import append_json_line
-from agent.log_shipper import LogShipper
-from agent.metrics import AgentStats
-from agent.spool import AttemptPaths, disk_bytes, read_complete_lines, release_prefix, save_private_json
-from agent.stamp import RANK_SPOOL_NAME, Stamper
+from agent.files.jsonl import append_json_line
+from agent.files.spool import AttemptPaths, disk_bytes, read_complete_lines, release_prefix, save_private_json
+from agent.forwarding.log_shipper import LogShipper
+from agent.forwarding.stamp import RANK_SPOOL_NAME, Stamper
+from agent.node.metrics import AgentStats
 from ett.protocol import EVENTS_DIR, NODE_SPOOL_GLOB, RANK_SPOOL_GLOB
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class Forwarder:
         self.pending: list[Spooled] = []
         self.failures = 0
         self.stamper = Stamper(spool_root)
-        self.logs = logs  # the ranks' output, shipped beside their events (agent/log_shipper.py)
+        self.logs = logs  # the ranks' output, shipped beside their events (agent/forwarding/log_shipper.py)
         self._flush_waiters: list[threading.Event] = []  # list.append and swap: safe across threads
         self._wake = threading.Event()
         if self.dead_letter_file.exists():
@@ -126,7 +126,7 @@ class Forwarder:
             for done in waiters if forwarded else ():
                 done.set()
             if not forwarded:
-                # Cut short by a flush (an attempt's end waits for its events, agent.supervisor's
+                # Cut short by a flush (an attempt's end waits for its events, agent.groups.supervisor's
                 # ReportBook) and by wake() at the end.
                 self._wake.wait(self._backoff())
                 self._wake.clear()

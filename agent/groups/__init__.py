@@ -1,0 +1,1 @@
+"""Each attempt's worker group, watched: states, rank records, progress, hangs, faults, its end; the supervisor."""

@@ -1,0 +1,1 @@
+"""Warm start: servers that imported torch once and fork ranks, the asking side, and the agent's keeping of them."""
