@@ -9,7 +9,7 @@ scontrol tells which it was.
 import os
 import subprocess
 
-from agent.groups.workers import GroupEnd, WorkerState
+from agent.groups.states import GroupEnd, WorkerState
 
 CAUSES = {"TIMEOUT": "time_limit", "PREEMPTED": "preempted"}
 

@@ -261,11 +261,14 @@ def test_the_agents_rooms_import_only_rooms_below_them():
 
 
 def test_each_room_of_the_agent_is_small_and_says_what_it_owns():
-    # A room a newcomer takes in at once: at most 15 modules, and an __init__.py of one line saying
-    # what it owns and nothing else (the guard and each rank runner load it).
+    # A room a newcomer takes in at once: at most 15 modules, none over 300 lines, and an __init__.py
+    # of one line saying what it owns and nothing else (the guard and each rank runner load it).
     for room in AGENT_ROOMS:
         folder = ROOT / room.replace(".", "/")
         assert 0 < len([p for p in folder.glob("*.py") if p.name != "__init__.py"]) <= 15, room
         tree = ast.parse((folder / "__init__.py").read_text())
         docstring = ast.get_docstring(tree) or ""
         assert len(tree.body) == 1 and docstring and "\n" not in docstring, f"{folder}/__init__.py"
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "agent").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 300}  # fmt: skip
+    assert long == {}

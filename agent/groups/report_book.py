@@ -3,7 +3,7 @@
 import threading
 import time
 
-from agent.groups.workers import GroupEnd
+from agent.groups.states import GroupEnd
 from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport
 
 AttemptKey = tuple[str, int]

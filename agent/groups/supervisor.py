@@ -13,7 +13,8 @@ from agent.confinement.job_user import JobUser, JobUserError, JobUsers, RunAs
 from agent.files.beneath import open_folder_beneath, read_beneath, replace_beneath
 from agent.files.spool import AttemptPaths, write_private
 from agent.groups.report_book import AttemptKey, ReportBook, attempt_report
-from agent.groups.workers import GroupEnd, WorkerGroup, WorkerState
+from agent.groups.states import GroupEnd, WorkerState
+from agent.groups.workers import WorkerGroup
 from agent.launching.launch import starts_warm
 from agent.launching.rank_log import DEFAULT_MAX_BYTES
 from agent.node.health import HealthCheck
@@ -63,7 +64,7 @@ class Supervisor:
 
     def rank_events_unwritten_and_dropped(self) -> tuple[int, int]:
         """Over this node's running ranks: events waiting for disk space, and events dropped."""
-        trouble = [t for group in self.groups.values() for t in group.spool_trouble.values()]
+        trouble = [t for group in self.groups.values() for t in group.progress.spool_trouble.values()]
         return sum(t[0] for t in trouble), sum(t[1] for t in trouble)
 
     def recover(self) -> None:

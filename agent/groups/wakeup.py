@@ -7,7 +7,7 @@ self-pipe (other threads call `wake()`) and on pidfds (Linux 5.3+) of the proces
 and the period only bounds the wait for what no descriptor says: new steps, hangs.
 
 A pidfd stays readable once its process has exited, so a caller stops watching a process as soon
-as it has seen it end (`exited`); otherwise every wait would return at once.
+as it has seen it end (`exited`, `ExitWatch`); otherwise every wait would return at once.
 """
 
 import os
@@ -49,3 +49,29 @@ def exited(fd: int) -> bool:
     """Whether the process of pidfd `fd` has exited (the descriptor is readable)."""
     readable, _, _ = select.select([fd], [], [], 0)
     return bool(readable)
+
+
+class ExitWatch:
+    """A group's watched processes (torchrun's guard, the rank runners): a pidfd each, closed once
+    its process is seen to have exited, so that no wait returns at once for an old exit."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}  # pid -> pidfd
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._fds
+
+    @property
+    def fds(self) -> list[int]:
+        return list(self._fds.values())
+
+    def watch(self, pid: int) -> None:
+        fd = open_pidfd(pid)
+        if fd is not None:
+            self._fds[pid] = fd
+
+    def forget_exited(self, everything: bool = False) -> None:
+        """Closes the pidfds of the processes that have exited (`everything`: of all of them)."""
+        for pid, fd in list(self._fds.items()):
+            if everything or exited(fd):
+                os.close(self._fds.pop(pid))

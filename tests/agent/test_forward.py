@@ -10,7 +10,8 @@ import pytest
 
 from agent.client import ServiceClient
 from agent.files.spool import AttemptPaths, disk_bytes
-from agent.forwarding.forward import ForwardConfig, Forwarder, rejected_indices
+from agent.forwarding.delivery import rejected_indices
+from agent.forwarding.forward import ForwardConfig, Forwarder
 from agent.node.metrics import AgentStats
 from agent.settings import AgentSettings
 from tests.agent.fake_service import FakeService

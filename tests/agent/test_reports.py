@@ -2,7 +2,7 @@
 reporter releases it (after a flush), then carry it until a heartbeat with it is acknowledged."""
 
 from agent.groups.report_book import ReportBook, attempt_report
-from agent.groups.workers import GroupEnd, WorkerState
+from agent.groups.states import GroupEnd, WorkerState
 
 
 def test_an_end_is_sent_only_once_released_and_kept_until_acknowledged():

@@ -1,0 +1,114 @@
+"""The event spools as the forwarder reads them (agent.forwarding.forward): which files, how far
+each is read, how far the service has accepted each (kept on disk, so an agent restart resends at
+most one batch), and how much of each has been given back to the disk (the forwarded start of a
+live spool: a hole is punched, offsets stay valid).
+"""
+
+import json
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent.files.spool import read_complete_lines, release_prefix, save_private_json
+from agent.forwarding.stamp import RANK_SPOOL_NAME
+from ett.protocol import EVENTS_DIR, NODE_SPOOL_GLOB, RANK_SPOOL_GLOB
+
+log = logging.getLogger(__name__)
+# The forwarded start of a live spool is released in these steps, this far behind the read
+# position, so the monitor loop (which reads the same files on its own) never meets a hole.
+RELEASE_CHUNK_BYTES = 1 << 20
+RELEASE_MARGIN_BYTES = 1 << 20
+
+
+@dataclass
+class Spooled:
+    """One line of a spool file, on its way to the service."""
+
+    file: str  # relative to the spool root: JOB_ID/ATTEMPT/events/rank-R.jsonl or JOB_ID/ATTEMPT/node-NAME.jsonl
+    end: int  # the file offset just past the line
+    raw: bytes
+    event: dict[str, Any] | None  # None: the line is not a JSON object
+    read_at: float
+    done: bool = False
+
+
+def _is_plain(path: Path, kind: Any) -> bool:
+    """`path` itself (not a link) is of this kind (stat.S_ISDIR, stat.S_ISREG)."""
+    try:
+        return kind(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+class SpoolFiles:
+    def __init__(self, spool_root: Path, state_dir: Path) -> None:
+        self.spool_root = spool_root
+        self.offsets_file = state_dir / "forward-offsets.json"
+        self.acked: dict[str, int] = json.loads(self.offsets_file.read_text()) if self.offsets_file.exists() else {}
+        self.read_to: dict[str, int] = dict(self.acked)
+        self.released: dict[str, int] = {}
+
+    def paths(self) -> list[Path]:
+        """The spools: the agent's own, and the ranks' regular files in an attempt's own events
+        folder. What a job lays there instead (a folder, a link, its events folder a link) is not
+        read: we are root."""
+        ranks = [path for path in self.spool_root.glob(f"*/*/{EVENTS_DIR}/{RANK_SPOOL_GLOB}")
+                 if RANK_SPOOL_NAME.match(path.name) and _is_plain(path.parent, stat.S_ISDIR)
+                 and _is_plain(path, stat.S_ISREG)]
+        return sorted([*ranks, *self.spool_root.glob(f"*/*/{NODE_SPOOL_GLOB}")])
+
+    def read_on(self, room: int, stamped: Callable[[str, bytes], dict[str, Any] | None],
+                now: float) -> list[Spooled]:
+        """Up to `room` new lines, read on from where each file was left, each with its event as
+        `stamped(name, raw)` makes it."""
+        new: list[Spooled] = []
+        for path in self.paths():
+            if room <= 0:
+                break
+            name = str(path.relative_to(self.spool_root))
+            try:
+                lines, self.read_to[name] = read_complete_lines(path, self.read_to.get(name, 0), max_bytes=256 * 1024)
+            except OSError as exc:  # this file's trouble (swapped for a link since listed): not the others'
+                log.warning("spool %s not read: %s", name, exc)
+                continue
+            for raw, end in lines[:room]:
+                new.append(Spooled(name, end, raw, stamped(name, raw), now))
+            if len(lines) > room:
+                self.read_to[name] = lines[room - 1][1]
+            room -= len(lines)
+        return new
+
+    def accept(self, batch: list[Spooled]) -> None:
+        """The service has these lines: their files' accepted positions move on, on disk too, and
+        the disk of what is now forwarded goes back."""
+        for item in batch:
+            self.acked[item.file] = item.end
+        self._save()
+        for name in {item.file for item in batch}:
+            self._release(name)
+
+    def forget(self, attempt: str) -> None:
+        """An attempt's spool is gone (JOB_ID/ATTEMPT)."""
+        prefix = f"{attempt}/"
+        self.acked = {k: v for k, v in self.acked.items() if not k.startswith(prefix)}
+        self.read_to = {k: v for k, v in self.read_to.items() if not k.startswith(prefix)}
+        self.released = {k: v for k, v in self.released.items() if not k.startswith(prefix)}
+        self._save()
+
+    def _release(self, name: str) -> None:
+        """Gives the disk of a spool's forwarded part back, in whole MiB, well behind any reader."""
+        end = (self.acked[name] - RELEASE_MARGIN_BYTES) // RELEASE_CHUNK_BYTES * RELEASE_CHUNK_BYTES
+        if end <= self.released.get(name, 0):
+            return
+        try:
+            if release_prefix(self.spool_root / name, end):
+                self.released[name] = end
+        except OSError as exc:  # swapped by the job since it was read: kept, not written through
+            log.warning("spool %s: forwarded part not released: %s", name, exc)
+
+    def _save(self) -> None:
+        save_private_json(self.offsets_file, self.acked)
