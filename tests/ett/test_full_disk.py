@@ -78,7 +78,7 @@ def test_a_full_disk_loses_no_event_once_space_returns(disk):
         writer.progress(step)
     wait_for(lambda: mark(disk.folder)[0] == 200, 10, "the writer")
     step, beats, unwritten, dropped, *_ = mark(disk.folder)
-    assert unwritten > 0 and dropped == 0  # the agent reads this (agent/groups/workers.py)
+    assert unwritten > 0 and dropped == 0  # the agent reads this (agent/groups/progress.py)
     assert len(read_events(disk.folder / "rank-0.jsonl")) < 201
 
     disk.free()

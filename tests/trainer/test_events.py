@@ -135,7 +135,7 @@ def test_the_marks_pulse_counts_up_while_the_rank_waits_and_is_zero_once_closed(
 
 
 def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(tmp_path):
-    """The marks the agent's hang detection and step faults read (agent/groups/workers.py), written by
+    """The marks the agent's hang detection and step faults read (agent/groups/progress.py), written by
     real trainer ranks: each rank's mark follows its steps while it trains, and ends at the last."""
     seen: dict[int, list[int]] = {0: [], 1: []}
 
