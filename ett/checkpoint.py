@@ -205,7 +205,7 @@ class Checkpointer:
         # The training loop goes on from here (ckpt_staged ends a save's blocking part, docs/events.md);
         # the background copy is done by its next optimizer.step.
         self.events.emit("ckpt_staged", step=step)
-        self.events.writing(True)  # until committed or failed: steps are slower meanwhile (agent/hang.py)
+        self.events.writing(True)  # until committed or failed: steps are slower meanwhile (agent/groups/hang.py)
         self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder,
                                                rank_values.digests(state))
         return True

@@ -176,7 +176,7 @@ def read_progress_mark(path: Path) -> ProgressMark | None:
 
 
 def _write_mark(fd: int, mark: tuple[int, int, int], spool: "_Spool", pulse: int) -> None:
-    """`<step> <beats> <unwritten> <dropped> <writing> <pulse>` in place: the agent reads it (agent/workers.py)."""
+    """`<step> <beats> <unwritten> <dropped> <writing> <pulse>` in place: the agent reads it (agent/groups/workers.py)."""
     text = f"{mark[0]} {mark[1]} {len(spool.pending)} {spool.dropped} {mark[2]} {pulse}"
     text = text.rjust(PROGRESS_WIDTH).encode()
     try:

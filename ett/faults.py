@@ -9,7 +9,7 @@ are meant for its node, in ETT_FAULTS; `ett.Run` sets off the one of its rank as
 - slow: from `at_step` on, each step of the rank first sleeps (factor - 1) times its step before
   (its own sleep left out), before the step's synchronisation, as a slow data loader or a
   throttled device would: the rank runs `factor` times slower and its peers wait for it.
-The agent's own faults (kill, hang, exit: agent/faults.py) need no library.
+The agent's own faults (kill, hang, exit: agent/groups/faults.py) need no library.
 """
 
 import builtins

@@ -24,7 +24,7 @@ from trainer.model import Transformer
 from trainer.moe import MoE
 
 # torch._dynamo above: DTensor's first operation (distribute_tensor) imports it, 1.2 s of a rank's
-# start-up on this CPU. Imported with this module, it is in the agent's warm server (agent/warm.py),
+# start-up on this CPU. Imported with this module, it is in the agent's warm server (agent/warm/server.py),
 # so every rank forked from there starts without paying it (docs/agent.md, "Warm start").
 
 

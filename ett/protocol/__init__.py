@@ -51,7 +51,7 @@ def node_spool(node: str) -> str:
 
 
 def rank_log(rank: int) -> str:
-    """A rank's stdout and stderr, in LOGS_DIR (agent/rank_log.py)."""
+    """A rank's stdout and stderr, in LOGS_DIR (agent/launching/rank_log.py)."""
     return f"rank-{rank}.log"
 
 
@@ -68,13 +68,13 @@ def rank_of_progress_file(name: str) -> int | None:
 
 # A live rank's library counts this mark's pulse up every PULSE_SECONDS from a thread of its own;
 # its agent takes a rank whose pulse and CPU time both stood still for FROZEN_SECONDS for a hang
-# (agent/hang.py, "A frozen rank").
+# (agent/groups/hang.py, "A frozen rank").
 PULSE_SECONDS = 0.1
 FROZEN_SECONDS = 1.0
 
 
 # -- injected faults (docs/jobspec.md, "faults") -------------------------------------------------
-# The agent sets these off (agent/faults.py); lose_node only where its settings allow the drill.
+# The agent sets these off (agent/groups/faults.py); lose_node only where its settings allow the drill.
 AGENT_FAULT_ACTIONS = ("kill", "hang", "exit", "lose_node")
 LIBRARY_FAULT_ACTIONS = ("raise", "fill_memory", "fill_disk", "slow")  # the rank's ett.Run does (ett/faults.py)
 FAULT_ACTIONS = AGENT_FAULT_ACTIONS + LIBRARY_FAULT_ACTIONS

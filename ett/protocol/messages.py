@@ -45,9 +45,9 @@ class CheckpointSpec(Incoming):
     interval_steps: int | Literal["auto"] = 50
     keep: int = Field(3, ge=1)
     dir: str | None = None
-    # The owner's checkpoint area: `dir` must resolve inside it (agent/confine.py).
+    # The owner's checkpoint area: `dir` must resolve inside it (agent/confinement/confine.py).
     area: str | None = None
-    # Node-local fast folder; the service leaves it out and the agent names its own (agent.supervisor).
+    # Node-local fast folder; the service leaves it out and the agent names its own (agent.groups.supervisor).
     local_dir: str | None = None
     resume_from: str | None = None
     snapshots: bool = False  # the fast tier (ett/snapshots.py), with the agent's local folder
@@ -73,7 +73,7 @@ class LaunchCommand(AttemptCommand):
     master_addr: str
     master_port: int = Field(ge=1, le=65535)
     # Who submitted the job, and the number the service gave that owner: an agent started as root
-    # runs the job as its first job uid plus that number (agent/job_user.py).
+    # runs the job as its first job uid plus that number (agent/confinement/job_user.py).
     owner: str | None = None
     owner_number: int | None = Field(None, ge=1)
     trainer: TrainerSpec | None = None

@@ -243,7 +243,7 @@ class JobAccount:
             a.last_staged_at = _max(a.last_staged_at, e.ts)
         elif e.kind == "ckpt_committed":
             c.committed_at = _min(c.committed_at, e.ts)
-            # A resume point only where the agent found the checkpoint there (agent/checkpoint_check.py).
+            # A resume point only where the agent found the checkpoint there (agent/checkpoints/checkpoint_check.py).
             c.path = c.path or (e.data.get("path") if e.data.get("verified") is True else None)
             c.bytes = c.bytes if c.bytes is not None else e.data.get("bytes")
         else:

@@ -18,7 +18,7 @@ from the newest snapshot when it is newer than the newest committed checkpoint, 
 `local_restore_seconds`; a lost node takes its snapshots with it, so that failure resumes from
 the persistent tier; replicated (`local_replicated`), from the newest snapshot whose copy had
 reached a peer (`replication_seconds` after it was taken), in `peer_restore_seconds`. Adaptive
-detection: a hang caught after max(3 s, 4 steps), not the hang timeout (agent/hang.py).
+detection: a hang caught after max(3 s, 4 steps), not the hang timeout (agent/groups/hang.py).
 The job stops at the end of its wall budget (a failure whose restart would cross the end is not
 simulated: the job stops there).
 
@@ -45,7 +45,7 @@ from service.accounting.memory import MemoryJob
 # node, a few hang); detection: a dead rank at once, a silent node after the heartbeat timeout,
 # a hang after the hang timeout.
 CAUSES = (("exit", 0.78, 5.0), ("node_lost", 0.17, 15.0), ("hang", 0.05, 120.0))
-ADAPTIVE_HANG_FLOOR_SECONDS, ADAPTIVE_HANG_STEPS = 3.0, 4.0  # agent/hang.py
+ADAPTIVE_HANG_FLOOR_SECONDS, ADAPTIVE_HANG_STEPS = 3.0, 4.0  # agent/groups/hang.py
 Trained = tuple[float, int | None, int | None, int]  # _train's: time, committed step, snapshot step, step
 
 

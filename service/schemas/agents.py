@@ -16,7 +16,7 @@ class AgentRegister(Strict):
     name: NodeName
     address: Annotated[str, StringConstraints(min_length=1, max_length=255)]
     slots: Annotated[int, Field(ge=1, le=1024)]
-    # Why the node's health check fails (agent/health.py); None: it passes, or the node has none.
+    # Why the node's health check fails (agent/node/health.py); None: it passes, or the node has none.
     health: Annotated[str, StringConstraints(max_length=512)] | None = None
 
 

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, StringConstraints
 
-# An agent ships at most 64 KiB of a rank's output a round (agent/log_shipper.py); decoded, a
+# An agent ships at most 64 KiB of a rank's output a round (agent/forwarding/log_shipper.py); decoded, a
 # byte may take up to 4 characters' room in the worst case of replacement characters.
 PIECE_MAX_CHARS = 256 << 10
 

@@ -142,7 +142,7 @@ class JobSpec(Strict):
     faults: Annotated[list[FaultSpec], Field(max_length=100)] = []
     env: Annotated[dict[EnvName, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=256)] = {}
     # An entrypoint `python SCRIPT ...`: what its agents' warm server imports once, then forks each
-    # restarted rank from (agent/warm.py), as the built-in trainer's ranks are.
+    # restarted rank from (agent/warm/server.py), as the built-in trainer's ranks are.
     warm_imports: Annotated[list[ModuleName], Field(max_length=32)] = []
     # Set: the job runs in an allocation of its own on a Slurm cluster, not on the hand-run agents.
     slurm: SlurmSpec | None = None
