@@ -50,7 +50,8 @@ from ett.protocol import JobEnv
 from ett.snapshots import LocalSnapshots
 from ett.state import ModelOptimizerState, is_stateful
 from ett import rank_values
-from ett.state_load import REPORTED_KEYS, LoadReport, ReportingLoadPlanner
+from ett.dcp_planners import ReportingLoadPlanner, TypedPathsSavePlanner
+from ett.state_load import REPORTED_KEYS, LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -192,12 +193,16 @@ class Checkpointer:
         # With a local tier, DCP writes to node-local disk without fsync: the copy to `folder` is the durable one.
         target = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
         try:
+            # DCP's own first step, done here once: each Stateful's state_dict, which the check of
+            # what differs between ranks reads too (ett/rank_values.py).
+            saved = {key: value.state_dict() if is_stateful(value) else value for key, value in state.items()}
+            digests = rank_values.digests(saved, skip={k for k, v in state.items() if isinstance(v, ModelOptimizerState)})
             writer = FileSystemWriter(target, sync_files=not self.cfg.local_dir, thread_count=self.cfg.write_threads,
                                       overwrite=True)
             response = dcp.async_save(
-                state, storage_writer=writer, process_group=self.group,
-                async_checkpointer_type=self.mode, async_stager=self.stager,
-            )
+                saved, storage_writer=writer, process_group=self.group, async_checkpointer_type=self.mode,
+                async_stager=self.stager, planner=TypedPathsSavePlanner(),
+            )  # fmt: skip
         except Exception as error:
             logger.exception("checkpoint of step %d failed while staging", step)
             self.events.emit("ckpt_failed", step=step, error=repr(error))
@@ -206,8 +211,7 @@ class Checkpointer:
         # the background copy is done by its next optimizer.step.
         self.events.emit("ckpt_staged", step=step)
         self.events.writing(True)  # until committed or failed: steps are slower meanwhile (agent/groups/hang.py)
-        self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder,
-                                               rank_values.digests(state))
+        self.in_flight = self.committer.submit(self._commit, response.upload_completion, step, folder, digests)
         return True
 
     def snapshot(self, step: int, state: dict) -> None:
@@ -235,10 +239,14 @@ class Checkpointer:
                 self.events.emit("ckpt_committed", step=step, path=str(folder), bytes=nbytes,
                                  **({rank_values.MANIFEST_KEY: differs[:REPORTED_KEYS]} if differs else {}))
                 logger.info("checkpoint %s committed (%.1f MiB)", folder, nbytes / 2**20)
-            self.pruner.submit(self._prune, step)
         except Exception as error:
             logger.exception("checkpoint of step %d failed", step)
             self.events.emit("ckpt_failed", step=step, error=repr(error))
+        else:
+            try:
+                self.pruner.submit(self._prune, step)
+            except RuntimeError:  # the process is ending (a script that raised): a later save prunes
+                logger.info("old checkpoints not pruned after step %d: the process is ending", step)
         finally:
             self.events.writing(False)
 
@@ -288,7 +296,7 @@ class Checkpointer:
         self.events.emit("restore_start")
         local = step_folder(self.cfg.local_dir, step_of(folder)) if self.cfg.local_dir else None
         reader = TieredReader(folder, local, manifest["files"])
-        planner = ReportingLoadPlanner({key for key, value in state.items() if is_stateful(value)}, self.rank)
+        planner = ReportingLoadPlanner(self.rank)
         dcp.load(state, storage_reader=reader, planner=planner, process_group=self.group)
         planner.report.differed = manifest.get(rank_values.MANIFEST_KEY, [])
         logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,

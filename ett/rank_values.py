@@ -1,7 +1,8 @@
 """Entries DCP takes as the same on every rank, checked at each save of the persistent tier.
 
-DCP saves a plain tensor (not a DTensor) once, from one rank, and a plain value (a number, a
-string) from rank 0 alone: it takes both as replicated. A per-rank value under a key every rank
+DCP saves a plain tensor (not a DTensor) once, from one rank (rank 0 here: DDP's own copy,
+which it broadcasts, e.g. BatchNorm's statistics), and a plain value (a number, a string) from
+rank 0: it takes both as replicated. A per-rank value under a key every rank
 shares (a data position, a per-rank counter, a generator's state) then comes back on every rank as
 one rank's copy: a resume wrong without a word. (The snapshot tiers keep each rank's own.)
 
@@ -21,33 +22,29 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from ett.state import is_stateful
 
 MAX_CHECKED_BYTES = 1 << 20
 MANIFEST_KEY = "differs_across_ranks"
 
 
-def digests(state: dict[str, Any]) -> dict[str, int]:
-    """CRC-32 of each entry DCP keeps one copy of, by DCP name; ett.ModelOptimizerState's model
-    and optimizer are not read (their tensors are sharded, or replicated by design)."""
-    flat: dict[str, Any] = {}
-    for key, value in state.items():
-        if hasattr(value, "local_state"):
-            continue
-        flat.update(flatten_state_dict({key: value.state_dict() if is_stateful(value) else value})[0])
+def digests(state: dict[str, Any], skip: set[str]) -> dict[str, int]:
+    """CRC-32 of each entry DCP keeps one copy of, by DCP name. `state`: as DCP saves it (each
+    Stateful's state_dict taken); the entries of `skip` (ett.ModelOptimizerState's model and
+    optimizer: sharded, or replicated by design) are not read. An entry that cannot be read so
+    is not checked: the save goes on."""
+    flat, _ = flatten_state_dict({key: value for key, value in state.items() if key not in skip})
     found = {}
     for key, value in flat.items():
-        if isinstance(value, DTensor):
-            continue
-        if isinstance(value, torch.Tensor):
-            if value.device.type != "cpu" or value.nbytes > MAX_CHECKED_BYTES:
+        try:
+            if isinstance(value, DTensor):
                 continue
-            found[key] = zlib.crc32(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        else:
-            try:
+            if isinstance(value, torch.Tensor):
+                if value.device.type == "cpu" and value.nbytes <= MAX_CHECKED_BYTES:
+                    found[key] = zlib.crc32(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            else:
                 found[key] = zlib.crc32(pickle.dumps(value))
-            except Exception:  # DCP's torch.save may still take it; it is not checked
-                continue
+        except Exception:  # a sparse tensor, an object pickle cannot take: DCP may still save it
+            continue
     return found
 
 

@@ -9,21 +9,24 @@ persistent tier resumes right from a snapshot, its own node's or a peer's:
   copied into, in place, so `{"model": model.state_dict()}` loads the model's own parameters;
 - a plain value (a number, a string, a list of them) is put back where it was.
 
-Two additions to DCP, both so that nothing is lost without a word:
-- an empty dict below the top level of `state` (not in a Stateful's: its `state_dict()` says
-  what it loads) gains the saved entries (DCP would pass over them): a fresh optimizer's
+Additions to DCP, so that nothing is lost without a word and every tier does the same:
+- an empty dict or list below the top level of `state`, and a None there, take what the
+  checkpoint holds at that place (DCP would pass over it): a fresh optimizer's
   `optimizer.state_dict()["state"]` is empty until its first step, and its moments would
-  otherwise be dropped. Only an empty one: a dict with entries says what it wants, and a
-  persistent checkpoint holds other ranks' entries beside this rank's;
+  otherwise be dropped; a data loader's sampler is None until it starts. Only an empty one: a
+  dict with entries says what it wants, and a persistent checkpoint holds other ranks' entries
+  beside this rank's;
+- keys come back as they were saved: DCP spells every key of a path as a string, so a dict
+  keyed by numbers (a MultiStepLR's milestones) came back with string keys beside its own;
 - what the checkpoint holds that `state` has no place for (a top-level entry the script no
-  longer passes, a key a Stateful no longer asks for, a tensor where a dict was saved), and what
-  `state` expects that the checkpoint lacks, are named in a `LoadReport`: the caller logs it and
-  puts it in the `restore_end` event (ett/checkpoint.py). Entries `state` expects and the
-  checkpoint lacks keep their values. A persistent checkpoint also holds the entries of other
-  ranks kept under keys of their own (ett.RNGState's `rank3`): those are not this rank's, and
-  are neither loaded nor named.
+  longer passes, a tensor where a dict was saved), and what `state` expects that the checkpoint
+  lacks, are named in a `LoadReport`: the caller logs it and puts it in the `restore_end` event
+  (ett/checkpoint.py). Entries `state` expects and the checkpoint lacks keep their values. A
+  persistent checkpoint also holds the entries of other ranks kept under keys of their own
+  (ett.RNGState's `rank3`): those are not this rank's, and are neither loaded nor named.
 A tensor whose saved shape differs raises, as DCP does: that state cannot be this run's.
 
+The persistent tier's side is ett/dcp_planners.py.
 Keys are DCP's flattened names (`optim.state.0.exp_avg`), the same for every tier.
 """
 
@@ -31,10 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ett.rank_values import describe
@@ -100,23 +100,23 @@ def load_saved(state: dict[str, Any], saved: dict[str, Any]) -> LoadReport:
         elif hasattr(current, "load_local_state"):  # ett.ModelOptimizerState: its own compact form
             current.load_local_state(saved[key])
         elif is_stateful(current):
-            current.load_state_dict(_loaded(current.state_dict(), saved[key], str(key), report, fill=False))
+            current.load_state_dict(_loaded(current.state_dict(), saved[key], str(key), report))
         else:
-            state[key] = _loaded(current, saved[key], str(key), report, fill=True)
+            state[key] = _loaded(current, saved[key], str(key), report)
     report.not_restored.sort()
     report.missing.sort()
     return report
 
 
-def _loaded(current: Any, saved: Any, name: str, report: LoadReport, fill: bool) -> Any:
+def _loaded(current: Any, saved: Any, name: str, report: LoadReport) -> Any:
     """What stands at `name` once `saved` is loaded into `current`: `current` itself, loaded in
-    place, where it can hold it; else `saved`. `fill`: an empty dict gains the saved entries."""
+    place, where it can hold it; else `saved` (an empty dict gains the saved entries)."""
     if isinstance(current, dict) and isinstance(saved, dict):
         empty = not current
         for key, item in saved.items():
             if key in current:
-                current[key] = _loaded(current[key], item, f"{name}.{key}", report, fill)
-            elif fill and empty:
+                current[key] = _loaded(current[key], item, f"{name}.{key}", report)
+            elif empty:
                 current[key] = item
             else:
                 report.not_restored += flat_keys(item, f"{name}.{key}")
@@ -124,7 +124,7 @@ def _loaded(current: Any, saved: Any, name: str, report: LoadReport, fill: bool)
             report.missing += flat_keys(current[key], f"{name}.{key}")
         return current
     if isinstance(current, list | tuple) and isinstance(saved, list | tuple) and len(current) == len(saved):
-        items = [_loaded(c, s, f"{name}.{i}", report, fill) for i, (c, s) in enumerate(zip(current, saved, strict=True))]
+        items = [_loaded(c, s, f"{name}.{i}", report) for i, (c, s) in enumerate(zip(current, saved, strict=True))]
         if isinstance(current, list):
             current[:] = items
             return current
@@ -141,94 +141,3 @@ def _loaded(current: Any, saved: Any, name: str, report: LoadReport, fill: bool)
         report.not_restored += flat_keys(saved, name)  # a tensor where a dict was saved, or the reverse
         return current
     return saved  # a plain value, put back where it was
-
-
-# -- the persistent tier: DCP's own load, with the same additions ------------------------------
-
-
-class ReportingLoadPlanner(DefaultLoadPlanner):
-    """DCP's load plan, which also adds to the plain dicts of the state what the checkpoint holds
-    and they lack, and reports what it could not place and what the checkpoint lacks (`report`).
-    `stateful`: the top-level keys whose entry is a Stateful (DCP hands the planner its state_dict);
-    `rank`: this rank, whose own entries the checkpoint's file names tell apart from others'."""
-
-    def __init__(self, stateful: set[str], rank: int) -> None:
-        super().__init__(allow_partial_load=True)  # what the checkpoint lacks is reported instead
-        self.stateful, self.rank = stateful, rank
-        self.report = LoadReport()
-
-    def set_up_planner(self, state_dict: dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        if metadata is not None:
-            flat, _ = flatten_state_dict(state_dict)
-            paths, others = metadata.planner_data or {}, _other_ranks_own(metadata, self.rank)
-            fillable = {id(d) for key, value in state_dict.items() if key not in self.stateful
-                        for d in _empty_dicts(value)}  # fmt: skip
-            for key, item in metadata.state_dict_metadata.items():
-                if key in flat:
-                    continue
-                path = paths.get(key)
-                if path and _place(state_dict, path, item, fillable):
-                    continue
-                top = path[0] if path else key.split(".")[0]
-                if key not in others or top not in state_dict:  # an entry the state no longer has: every rank says so
-                    self.report.not_restored.append(key)
-            flat, _ = flatten_state_dict(state_dict)
-            self.report.missing = sorted(set(flat) - set(metadata.state_dict_metadata))
-            self.report.not_restored.sort()
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-
-
-def _other_ranks_own(metadata: Metadata, rank: int) -> set[str]:
-    """The keys whose every byte another rank wrote (DCP's files are `__<rank>_<i>.distcp`). A
-    replicated entry, which DCP saves once, may be among them too, so only a key under an entry
-    the state still has is passed over for this."""
-    writers: dict[str, set[str]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        writers.setdefault(index.fqn, set()).add(info.relative_path.split("_")[2])
-    return {key for key, ranks in writers.items() if str(rank) not in ranks}
-
-
-def _empty_dicts(value: Any) -> list[dict]:
-    """The empty dicts in `value`, nested in dicts and lists."""
-    if isinstance(value, dict):
-        return [value] if not value else [d for item in value.values() for d in _empty_dicts(item)]
-    if isinstance(value, list | tuple):
-        return [d for item in value for d in _empty_dicts(item)]
-    return []
-
-
-def _place(state_dict: dict, path: tuple, item: Any, fillable: set[int]) -> bool:
-    """Adds an empty place for a saved entry in a dict of `fillable` (the state's empty dicts,
-    and those made here; DCP then loads into it); False where there is none to be had."""
-    container, typed = state_dict, []
-    for key in path[:-1]:
-        if isinstance(container, dict) and (key in container or _typed_key(container, key) in container):
-            key = key if key in container else _typed_key(container, key)
-            container = container[key]
-        elif isinstance(container, dict) and id(container) in fillable:
-            key = _typed_key(container, key)
-            container[key] = {}
-            container = container[key]
-            fillable.add(id(container))
-        elif isinstance(container, list) and isinstance(key, int) and key < len(container):
-            container = container[key]
-        else:
-            return False
-        typed.append(key)
-    if not isinstance(container, dict) or id(container) not in fillable:
-        return False
-    placeholder = (torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata)
-                   else None)  # bytes: DCP's load puts the saved value there
-    typed.append(_typed_key(container, path[-1]))
-    set_element(state_dict, tuple(typed), placeholder)
-    return True
-
-
-def _typed_key(container: dict, key: Any) -> Any:
-    """DCP's saved paths spell every dict key as a string; an optimizer's `state` is keyed by
-    parameter number, and `optimizer.load_state_dict` passes over string keys without a word. So
-    an all-digit key added to a dict with no string key (empty, as a fresh optimizer's `state`
-    is, or keyed by numbers) is a number."""
-    if isinstance(key, str) and key.isdigit() and key not in container and all(isinstance(k, int) for k in container):
-        return int(key)
-    return key

@@ -1,0 +1,86 @@
+"""Shapes of state a user's script passes that DCP alone restores wrong or not at all, through
+`run.restore` from each tier (one process): each comes back as it was saved, nothing is named as
+not restored, and the next save works (#46; found by writing users' scripts from the docs)."""
+
+import pytest
+import torch
+from torch import nn
+
+import ett
+from ett.checkpoint import CheckpointConfig
+
+
+class Loader:
+    """A data loader's state as many are: its sampler None until it starts."""
+
+    def __init__(self):
+        self.sampler = None
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler = state["sampler"]
+
+
+class OptimizerOfMyOwn:
+    """An optimizer wrapped in a Stateful of the script's own: a fresh one's `state` is empty."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[2, 5])  # keyed by numbers
+    loader = Loader()
+    state = {"model": model.state_dict(), "optim": OptimizerOfMyOwn(optimizer), "sched": scheduler,
+             "loader": loader, "counts": {}, "names": {}, "growing": []}  # fmt: skip
+    return model, optimizer, scheduler, loader, state
+
+
+def train(model, optimizer, scheduler, loader, state, steps) -> None:
+    for step in steps:
+        model(torch.full((2, 4), float(step))).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        loader.sampler = {"epoch": 0, "index": step}
+        state["counts"][step % 3] = state["counts"].get(step % 3, 0) + 1  # a dict keyed by numbers
+        state["names"][str(step % 3)] = step  # keyed by digit strings
+        state["growing"].append(torch.full((2,), float(step)))
+
+
+@pytest.mark.parametrize("tier", ["persistent", "snapshot"])
+def test_each_shape_comes_back_as_saved_and_the_next_save_works(tmp_path, tier):
+    snapshot = tier == "snapshot"  # else the persistent tier: a save at step 3 and no snapshots
+    config = CheckpointConfig(dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"),
+                              interval_steps=100 if snapshot else 3, snapshots=snapshot, snapshot_every=1)
+    model, optimizer, scheduler, loader, state = build()
+    with ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        run.configure_checkpoints(config)
+        for step in range(1, 4):
+            train(model, optimizer, scheduler, loader, state, [step])
+            run.checkpoint(step, state)
+    model2, optimizer2, scheduler2, loader2, state2 = build()
+    with ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        run.configure_checkpoints(config)
+        assert run.restore(state2) == 3
+        assert run.keys_not_restored == [] and run.keys_missing == []
+        assert state2["counts"] == state["counts"] and state2["names"] == state["names"]
+        assert [t.tolist() for t in state2["growing"]] == [t.tolist() for t in state["growing"]]
+        assert scheduler2.state_dict() == scheduler.state_dict() and loader2.sampler == loader.sampler
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+        moments, moments2 = optimizer.state_dict()["state"], optimizer2.state_dict()["state"]
+        assert moments.keys() == moments2.keys() == {0, 1}
+        assert all(torch.equal(moments[p][k], moments2[p][k]) for p in moments for k in moments[p])
+        train(model2, optimizer2, scheduler2, loader2, state2, range(4, 5))
+        assert run.checkpoint(4, state2, force=True)  # and saving what was restored works
