@@ -228,11 +228,12 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
 
 
 def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(supervisor):
-    # 8 s of marked work against an init timeout of 6 s: a live rank is not killed. The timeout
-    # also covers the ranks' start until their first mark: `ett.init()` imports torch, 3 s on a
-    # 2-core Xeon alone and more with both ranks at it (4 s was once too short).
-    command = launch_command(init_timeout_seconds=6)
-    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "8"]})
+    # 14 s of marked work against an init timeout of 12 s: a live rank is not killed. The timeout
+    # also covers the ranks' cold start until their first mark: `ett.init()` imports torch, 3 s on
+    # a 2-core Xeon alone, and over 6 s beside the suite's other worker (4 s, then 6 s, were
+    # too short: seen in fresh-clone runs).
+    command = launch_command(init_timeout_seconds=12)
+    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "14"]})
     supervisor.launch(command)
     report = run_to_end(supervisor)
     assert report["state"] == "succeeded", report

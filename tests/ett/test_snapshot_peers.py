@@ -111,6 +111,14 @@ def test_with_two_copies_two_neighbouring_nodes_lost_at_once_resume_from_the_thi
     assert got == [(3, "local-snapshot", 3.0), (3, "peer-snapshot", 103.0), (3, "peer-snapshot", 203.0)]
 
 
+def test_in_four_nodes_a_lost_middle_nodes_rank_resumes_from_the_next_nodes_copy(tmp_path):
+    ranks(tmp_path, 4, "save", "2")
+    shutil.rmtree(tmp_path / "node-2")  # its copies of rank 1 go with it; rank 2's are on node 3
+    got = [(r["step"], r["source"], r["value"]) for r in restored(tmp_path, 4)]
+    assert got == [(2, "local-snapshot", 2.0), (2, "local-snapshot", 102.0), (2, "peer-snapshot", 202.0),
+                   (2, "local-snapshot", 302.0)]
+
+
 def test_a_corrupt_copy_is_refused_and_the_next_step_used_and_none_left_means_the_persistent_tier(saved):
     shutil.rmtree(saved / "node-1")
     copy = node(saved, 0).path(4, 1)

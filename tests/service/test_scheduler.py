@@ -222,27 +222,28 @@ def test_lost_node_is_replaced_by_a_spare(session, settings):
     assert [s.node.name for s in job.attempts[1].nodes] == ["a", "c-spare"]
 
 
-@pytest.mark.parametrize("lost", ["a", "b", "c"])
-def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(session, settings, lost):
+@pytest.mark.parametrize("names, lost", [("abc", "a"), ("abc", "b"), ("abc", "c"), ("abcd", "a"), ("abcd", "c"),
+                                         ("abcd", "d")])
+def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(session, settings, names, lost):
     """Peers keep snapshot copies by rank (ett/snapshot_peers.py): a survivor's rank never shifts,
-    whichever node went, rank 0's included. The spare sorts first by name: order alone would
-    put it at rank 0."""
-    nodes = {n.name: n for n in add_nodes(session, "a", "b", "c", "0-spare")}
+    whichever node went (rank 0's, a middle one, the last), in jobs of 3 and 4 nodes. The spare
+    sorts first by name: order alone would put it at rank 0."""
+    nodes = {n.name: n for n in add_nodes(session, *names, "0-spare")}
     nodes["0-spare"].drained = "kept out of the first attempt"
     session.commit()
-    job = add_job(session, nodes=3)
+    job = add_job(session, nodes=len(names))
     tick(session, settings, T0)
-    assert [s.node.name for s in sorted(job.attempts[0].nodes, key=lambda s: s.node_rank)] == ["a", "b", "c"]
+    assert [s.node.name for s in sorted(job.attempts[0].nodes, key=lambda s: s.node_rank)] == list(names)
     nodes["0-spare"].drained = None
     nodes[lost].last_heartbeat_at = utcnow().replace(year=2000)
     session.commit()
     scheduler.tick(session, settings, time.time())
     session.commit()
-    for name in {"a", "b", "c"} - {lost}:
+    for name in set(names) - {lost}:
         report(session, nodes[name], job, 0, "stopped", time.time())
     tick(session, settings, time.time() + settings.restart_backoff_seconds + 1)
     session.refresh(job)
-    expected = ["0-spare" if name == lost else name for name in ("a", "b", "c")]
+    expected = ["0-spare" if name == lost else name for name in names]
     assert [s.node.name for s in sorted(job.attempts[1].nodes, key=lambda s: s.node_rank)] == expected
     assert job.attempts[1].master_addr == nodes[expected[0]].address
 
