@@ -4,10 +4,20 @@ not restored, and the next save works (#46; found by writing users' scripts from
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import ett
 from ett.checkpoint import CheckpointConfig
+
+
+@pytest.fixture(autouse=True)
+def no_group_left_behind():
+    """ett.init makes a one-rank process group in this process: gone after the test, or a later
+    test's ranks forked from this worker (tests/trainer/multiprocess.py) would inherit it."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class Loader:
