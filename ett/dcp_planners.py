@@ -28,11 +28,9 @@ TYPED_PATHS = "ett.typed_paths"  # in the planner data of a checkpoint whose pat
 
 
 class TypedPathsSavePlanner(DefaultSavePlanner):
-    """DCP's save plan (replicated tensors written by the lowest rank: DDP's own copy, which it
-    broadcasts) with each entry's path as the state spells it."""
-
-    def __init__(self) -> None:
-        super().__init__(dedup_save_to_lowest_rank=True)
+    """DCP's save plan with each entry's path as the state spells it. Replicated tensors stay
+    spread over the ranks as DCP spreads them: by rank 0 alone, a DDP model's whole write would
+    be rank 0's, and its steps beside the write slower than its peers'."""
 
     def set_up_planner(self, state_dict: dict, storage_meta: StorageMeta | None = None,
                        is_coordinator: bool = False) -> None:

@@ -1,8 +1,7 @@
 """Entries DCP takes as the same on every rank, checked at each save of the persistent tier.
 
-DCP saves a plain tensor (not a DTensor) once, from one rank (rank 0 here: DDP's own copy,
-which it broadcasts, e.g. BatchNorm's statistics), and a plain value (a number, a string) from
-rank 0: it takes both as replicated. A per-rank value under a key every rank
+DCP saves a plain tensor (not a DTensor) once, from one rank, and a plain value (a number, a
+string) from rank 0: it takes both as replicated. A per-rank value under a key every rank
 shares (a data position, a per-rank counter, a generator's state) then comes back on every rank as
 one rank's copy: a resume wrong without a word. (The snapshot tiers keep each rank's own.)
 

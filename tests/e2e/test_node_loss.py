@@ -6,6 +6,7 @@ the peers' copies, each spare in the lost node's rank, and ends bitwise equal to
 script run uninterrupted. Any node may go: the last of two, rank 0's of three, and, with two
 copies of each snapshot, two neighbours at once."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -61,7 +62,8 @@ def lose_nodes(tmp_path: Path, nodes: int, spares: int, lost: list[int], copies:
                 ranks |= set(pids_in_cgroups_of(agent_cgroup_name(victim, c.root / victim)))
                 ranks.add(c.agents[victim].pid)
             for pid in ranks:
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile is gone all the same
+                    os.kill(pid, signal.SIGKILL)
             # Rank 0 alone writes step events: with its node, its last ones may not have reached
             # the service. Its spool on its node says which step it last finished.
             spool = AttemptPaths.of(c.root / first_nodes[0] / "spool", job_id, 0).events_dir / rank_spool(0)

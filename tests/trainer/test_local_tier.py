@@ -35,9 +35,7 @@ def corrupt(path) -> None:
 @pytest.mark.parametrize("node, sources", [
     ("unchanged", ["local", "local"]),
     ("new", ["persistent", "persistent"]),  # a node that never ran the job: an empty local folder
-    # Rank 1's local shards are damaged: it reads them from the persistent folder, and the replicated
-    # items, which rank 0 wrote (ett/dcp_planners.py), from the local copies of this one node.
-    ("corrupt", ["local", "mixed"]),
+    ("corrupt", ["mixed", "persistent"]),  # rank 1's local shards are damaged; rank 0 reads a few items from them
 ])
 def test_a_resume_reads_the_local_copies_that_verify(straight_run, tmp_path, node, sources):
     persistent, local = tmp_path / "ckpt", local_checkpoint_dir(tmp_path)
