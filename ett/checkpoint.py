@@ -51,7 +51,8 @@ from ett.snapshots import LocalSnapshots
 from ett.state import ModelOptimizerState, is_stateful
 from ett import rank_values
 from ett.dcp_planners import ReportingLoadPlanner, TypedPathsSavePlanner
-from ett.state_load import REPORTED_KEYS, LoadReport
+from ett.rank_values import REPORTED_KEYS
+from ett.state_load import LoadReport
 
 logger = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 MAX_CHECKED_BYTES = 1 << 20
 MANIFEST_KEY = "differs_across_ranks"
+REPORTED_KEYS = 20  # named in an event or a log line; the counts say how many more
 
 
 def digests(state: dict[str, Any], skip: set[str]) -> dict[str, int]:
@@ -56,9 +57,13 @@ def differing(per_rank: list[dict[str, int]]) -> list[str]:
     return sorted(key for key, values in seen.items() if len(values) > 1)
 
 
+def named(keys: list[str]) -> str:
+    """The first REPORTED_KEYS of `keys`, for a log line."""
+    return ", ".join(keys[:REPORTED_KEYS]) + (", ..." if len(keys) > REPORTED_KEYS else "")
+
+
 def describe(keys: list[str]) -> str:
     """Why these keys will not resume as they were: one line, for the save's log and the restore's."""
-    named = ", ".join(keys[:20]) + (", ..." if len(keys) > 20 else "")
     return (f"{len(keys)} entries differed between ranks, and a persistent checkpoint holds one rank's copy "
-            f"of a plain tensor or value (DCP takes them as the same on every rank): {named}; give each "
+            f"of a plain tensor or value (DCP takes them as the same on every rank): {named(keys)}; give each "
             "rank's own value a key of its own, as ett.RNGState does")

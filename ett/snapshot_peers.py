@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from pathlib import Path

@@ -37,10 +37,9 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from ett.rank_values import describe
+from ett.rank_values import REPORTED_KEYS, describe, named
 from ett.state import is_stateful
 
-REPORTED_KEYS = 20  # named in an event or a log line; the counts say how many more
 
 
 @dataclass
@@ -69,8 +68,7 @@ class LoadReport:
                                                "not loaded"),
                            (self.missing, "expected by the state given but not in the checkpoint, left as they were")):
             if keys:
-                named = ", ".join(keys[:REPORTED_KEYS]) + (", ..." if len(keys) > REPORTED_KEYS else "")
-                parts.append(f"{len(keys)} entries {what}: {named}")
+                parts.append(f"{len(keys)} entries {what}: {named(keys)}")
         if self.differed:
             parts.append(describe(self.differed))
         return "; ".join(parts)
