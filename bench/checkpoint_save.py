@@ -130,7 +130,7 @@ def main() -> None:
         print(f"| {key[0]} | {key[1]} | {median_ms(blocking)} ({each_ms(blocking)}) | "
               f"{100 * statistics.median(blocking) / sync:.1f}% | {median_ms(slowdown)} ({each_ms(slowdown)}) | "
               f"{1000 * lost:.0f} ms | {100 * lost / sync:.1f}% |")
-    # What `async_mode auto` weighs (ett/checkpoint_writer.py, PROCESS_MIN_BYTES): the first save of each
+    # What `async_mode auto` weighs (ett/checkpoints/writer.py, PROCESS_MIN_BYTES): the first save of each
     # mode, which a job pays once per attempt.
     for mode in modes:
         key = (mode, WAYS[0])

@@ -1,7 +1,7 @@
 """Where a large checkpoint's commit and resume check go: DCP's synchronous write (fsynced) of a
 CPU state with FileSystemWriter's thread_count 1, 2, 4, 8; the CRC-32 pass over the files written
 (what the manifest costs when it is computed by reading the files back); and resume's check of
-the committed folder (`ett.folders.verify`) reading one file at a time against VERIFY_THREADS at
+the committed folder (`ett.checkpoints.folders.verify`) reading one file at a time against VERIFY_THREADS at
 once. The files are still in the page cache, as after a restart on the same node.
 
     python bench/ckpt_write.py [--gib 4] [--dir /tmp/ett-ckpt-write]
@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ett import folders
-from ett.checkpoint_tiers import file_crc32
+from ett.checkpoints.tiers import file_crc32
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What the fast tier costs a training step: the same cpu-demo run (EP 2, ZeRO-3; 2 ranks, or 4 as
-in `ett demo`) without snapshots, with local snapshots (ett/snapshots.py) and with them replicated
-to the peer node (ett/snapshot_peers.py), and kept by the next two nodes (`snapshot_copies = 2`,
+in `ett demo`) without snapshots, with local snapshots (ett/snapshots/tier.py) and with them replicated
+to the peer node (ett/snapshots/peers.py), and kept by the next two nodes (`snapshot_copies = 2`,
 three nodes or more), alternated, median step time of each.
 
     .venv/bin/python bench/snapshot_cost.py [--steps 40] [--rounds 2] [--nproc 2] [--every 0] [--nodes 2]
@@ -62,7 +62,7 @@ def run(steps: int, mode: str, nproc: int, every: int, nodes: int) -> tuple[floa
         events = [json.loads(line) for line in Path(root, "events", "rank-0.jsonl").read_text().splitlines()]
     steps_ = [e for e in events if e["kind"] == "step"][5:]  # past the warm-up
     gaps = [b["ts"] - a["ts"] for a, b in zip(steps_, steps_[1:])]
-    # The cadence the fast tier ended on (rank 0 logs each change, ett/snapshots.py): 1 is every step.
+    # The cadence the fast tier ended on (rank 0 logs each change, ett/snapshots/tier.py): 1 is every step.
     changes = [int(m) for m in re.findall(r"local snapshots every (\d+) steps", output)]
     cadence = changes[-1] if changes else every or 1
     return statistics.median(e["data"]["duration"] for e in steps_), statistics.median(gaps), cadence

@@ -1,19 +1,19 @@
 """Asynchronous DCP checkpoints with an atomic commit marker, retention and verified resume.
 
-Layout and commit (ett/folders.py): `<dir>/step-00000040/` holds DCP's shard files
+Layout and commit (ett/checkpoints/folders.py): `<dir>/step-00000040/` holds DCP's shard files
 (`__<rank>_<i>.distcp`), its `.metadata` and, written last, `COMMITTED`: a manifest (step, world
 size, size and CRC-32 of every file). Resume takes the newest folder that verifies.
 
-Saving copies the state to CPU memory (staging, ett/checkpoint_staging.py): everything at once
+Saving copies the state to CPU memory (staging, ett/checkpoints/staging.py): everything at once
 but the parameters and optimizer state of a `ModelOptimizerState`, which are copied in a
 background thread overlapped with the next step's forward and backward; the loop waits for
 them with `wait_for_staging()` before `optimizer.step`. DCP then writes in the background, from
-a thread or a checkpoint process (ett/checkpoint_writer.py). When the write finishes on every
+a thread or a checkpoint process (ett/checkpoints/writer.py). When the write finishes on every
 rank (DCP's coordinator writes `.metadata` after gathering every rank's write result, and every
 file is fsynced), rank 0 writes the marker and prunes old ones.
 
 With `local_dir` (node-local fast disk), DCP writes there first and the ranks then copy the files
-to `dir` in the background before the marker is written (ett/checkpoint_tiers.py); `dir`
+to `dir` in the background before the marker is written (ett/checkpoints/tiers.py); `dir`
 stays the checkpoint of record, and resume reads the local copies that match its manifest.
 """
 
@@ -30,12 +30,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from ett.checkpoint_staging import ReusedBufferStager
-from ett.checkpoint_tiers import TieredReader, gather_manifest
-from ett.checkpoint_writer import ASYNC_MODES, agree_on_mode, stop_checkpoint_process
+from ett.checkpoints.staging import ReusedBufferStager
+from ett.checkpoints.tiers import TieredReader, gather_manifest
+from ett.checkpoints.writer import ASYNC_MODES, agree_on_mode, stop_checkpoint_process
 from ett.errors import UsageError
 from ett.events import EventWriter
-from ett.folders import (
+from ett.checkpoints.folders import (
     MARKER,
     first_verified,
     prune,
@@ -47,12 +47,12 @@ from ett.folders import (
     write_marker,
 )
 from ett.protocol import JobEnv
-from ett.snapshots import LocalSnapshots
+from ett.snapshots.tier import LocalSnapshots
 from ett.state import ModelOptimizerState, is_stateful
-from ett import rank_values
-from ett.dcp_planners import ReportingLoadPlanner, TypedPathsSavePlanner
-from ett.rank_values import REPORTED_KEYS
-from ett.state_load import LoadReport
+from ett.checkpoints import rank_values
+from ett.checkpoints.planners import ReportingLoadPlanner, TypedPathsSavePlanner
+from ett.checkpoints.rank_values import REPORTED_KEYS
+from ett.checkpoints.state_load import LoadReport
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +66,17 @@ class CheckpointConfig:
     interval_steps: int = 0  # save every N steps; 0: only when forced (the trainer: its last step, SIGTERM)
     keep: int = 3  # newest committed checkpoints kept
     resume_from: str = "auto"  # "auto": newest in dir that verifies | "none" | a step folder
-    # Where DCP writes in the background: "auto" | "process" | "thread" (ett/checkpoint_writer.py).
+    # Where DCP writes in the background: "auto" | "process" | "thread" (ett/checkpoints/writer.py).
     async_mode: str = "auto"
     # Threads (and files) per rank that DCP writes with. DCP's own default is 1: 0.74-0.84 GiB/s
     # against 1.55 with 4 on the H100 machine of BENCHMARKS.md ("GPU checks").
     write_threads: int = 4
     # With local_dir: each rank also snapshots its own state there after every step (the fast
-    # tier, ett/snapshots.py); a restart resumes from the newer of it and the persistent tier.
+    # tier, ett/snapshots/tier.py); a restart resumes from the newer of it and the persistent tier.
     # Default: $ETT_CHECKPOINT_SNAPSHOTS == "1" (the job's `checkpoint.snapshots`).
     snapshots: bool = field(default_factory=lambda: os.environ.get(JobEnv.CHECKPOINT_SNAPSHOTS) == "1")
-    snapshot_every: int = 0  # 0: every step its cost allows (ett/snapshots.py); N: every N steps, fixed
-    # On a job of several nodes, each snapshot also goes to a peer node (ett/snapshot_peers.py), so
+    snapshot_every: int = 0  # 0: every step its cost allows (ett/snapshots/tier.py); N: every N steps, fixed
+    # On a job of several nodes, each snapshot also goes to a peer node (ett/snapshots/peers.py), so
     # a lost node's ranks resume from their peers' copies. False: each node keeps its own only.
     snapshot_peers: bool = True
     # How many peer nodes keep a copy of each snapshot (the next ones of the ring): that many
@@ -195,7 +195,7 @@ class Checkpointer:
         target = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
         try:
             # DCP's own first step, done here once: each Stateful's state_dict, which the check of
-            # what differs between ranks reads too (ett/rank_values.py).
+            # what differs between ranks reads too (ett/checkpoints/rank_values.py).
             saved = {key: value.state_dict() if is_stateful(value) else value for key, value in state.items()}
             digests = rank_values.digests(saved, skip={k for k, v in state.items() if isinstance(v, ModelOptimizerState)})
             writer = FileSystemWriter(target, sync_files=not self.cfg.local_dir, thread_count=self.cfg.write_threads,
@@ -216,7 +216,7 @@ class Checkpointer:
         return True
 
     def snapshot(self, step: int, state: dict) -> None:
-        """The fast tier after `step` (ett/snapshots.py): call it at every step's end; it keeps to
+        """The fast tier after `step` (ett/snapshots/tier.py): call it at every step's end; it keeps to
         its own cadence and never blocks on a write."""
         if self.snapshots is not None:
             self.snapshots.maybe_save(step, state)
@@ -273,7 +273,7 @@ class Checkpointer:
 
     def restore(self, state: dict) -> tuple[int, LoadReport]:
         """Load the checkpoint to resume from into `state`, from whichever tier holds the newest
-        (ett/state_load.py's rules for all); returns its step (0: none) and what did not match:
+        (ett/checkpoints/state_load.py's rules for all); returns its step (0: none) and what did not match:
         saved entries `state` has no place for, and entries of `state` the checkpoint lacks."""
         self.wait_for_staging()
         chosen = [None]

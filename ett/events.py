@@ -29,8 +29,19 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal, Unpack, overload
 
+from ett.errors import UsageError
 from ett.protocol import PULSE_SECONDS, progress_file, rank_spool
+from ett.protocol.event_fields import (
+    FIELD_NAMES,
+    CkptCommittedData,
+    CkptFailedData,
+    InitStartData,
+    RestoreEndData,
+    StepData,
+    StepTimingData,
+)
 
 _CLOSE = object()
 PROGRESS_WIDTH = 64  # fixed, so an overwrite never leaves digits of a longer mark behind
@@ -45,7 +56,8 @@ CLOSE_RETRY_SECONDS = 5.0
 def make_event(kind: str, ts: float, attempt: int, source: str, seq: int, step: int | None = None,
                data: dict | None = None) -> dict:
     """One schema-v1 event (docs/events.md) as written to a spool or ingested: the one place its
-    fields are named, for the ranks, the agents and the service."""
+    fields are named, for the ranks, the agents and the service. `data`: the kind's own fields, of
+    its type in ett/protocol/event_fields.py (EVENT_FIELDS)."""
     return {"kind": kind, "ts": ts, "attempt": attempt, "source": source, "seq": seq, "step": step,
             "data": data if data is not None else {}}
 
@@ -67,7 +79,29 @@ class EventWriter:
             self._thread = threading.Thread(target=self._write_loop, name="ett-events", daemon=True)
             self._thread.start()
 
-    def emit(self, kind: str, step: int | None = None, **data) -> None:
+    # Each rank kind's fields, as typed in ett/protocol/event_fields.py. Any kind is taken (Run.emit's,
+    # checked against RANK_KINDS there); a declared kind's undeclared field is refused.
+    @overload
+    def emit(self, kind: Literal["init_end", "restore_start", "ckpt_start", "ckpt_staged", "train_end"],
+             step: int | None = None) -> None: ...
+    @overload
+    def emit(self, kind: Literal["init_start"], step: None = None, **data: Unpack[InitStartData]) -> None: ...
+    @overload
+    def emit(self, kind: Literal["restore_end"], step: int, **data: Unpack[RestoreEndData]) -> None: ...
+    @overload
+    def emit(self, kind: Literal["step"], step: int, **data: Unpack[StepData]) -> None: ...
+    @overload
+    def emit(self, kind: Literal["ckpt_committed"], step: int, **data: Unpack[CkptCommittedData]) -> None: ...
+    @overload
+    def emit(self, kind: Literal["ckpt_failed"], step: int, **data: Unpack[CkptFailedData]) -> None: ...
+    @overload
+    def emit(self, kind: Literal["step_timing"], step: int, **data: Unpack[StepTimingData]) -> None: ...
+
+    def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
+        fields = FIELD_NAMES.get(kind)
+        if fields is not None and not fields.issuperset(data):  # a set lookup: nothing next to a step
+            unknown = ", ".join(sorted(data.keys() - fields))
+            raise UsageError(f"a {kind} event has no field {unknown} (ett/protocol/event_fields.py)")
         if self._thread is None:
             return
         with self._lock:

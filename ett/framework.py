@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ett.errors import UsageError
-from ett.folders import first_verified, folder_manifest, resume_candidates, write_marker
+from ett.checkpoints.folders import first_verified, folder_manifest, resume_candidates, write_marker
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class FrameworkHooks:
     def commit_folder(self, folder: str | Path, step: int) -> int | None:
         """Commits a checkpoint folder the framework wrote (docs/library.md): every rank calls it
         once its own part is written; when all have, rank 0 writes the marker and its manifest of
-        every file (ett/folders.py) and reports the commit. The folder's bytes on rank 0, else None."""
+        every file (ett/checkpoints/folders.py) and reports the commit. The folder's bytes on rank 0, else None."""
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every rank's part is on disk
         folder = Path(folder)

@@ -33,7 +33,7 @@ from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.events import EventWriter
 from ett.faults import faults_of, set_off, slowdown_of
-from ett.folders import step_of
+from ett.checkpoints.folders import step_of
 from ett.framework import FrameworkHooks
 from ett.paths import inside
 from ett.protocol import EXIT_STOPPED, RANK_KINDS
@@ -208,7 +208,7 @@ class Run(FrameworkHooks):
         verifies in the job's folder; returns its step (0: none, the state is left as it is).
         What the checkpoint holds that `state` has no place for is not loaded (its keys are in
         `run.keys_not_restored`), what `state` holds that the checkpoint lacks keeps its value
-        (`run.keys_missing`); both are logged and in the `restore_end` event (ett/state_load.py)."""
+        (`run.keys_missing`); both are logged and in the `restore_end` event (ett/checkpoints/state_load.py)."""
         if not self._config.dir:
             return 0
         step, report = self._get_checkpointer().restore(state)  # what did not match is logged there

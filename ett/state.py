@@ -35,7 +35,7 @@ class ModelOptimizerState(Stateful):
 
     def local_state(self) -> dict:
         """This rank's shards in parameter order, not copied: what the fast tier's snapshot copies
-        (ett/snapshots.py). No state-dict machinery: a snapshot is taken every step."""
+        (ett/snapshots/tier.py). No state-dict machinery: a snapshot is taken every step."""
         params = list(self.model.parameters())
         return {
             "params": [_local(p) for p in params],

@@ -107,7 +107,7 @@ def _ok(response: httpx.Response) -> Any:
 
 
 # A snapshot's cost when the job gives none (snapshots are not events): the fast tier's budget, at
-# most this share of a step (ett/snapshots.py), which it keeps to by snapshotting less often.
+# most this share of a step (ett/snapshots/tier.py), which it keeps to by snapshotting less often.
 SNAPSHOT_SHARE_OF_STEP = 0.05
 
 

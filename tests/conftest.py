@@ -25,6 +25,11 @@ WORKER_ENV = {"ETT_MASTER_PORT_FIRST": str(20000 + 1000 * _WORKER), "ETT_MASTER_
 for _name, _value in WORKER_ENV.items():
     os.environ.setdefault(_name, _value)
 _database_numbers = itertools.count()
+# Each test's budget on a quiet 2-core machine (two xdist workers): one that needs more says why in
+# `@pytest.mark.over_budget(reason)`; the others over it are named at the end of the run (not failed:
+# these machines are shared and noisy, and a timing must not make the suite flaky).
+BUDGET_SECONDS = 40.0
+_over_budget: list[str] = []
 
 
 @pytest.fixture(autouse=True)
@@ -103,3 +108,25 @@ def service(settings: Settings) -> Iterator[LiveService]:
     """The real service on loopback, over the parametrized database."""
     with live_service(settings) as live:
         yield live
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.duration > BUDGET_SECONDS and item.get_closest_marker("over_budget") is None:
+        report.user_properties.append(("over_budget", round(report.duration, 1)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Runs on the controller too (xdist sends each report there): the names gather where the summary is.
+    for name, seconds in report.user_properties:
+        if name == "over_budget":
+            _over_budget.append(f"{seconds:6.1f} s  {report.nodeid}")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _over_budget:
+        terminalreporter.section(f"over the {BUDGET_SECONDS:.0f} s budget, with no over_budget(reason) marker")
+        for line in sorted(_over_budget, reverse=True):
+            terminalreporter.line(line)

@@ -5,7 +5,7 @@ events are the job's to write: one forged line would name any folder at any step
 forwarder sends such an event it looks, as root and so without following a link anywhere below the
 job's checkpoint folder (agent.files.beneath), for the folder inside the job's own checkpoint folder, its
 commit marker with the event's step, and each file the marker lists, of the listed size. The
-contents' CRC-32s are left to resume, which checks them before loading (ett/folders.py, verify).
+contents' CRC-32s are left to resume, which checks them before loading (ett/checkpoints/folders.py, verify).
 """
 
 import json
@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from agent.files.beneath import open_folder_beneath, read_beneath
-from ett.folders import MARKER
+from ett.protocol import MARKER
 
 MARKER_MAX_BYTES = 16 << 20  # a manifest lists each file once: far less in any real checkpoint
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from agent.checkpoints.checkpoint_check import unverified_reason
 from agent.files.spool import AttemptPaths, parse_event
+from ett.protocol.event_fields import CkptCommittedData
 from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Stamper:
             if reason is not None:
                 log.warning("%s: a checkpoint commit that does not verify, not a resume point: %s", name, reason)
             data = event.get("data") if isinstance(event.get("data"), dict) else {}
-            event["data"] = data | {"verified": reason is None}
+            event["data"] = data | CkptCommittedData(verified=reason is None)
         return event
 
     def forget(self, attempt: str) -> None:

@@ -44,12 +44,13 @@ from agent.groups.states import GroupEnd, WorkerState
 from agent.groups.wakeup import ExitWatch
 from agent.launching.launch import rank_argv, torchrun_argv, worker_env
 from agent.launching.rank_log import DEFAULT_MAX_BYTES
+from ett.protocol.event_fields import HangDetectedData, WorkerExitedData, WorkersLaunchedData
 from ett.protocol.messages import LaunchCommand
 
 log = logging.getLogger(__name__)
 
-# What a rank runner's exit record passes on in a worker_exited event.
-WORKER_EXITED_FIELDS = ("rank", "exit_code", "signal", "fault", "error", "oom")
+# What a rank runner's exit record passes on in a worker_exited event: the fields of its type.
+WORKER_EXITED_FIELDS = tuple(WorkerExitedData.__annotations__)
 # How soon after a peer's plain exit a rank's SIGKILL is still taken for the cause (_is_root_cause).
 ROOT_CAUSE_SECONDS = 1.0
 
@@ -144,10 +145,10 @@ class WorkerGroup:
             os.close(go_write)  # unwritten: the guard starts nothing and exits
         self.progress.launched(self.clock())
         self._exits.watch(self._proc.pid)
-        self.events.emit("workers_launched", {
-            "node_rank": self.command.node_rank, "nproc_per_node": self.command.nproc_per_node,
-            "pid": self._proc.pid, "argv": rank_argv(self.command, self.run_as.python),
-        })  # fmt: skip
+        self.events.emit("workers_launched", WorkersLaunchedData(
+            node_rank=self.command.node_rank, nproc_per_node=self.command.nproc_per_node,
+            pid=self._proc.pid, argv=rank_argv(self.command, self.run_as.python),
+        ))  # fmt: skip
         log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 
     def stop(self, reason: str, failure: GroupEnd | None = None) -> None:
@@ -262,8 +263,8 @@ class WorkerGroup:
             return
         phase, waited, limit, detail = hang
         log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, detail)
-        self.events.emit("hang_detected", {"phase": phase, "seconds_without_progress": round(waited, 3),
-                                           "timeout_seconds": round(limit, 3)}, step=self.progress.last_step)
+        data = HangDetectedData(phase=phase, seconds_without_progress=round(waited, 3), timeout_seconds=round(limit, 3))
+        self.events.emit("hang_detected", data, step=self.progress.last_step)
         self._ending = GroupEnd(WorkerState.FAILED, "hang", detail)
         self.state = WorkerState.STOPPING
         self.kill()

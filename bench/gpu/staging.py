@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ett.checkpoint_staging import ReusedBufferStager
+from ett.checkpoints.staging import ReusedBufferStager
 
 
 def timed_stage(stager: ReusedBufferStager, state: dict) -> tuple[float, dict]:

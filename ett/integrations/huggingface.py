@@ -11,7 +11,7 @@ The Trainer saves and loads its own checkpoints (model, optimizer, scheduler, RN
 place in the data), synchronously, at the job's interval: the persistent tier only. ETT's per-step
 snapshots and their copies on a peer node are not taken for it (they snapshot the state a script
 hands `run.checkpoint`); a job that asks for them is told so in its log. ETT adds the commit
-marker and manifest (ett/folders.py) once every rank has written its part, so a folder torn by a
+marker and manifest (ett/checkpoints/folders.py) once every rank has written its part, so a folder torn by a
 kill, or corrupted later, is never resumed from. The job's checkpoint interval (`run.interval_steps`) asks the Trainer for a save on top of its own
 `save_strategy`.
 """

@@ -10,7 +10,7 @@ the middle of an epoch exact.
         trainer.fit(model, data, ckpt_path=resume_checkpoint(run))
 
 Each checkpoint is `lightning-<step>/model.ckpt` in the job's folder: Lightning's own file, in a
-folder of ours so that it can be committed (marker and manifest, ett/folders.py) and a torn or
+folder of ours so that it can be committed (marker and manifest, ett/checkpoints/folders.py) and a torn or
 corrupt one is never resumed from. Lightning's checkpoint has no RNG state, and its rank 0 writes
 it alone: the callback adds every rank's RNG states and puts each back where the data iterator of
 the resumed run is already made, just before the next batch; with ResumableDataLoader the batches
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ett.errors import UsageError
-from ett.folders import prune
+from ett.checkpoints.folders import prune
 from ett.run import Run
 
 logger = logging.getLogger("ett")

@@ -1,6 +1,7 @@
 """What crosses a process boundary between the ranks, the agents and the service, named once:
 event kinds, exit codes, the files of an attempt's folder and the job's environment. The typed
-messages (the launch command, the attempt report) are in ett/protocol/messages.py.
+messages (the launch command, the attempt report) are in ett/protocol/messages.py, each event
+kind's `data` fields in ett/protocol/event_fields.py.
 
 Standard library only: the rank runner, started fresh for every rank, imports this.
 """
@@ -38,6 +39,10 @@ SPOOL_SUFFIX = ".jsonl"
 RANK_SPOOL_GLOB = "rank-*.jsonl"
 NODE_SPOOL_GLOB = "node-*.jsonl"
 PROGRESS_GLOB = "progress-rank-*"
+
+# -- a committed checkpoint: its folder holds this JSON manifest (ett/checkpoints/folders.py), which
+# the agent checks before it forwards a commit (agent/checkpoints/checkpoint_check.py).
+MARKER = "COMMITTED"
 
 
 def rank_spool(rank: int) -> str:

@@ -50,8 +50,8 @@ class CheckpointSpec(Incoming):
     # Node-local fast folder; the service leaves it out and the agent names its own (agent.groups.supervisor).
     local_dir: str | None = None
     resume_from: str | None = None
-    snapshots: bool = False  # the fast tier (ett/snapshots.py), with the agent's local folder
-    snapshot_copies: int = Field(1, ge=1)  # peer nodes that keep each snapshot (ett/snapshot_peers.py)
+    snapshots: bool = False  # the fast tier (ett/snapshots/tier.py), with the agent's local folder
+    snapshot_copies: int = Field(1, ge=1)  # peer nodes that keep each snapshot (ett/snapshots/peers.py)
 
 
 class AttemptCommand(Incoming):

@@ -16,6 +16,7 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from ett.protocol.event_fields import CheckpointIntervalData
 from ett.protocol.messages import IntervalCommand
 from service.accounting.accounts import job_account
 from service.agents import commands
@@ -52,5 +53,5 @@ def retune_auto_intervals(session: Session, settings: Settings, now: float | Non
         for share in attempt.nodes:
             commands.enqueue(session, share.node, command)
         emit(session, job.id, attempt.number, "checkpoint_interval", now,
-             {"interval_steps": interval, "from_step": from_step, "was": attempt.interval_steps})
+             CheckpointIntervalData(interval_steps=interval, from_step=from_step, was=attempt.interval_steps))
         attempt.interval_steps = interval

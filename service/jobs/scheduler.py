@@ -8,11 +8,11 @@ processes never hand one node two attempts; SQLite has a single writer and one p
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
+from ett.protocol.event_fields import AttemptAllocatedData, AttemptFailedData, AttemptStoppedData, JobFinishedData
 from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
@@ -112,7 +112,7 @@ def fail_attempt(
     """Ends an attempt as failed, stops its other nodes, and fails the job if it may not restart:
     its budget spent, a failure no restart fixes, or the same failure again and again."""
     diagnosis = diagnosis or without_logs(cause, detail, exit_code)
-    data = {"cause": cause, "detail": detail, "diagnosis": diagnosis.kind, "summary": diagnosis.summary}
+    data = AttemptFailedData(cause=cause, detail=detail, diagnosis=diagnosis.kind, summary=diagnosis.summary)
     if attempt.state == AttemptState.failed and _names_the_root_cause(cause, attempt.cause):
         # A killed rank's peers see their collectives break and exit too; whichever node reports
         # first ends the attempt, and the root cause corrects the record when it arrives.
@@ -152,7 +152,7 @@ def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:
 def finish_job(session: Session, job: Job, state: JobState, reason: str | None, now: float) -> None:
     job.state, job.reason, job.finished_at = state, reason[:512] if reason else reason, _at(now)
     if job.attempts:  # a job never allocated has no window, so no job_finished event
-        emit(session, job.id, job.attempts[-1].number, "job_finished", now, {"state": state.value})
+        emit(session, job.id, job.attempts[-1].number, "job_finished", now, JobFinishedData(state=state.value))
 
 
 def cancel_job(session: Session, job: Job, now: float) -> None:
@@ -161,7 +161,7 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
     for attempt in job.attempts:
         if attempt.state in ACTIVE:
             attempt.state, attempt.ended_at = AttemptState.stopped, _at(now)
-            emit(session, job.id, attempt.number, "attempt_stopped", now, {"reason": "cancelled"})
+            emit(session, job.id, attempt.number, "attempt_stopped", now, AttemptStoppedData(reason="cancelled"))
             _stop_shares(session, attempt, "cancelled")
     finish_job(session, job, JobState.cancelled, "cancelled", now)
 
@@ -284,10 +284,10 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
     job.state, job.restarts, job.reason = JobState.running, number, None
     session.add(attempt)
     session.flush()
-    allocated: dict[str, Any] = {"nodes": [n.name for n in nodes]}
+    allocated = AttemptAllocatedData(nodes=[n.name for n in nodes])
     if job.slurm_allocations:  # where it runs in Slurm's terms too
         slurm = job.slurm_allocations[-1]
-        allocated |= {"slurm_job_id": slurm.slurm_job_id, "slurm_nodes": slurm.slurm_nodes}
+        allocated |= AttemptAllocatedData(slurm_job_id=slurm.slurm_job_id, slurm_nodes=slurm.slurm_nodes)
     emit(session, job.id, number, "attempt_allocated", now, allocated)
     interval = attempt.interval_steps = checkpoint_interval_steps(session, job, settings)
     owner = number_owner(session, job.owner)

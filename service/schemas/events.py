@@ -1,17 +1,24 @@
 """Schema-v1 events (docs/events.md) as request bodies, and the ETT reports as answers."""
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired, Required, get_type_hints
 
+import typing_extensions
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     StringConstraints,
+    TypeAdapter,
+    ValidationError,
     ValidationInfo,
     field_validator,
+    with_config,
 )
+from pydantic_core import SchemaValidator
 
 from ett.protocol import AGENT_KINDS, EVENT_KINDS, SERVICE_KINDS
+from ett.protocol.event_fields import EVENT_FIELDS
 from service.accounting.engine import CATEGORIES
 from service.spec import Strict
 
@@ -20,6 +27,21 @@ Source = Annotated[str, StringConstraints(pattern=r"^(rank:\d{1,6}|node:[A-Za-z0
 # Kinds that are about one training step, so they must name it.
 STEP_KINDS = frozenset({"step", "restore_end", "ckpt_start", "ckpt_staged", "ckpt_committed", "ckpt_failed"})
 MAX_BATCH = 20_000
+
+
+def _data_validator(fields: type) -> SchemaValidator:
+    """A kind's fields (ett/protocol/event_fields.py) as pydantic checks them, strictly (no coercion):
+    the same TypedDict, as typing_extensions makes it (pydantic takes no `typing.TypedDict` below
+    Python 3.12). Its core validator: 0.3 to 0.4 us for a rank's data, under a tenth of an event's check."""
+    required = fields.__required_keys__  # type: ignore[attr-defined]
+    hints = {name: (Required if name in required else NotRequired)[hint]
+             for name, hint in get_type_hints(fields).items()}  # fmt: skip
+    typed = typing_extensions.TypedDict(fields.__name__, hints)  # type: ignore[operator]
+    return TypeAdapter(with_config(ConfigDict(strict=True))(typed)).validator  # type: ignore[return-value]
+
+
+# Each kind's `data`, checked on its declared fields; others are kept as they are.
+DATA_TYPES = {kind: _data_validator(fields) for kind, fields in EVENT_FIELDS.items()}
 
 
 def _source_prefix(kind: str) -> str:
@@ -54,12 +76,20 @@ class EventIn(Strict):
 
     @field_validator("data")
     @classmethod
-    def _step_duration(cls, data: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        if info.data.get("kind") == "step":
+    def _data_of_kind(cls, data: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        kind = info.data.get("kind")
+        if kind == "step":
             duration = data.get("duration")
             if isinstance(duration, bool) or not isinstance(duration, int | float) or not (0 <= duration < math.inf):
                 raise ValueError("a step event needs data.duration: its length in seconds, a number >= 0")
-        return data
+        if data and kind in DATA_TYPES:  # empty: every kind's type takes it (a step's duration is checked above)
+            try:
+                DATA_TYPES[kind].validate_python(data)
+            except ValidationError as error:  # the first wrong field, named as a path under `data`
+                first = error.errors(include_url=False)[0]
+                path = ".".join(str(part) for part in first["loc"])
+                raise ValueError(f"data.{path}: {first['msg']}, for a field of {kind} events") from None
+        return data  # as sent: fields no type declares are kept
 
 
 class AgentEventIn(EventIn):

@@ -14,6 +14,7 @@ from agent.forwarding.delivery import rejected_indices
 from agent.forwarding.forward import ForwardConfig, Forwarder
 from agent.node.metrics import AgentStats
 from agent.settings import AgentSettings
+from ett.protocol import ENDED_MARKER, EVENTS_DIR, rank_spool
 from tests.agent.fake_service import FakeService
 from tests.agent.helpers import free_port
 from tests.proofs.cluster import cluster, fake_rank_job
@@ -45,7 +46,7 @@ def forwarder_for(service, tmp_path, **config):
 
 
 def test_refused_events_go_to_the_dead_letter_file_and_the_rest_arrives(fake_service, tmp_path):
-    spool = tmp_path / "spool" / "job1" / "0" / "events" / "rank-0.jsonl"
+    spool = tmp_path / "spool" / "job1" / "0" / EVENTS_DIR / rank_spool(0)
     write_spool(spool, [spool_event(0), spool_event(1, kind="bogus"), "{not json", spool_event(3), spool_event(4)])
     forwarder = forwarder_for(fake_service, tmp_path)
 
@@ -58,13 +59,13 @@ def test_refused_events_go_to_the_dead_letter_file_and_the_rest_arrives(fake_ser
     assert "unknown kind 'bogus'" in json.dumps(dead[1]["error"])
     assert forwarder.stats.dead_letters == 2 and forwarder.stats.events_forwarded == 3
     offsets = json.loads((tmp_path / "forward-offsets.json").read_text())
-    assert offsets == {"job1/0/events/rank-0.jsonl": spool.stat().st_size}
+    assert offsets == {f"job1/0/{EVENTS_DIR}/{rank_spool(0)}": spool.stat().st_size}
 
 
 def test_a_refusal_naming_no_event_is_bisected_down_to_the_bad_one(fake_service, tmp_path, monkeypatch):
     monkeypatch.setattr(fake_service, "_ingest", lambda events, real=fake_service._ingest: (
         (422, {"detail": "batch refused"}) if any(e["kind"] == "bogus" for e in events) else real(events)))
-    write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl",
+    write_spool(tmp_path / "spool" / "j" / "0" / EVENTS_DIR / rank_spool(0),
                 [spool_event(i, kind="bogus" if i == 5 else "step") for i in range(8)])
     forwarder = forwarder_for(fake_service, tmp_path)
 
@@ -75,7 +76,7 @@ def test_a_refusal_naming_no_event_is_bisected_down_to_the_bad_one(fake_service,
 
 
 def test_while_the_service_is_down_nothing_moves_and_backoff_grows(fake_service, tmp_path):
-    write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    write_spool(tmp_path / "spool" / "j" / "0" / EVENTS_DIR / rank_spool(0), [spool_event(i) for i in range(3)])
     fake_service.stop()
     forwarder = forwarder_for(fake_service, tmp_path, retry_base_seconds=1.0, retry_max_seconds=8.0)
 
@@ -101,7 +102,7 @@ def test_an_error_or_busy_answer_is_not_taken_as_delivered(fake_service, tmp_pat
     answers = {"refuse": True}
     monkeypatch.setattr(fake_service, "_ingest", lambda events, real=fake_service._ingest: (
         (status, {"detail": "try later"}) if answers["refuse"] else real(events)))
-    spool = tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl"
+    spool = tmp_path / "spool" / "j" / "0" / EVENTS_DIR / rank_spool(0)
     write_spool(spool, [spool_event(i) for i in range(5)])
     forwarder = forwarder_for(fake_service, tmp_path)
 
@@ -116,14 +117,14 @@ def test_an_error_or_busy_answer_is_not_taken_as_delivered(fake_service, tmp_pat
     assert sorted(key[3] for key in fake_service.events) == [0, 1, 2, 3, 4]
     assert forwarder.stats.events_forwarded == 5 and forwarder.stats.events_repeated == 0
     assert json.loads((tmp_path / "forward-offsets.json").read_text()) == {
-        "j/0/events/rank-0.jsonl": spool.stat().st_size}
+        f"j/0/{EVENTS_DIR}/{rank_spool(0)}": spool.stat().st_size}
 
 
 def test_an_ended_attempt_spool_is_deleted_once_forwarded(fake_service, tmp_path):
     ended = AttemptPaths.of(tmp_path / "spool", "done", 0)
     running = AttemptPaths.of(tmp_path / "spool", "live", 0)
-    write_spool(ended.events_dir / "rank-0.jsonl", [spool_event(i) for i in range(3)])
-    write_spool(running.events_dir / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    write_spool(ended.events_dir / rank_spool(0), [spool_event(i) for i in range(3)])
+    write_spool(running.events_dir / rank_spool(0), [spool_event(i) for i in range(3)])
     ended.ended_marker.write_text("succeeded")
     forwarder = forwarder_for(fake_service, tmp_path)
 
@@ -132,15 +133,15 @@ def test_an_ended_attempt_spool_is_deleted_once_forwarded(fake_service, tmp_path
 
     assert len(fake_service.events) == 6
     assert not ended.root.exists() and running.events_dir.exists()
-    assert (tmp_path / "finished" / "done" / "0" / "ended").read_text() == "succeeded"  # logs kept apart
-    assert forwarder.stats.spool_bytes == disk_bytes(running.events_dir / "rank-0.jsonl")
+    assert (tmp_path / "finished" / "done" / "0" / ENDED_MARKER).read_text() == "succeeded"  # logs kept apart
+    assert forwarder.stats.spool_bytes == disk_bytes(running.events_dir / rank_spool(0))
     assert forwarder.stats.backlog_bytes == 0
     assert json.loads((tmp_path / "forward-offsets.json").read_text()) == {
-        "live/0/events/rank-0.jsonl": (running.events_dir / "rank-0.jsonl").stat().st_size}
+        f"live/0/{EVENTS_DIR}/{rank_spool(0)}": (running.events_dir / rank_spool(0)).stat().st_size}
 
 
 def test_the_forwarded_start_of_a_live_spool_gives_its_disk_back(fake_service, tmp_path):
-    spool = tmp_path / "spool" / "live" / "0" / "events" / "rank-0.jsonl"
+    spool = tmp_path / "spool" / "live" / "0" / EVENTS_DIR / rank_spool(0)
     write_spool(spool, [spool_event(i) | {"data": {"pad": "x" * 900}} for i in range(4500)])  # about 4.4 MiB
     forwarder = forwarder_for(fake_service, tmp_path, batch_max_events=1000)
 
@@ -162,13 +163,13 @@ def test_flush_sends_what_is_written_without_waiting_for_a_batch(fake_service, t
     thread = threading.Thread(target=forwarder.run, args=(stop,))
     thread.start()
     try:
-        write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+        write_spool(tmp_path / "spool" / "j" / "0" / EVENTS_DIR / rank_spool(0), [spool_event(i) for i in range(3)])
         time.sleep(0.3)  # a few of the thread's polls: it reads the lines and holds them for the batch
         assert fake_service.events == {}
         assert forwarder.flush(timeout=10.0)
         assert len(fake_service.events) == 3
         fake_service.stop()
-        write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(3)])
+        write_spool(tmp_path / "spool" / "j" / "0" / EVENTS_DIR / rank_spool(0), [spool_event(3)])
         assert not forwarder.flush(timeout=0.5)  # the service is down: the caller is not held longer
     finally:
         stop.set()
@@ -183,7 +184,7 @@ def test_a_flush_tries_again_at_once_when_the_forwarder_is_in_backoff(fake_servi
     stop = threading.Event()
     thread = threading.Thread(target=forwarder.run, args=(stop,))
     fake_service.stop()
-    write_spool(tmp_path / "spool" / "j" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    write_spool(tmp_path / "spool" / "j" / "0" / EVENTS_DIR / rank_spool(0), [spool_event(i) for i in range(3)])
     thread.start()
     try:
         assert not forwarder.flush(timeout=0.5)  # down: it fails and backs off
@@ -214,7 +215,7 @@ def test_service_outage_and_agent_crash_lose_and_repeat_nothing(tmp_path):
         wait_for(lambda: len(c.events(job_id)) >= 50, 120, "events to flow")
         c.kill_service()
         paths = AttemptPaths.of(tmp_path / "node-a" / "spool", job_id, 0)
-        spooled = paths.events_dir / "rank-0.jsonl"
+        spooled = paths.events_dir / rank_spool(0)
         size = spooled.stat().st_size
         wait_for(lambda: spooled.stat().st_size > size + 2000, 30, "events to pile up while the service is down")
         first.send_signal(signal.SIGKILL)  # a crash: no goodbye, read positions as they were
@@ -244,15 +245,15 @@ def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tm
     secret = tmp_path / "root-only"
     secret.write_text("root:$6$secret-hash:19000:0:99999:7:::\n")
     secret.chmod(0o600)
-    bad = tmp_path / "spool" / "bad" / "0" / "events"
-    write_spool(bad / "rank-0.jsonl", [spool_event(0)])
+    bad = tmp_path / "spool" / "bad" / "0" / EVENTS_DIR
+    write_spool(bad / rank_spool(0), [spool_event(0)])
     (bad / "x.jsonl").mkdir()
-    (bad / "rank-1.jsonl").symlink_to(secret)
-    endless = bad / "rank-2.jsonl"
+    (bad / rank_spool(1)).symlink_to(secret)
+    endless = bad / rank_spool(2)
     endless.write_bytes(b"{" + b"a" * (100 << 20))  # never ends: no newline
-    os.link(secret, bad / "rank-3.jsonl")  # as root here; a job needs protected_hardlinks off
-    os.mkfifo(bad / "rank-4.jsonl")
-    write_spool(tmp_path / "spool" / "good" / "0" / "events" / "rank-0.jsonl", [spool_event(i) for i in range(3)])
+    os.link(secret, bad / rank_spool(3))  # as root here; a job needs protected_hardlinks off
+    os.mkfifo(bad / rank_spool(4))
+    write_spool(tmp_path / "spool" / "good" / "0" / EVENTS_DIR / rank_spool(0), [spool_event(i) for i in range(3)])
     forwarder = forwarder_for(fake_service, tmp_path)
 
     assert forwarder.forward_once(flush=True)
@@ -261,7 +262,7 @@ def test_a_jobs_folder_link_or_endless_line_stays_with_that_job(fake_service, tm
     assert delivered == [("bad", 0), ("good", 0), ("good", 1), ("good", 2)]
     dead = [json.loads(line) for line in (tmp_path / "dead-letters.jsonl").read_text().splitlines()]
     # The endless line, cut at the bound: its two full pieces set aside, each kept short; nothing else.
-    assert [(d["file"], d["bytes"]) for d in dead] == [("bad/0/events/rank-2.jsonl", 4 << 20)] * 25
+    assert [(d["file"], d["bytes"]) for d in dead] == [(f"bad/0/{EVENTS_DIR}/{rank_spool(2)}", 4 << 20)] * 25
     assert all(len(d["line"]) <= 4096 for d in dead)
     assert "secret-hash" not in (tmp_path / "dead-letters.jsonl").read_text()
     assert oct((tmp_path / "dead-letters.jsonl").stat().st_mode & 0o777) == "0o600"
@@ -271,7 +272,7 @@ def test_a_ranks_events_say_only_what_a_rank_may_and_a_commit_is_checked_on_disk
     """The agent stamps job, attempt and source from where a line was found; a `ckpt_committed` is
     a resume point only if its folder, inside the job's checkpoint folder, has a marker of its
     step listing files that are there (agent/checkpoints/checkpoint_check.py)."""
-    from ett.folders import folder_manifest, step_folder, write_marker
+    from ett.checkpoints.folders import folder_manifest, step_folder, write_marker
     from ett.protocol.messages import LaunchCommand
     from tests.agent.helpers import launch_command
 
@@ -294,7 +295,7 @@ def test_a_ranks_events_say_only_what_a_rank_may_and_a_commit_is_checked_on_disk
     def commit(seq, step, path):
         return spool_event(seq, "ckpt_committed") | {"step": step, "data": {"path": str(path), "verified": True}}
 
-    write_spool(attempt / "events" / "rank-0.jsonl", [
+    write_spool(attempt / EVENTS_DIR / rank_spool(0), [
         commit(0, 5, good), commit(1, 6, torn), commit(2, 7, linked), commit(3, 8, step_folder(ckpt, 8)),
         commit(4, 9, "/etc"), commit(5, 6, good),  # no folder; outside the job's; the marker of another step
         spool_event(6, source="node:node-b") | {"attempt": 3},  # a rank posing as a node, and another attempt

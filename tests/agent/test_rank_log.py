@@ -11,19 +11,20 @@ import pytest
 
 from agent.forwarding.log_shipper import PIECE_BYTES, LogShipper
 from agent.launching.rank_log import PipeCopier, RotatingLog
+from ett.protocol import LOGS_DIR, rank_log
 from tests.support.waiting import wait_for
 
 
 def test_a_rank_that_prints_without_end_keeps_at_most_twice_the_bound(tmp_path):
     read_fd, write_fd = os.pipe()
-    path = tmp_path / "rank-0.log"
+    path = tmp_path / rank_log(0)
     copying = PipeCopier(read_fd, RotatingLog(str(path), max_bytes=100_000))
     line = b"y" * 99 + b"\n"
     for i in range(20_000):  # 2 MB
         os.write(write_fd, b"%08d" % i + line[8:])
     os.close(write_fd)
     copying.join(10)
-    sizes = [path.stat().st_size, path.with_name("rank-0.log.1").stat().st_size]
+    sizes = [path.stat().st_size, path.with_name(rank_log(0) + ".1").stat().st_size]
     assert all(size <= 100_000 + 65536 for size in sizes) and sum(sizes) <= 2 * (100_000 + 65536)
     assert path.read_bytes().endswith(b"%08d" % 19_999 + line[8:])  # the newest output is kept
     assert oct(path.stat().st_mode & 0o777) == "0o600"
@@ -34,7 +35,7 @@ def test_caught_up_means_what_the_pipe_held_is_in_the_log_though_a_child_still_h
     child of the rank that keeps the pipe open (a data loader's worker, a checkpoint process) is not
     waited for; what the child writes later is still copied until it lets go."""
     read_fd, write_fd = os.pipe()
-    path = tmp_path / "rank-0.log"
+    path = tmp_path / rank_log(0)
     copying = PipeCopier(read_fd, RotatingLog(str(path)))
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read(); print('the child, late')"],
                              stdin=subprocess.PIPE, stdout=write_fd)  # holds the pipe until told
@@ -57,7 +58,7 @@ def test_a_full_disk_loses_the_ranks_output_not_the_rank(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)], check=True)
     try:
         read_fd, write_fd = os.pipe()
-        path, printed = small / "rank-0.log", tmp_path / "printed"
+        path, printed = small / rank_log(0), tmp_path / "printed"
         copying = PipeCopier(read_fd, RotatingLog(str(path), max_bytes=1 << 20))
         rank = subprocess.Popen([sys.executable, "-c", "import sys\nfor i in range(20_000): print('x' * 99)\n"
                                  f"sys.stdout.flush(); open({str(printed)!r}, 'w').close()\n"
@@ -89,9 +90,9 @@ class Service:
 
 
 def test_shipping_sends_each_byte_once_through_rotation_outage_and_restart(tmp_path):
-    logs = tmp_path / "spool" / "job" / "0" / "logs"
+    logs = tmp_path / "spool" / "job" / "0" / LOGS_DIR
     logs.mkdir(parents=True)
-    log = RotatingLog(str(logs / "rank-3.log"), max_bytes=1000)
+    log = RotatingLog(str(logs / rank_log(3)), max_bytes=1000)
     service = Service()
     shipper = LogShipper(tmp_path / "spool", tmp_path, service)
     written = b""
@@ -116,10 +117,10 @@ def test_shipping_sends_each_byte_once_through_rotation_outage_and_restart(tmp_p
 
 
 def test_a_rank_printing_faster_than_shipping_has_its_middle_skipped_and_counted(tmp_path):
-    logs = tmp_path / "spool" / "job" / "0" / "logs"
+    logs = tmp_path / "spool" / "job" / "0" / LOGS_DIR
     logs.mkdir(parents=True)
-    (logs / "rank-0.log").write_bytes(b"a" * (PIECE_BYTES * 3))
-    (logs / "rank-1.log").symlink_to("/etc/passwd")  # the job's folder: a link is not read
+    (logs / rank_log(0)).write_bytes(b"a" * (PIECE_BYTES * 3))
+    (logs / rank_log(1)).symlink_to("/etc/passwd")  # the job's folder: a link is not read
     service = Service()
     assert LogShipper(tmp_path / "spool", tmp_path, service).ship_once()
     [piece] = service.pieces

@@ -14,7 +14,7 @@ import pytest
 from agent.confinement.cgroups import remove_when_released
 from agent.files.spool import AttemptPaths
 from agent.groups.supervisor import Supervisor
-from ett.protocol import FROZEN_SECONDS
+from ett.protocol import FROZEN_SECONDS, INTERVAL_FILE, PROGRESS_GLOB, progress_file, rank_log, rank_spool
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
 from tests.conftest import WORKER_ENV
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def spool_events(supervisor, command, source):
     paths = AttemptPaths.of(supervisor.spool_root, command.job_id, command.attempt)
     if source.startswith("rank:"):
-        return read_events(paths.events_dir / f"rank-{source.split(':')[1]}.jsonl")
+        return read_events(paths.events_dir / rank_spool(int(source.split(":")[1])))
     return read_events(paths.node_spool(source.removeprefix("node:")))
 
 
@@ -69,20 +69,20 @@ def test_a_new_interval_is_never_written_or_read_through_a_link_the_job_laid(sup
     interval = IntervalCommand(type="checkpoint_interval", job_id=command.job_id, attempt=0, interval_steps=9,
                                from_step=5)  # fmt: skip
     supervisor.set_interval(interval)
-    assert (control / "checkpoint-interval").read_text() == "9 5\n"  # the plain case
+    assert (control / INTERVAL_FILE).read_text() == "9 5\n"  # the plain case
 
     probe, secret = tmp_path / "probe", tmp_path / "root-only"
     probe.write_text("untouched\n")
     secret.write_text("root:$6$secret-hash\n")
     secret.chmod(0o600)
-    (control / "checkpoint-interval.new").symlink_to(probe)  # the staging name: once written through
+    (control / f"{INTERVAL_FILE}.new").symlink_to(probe)  # the staging name: once written through
     supervisor.set_interval(interval.model_copy(update={"interval_steps": 11, "from_step": 7}))
-    assert probe.read_text() == "untouched\n" and (control / "checkpoint-interval").read_text() == "9 5\n11 7\n"
+    assert probe.read_text() == "untouched\n" and (control / INTERVAL_FILE).read_text() == "9 5\n11 7\n"
 
-    (control / "checkpoint-interval").unlink()
-    (control / "checkpoint-interval").symlink_to(secret)  # read, then copied where the job reads it
+    (control / INTERVAL_FILE).unlink()
+    (control / INTERVAL_FILE).symlink_to(secret)  # read, then copied where the job reads it
     supervisor.set_interval(interval)
-    assert (control / "checkpoint-interval").is_symlink() and secret.read_text() == "root:$6$secret-hash\n"
+    assert (control / INTERVAL_FILE).is_symlink() and secret.read_text() == "root:$6$secret-hash\n"
     assert not any("secret-hash" in p.read_text() for p in control.iterdir() if p.is_file() and not p.is_symlink())
 
     elsewhere = tmp_path / "elsewhere"
@@ -153,7 +153,7 @@ def test_a_failure_is_reported_once_the_ranks_last_words_are_in_its_log_and_its_
     group = supervisor.groups[command.key]
     wait_for(lambda: supervisor.reports.snapshot()[0].state == "failed", 60, "the failure",
              while_waiting=supervisor.poll)
-    log = (group.paths.logs_dir / "rank-0.log").read_text()
+    log = (group.paths.logs_dir / rank_log(0)).read_text()
     assert log.endswith("MemoryError: the last words\n"), log
     assert supervisor.reports.snapshot()[0].detail == "rank 0 exit code 1"
     run_to_end(supervisor, timeout=30)
@@ -394,9 +394,9 @@ def test_a_ranks_full_disk_is_read_from_its_progress_mark(supervisor):
     command = launch_command(init_timeout_seconds=60).model_copy(update={"entrypoint": silent})
     supervisor.launch(command)
     events_dir = AttemptPaths.of(supervisor.spool_root, command.job_id, 0).events_dir
-    wait_for(lambda: len(list(events_dir.glob("progress-rank-*"))) == 2, 60, "both marks",
+    wait_for(lambda: len(list(events_dir.glob(PROGRESS_GLOB))) == 2, 60, "both marks",
              while_waiting=supervisor.poll)
-    (events_dir / "progress-rank-1").write_text("0 0 5 2".rjust(64))  # as rank 1's writer on a full disk
+    (events_dir / progress_file(1)).write_text("0 0 5 2".rjust(64))  # as rank 1's writer on a full disk
     wait_for(lambda: supervisor.rank_events_unwritten_and_dropped() == (5, 2), 10, "the report",
              while_waiting=supervisor.poll)
     supervisor.stop(command_adapter_stop(command))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ett.checkpoint_staging import ReusedBufferStager
+from ett.checkpoints.staging import ReusedBufferStager
 from ett.state import RNGState
 from tests.support.postgres import free_port
 from trainer.grouped_gemm import grouped_mm_supported, routed_swiglu

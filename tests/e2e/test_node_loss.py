@@ -19,7 +19,7 @@ import pytest
 from agent.confinement.cgroups import agent_cgroup_name
 from agent.files.spool import AttemptPaths
 from ett.protocol import JobEnv, rank_spool
-from ett.snapshot_folder import SnapshotFolder, snapshots_root
+from ett.snapshots.folder import SnapshotFolder, snapshots_root
 from tests.e2e.test_own_scripts import assert_same_parameters, plain_torchrun
 from tests.support.cluster import assert_categories_sum_to_wall, cluster, events, example_job
 from tests.support.processes import pids_in_cgroups_of, pids_with_env
@@ -46,7 +46,7 @@ def lose_nodes(tmp_path: Path, nodes: int, spares: int, lost: list[int], copies:
                      "the first attempt's nodes")
             first_nodes = c.job(job_id)["attempts"][0]["nodes"]  # in rank order
             local = {name: c.root / name / "checkpoints" / job_id for name in first_nodes}
-            # Rank r's copies are kept on the nodes of ranks r+1 .. r+copies (ett/snapshot_peers.py).
+            # Rank r's copies are kept on the nodes of ranks r+1 .. r+copies (ett/snapshots/peers.py).
             holders = {r: [first_nodes[(r + k) % nodes] for k in range(1, copies + 1)
                            if (r + k) % nodes not in lost] for r in lost}  # fmt: skip
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ett.snapshots import LocalSnapshots
+from ett.snapshots.tier import LocalSnapshots
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.events import EventWriter
-from ett.folders import step_folder, step_folders, write_marker
+from ett.checkpoints.folders import step_folder, step_folders, write_marker
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 
 import ett.events
 from ett.events import EventWriter
+from ett.protocol import progress_file, rank_spool
 from tests.support.waiting import wait_for
 from tests.trainer.trainer_runs import read_events
 
@@ -64,14 +65,14 @@ def disk(tmp_path, monkeypatch):
 
 
 def mark(folder: Path) -> list[int]:
-    path = folder / "progress-rank-0"
+    path = folder / progress_file(0)
     return [int(f) for f in path.read_bytes().split()] if path.exists() else [0]
 
 
 def test_a_full_disk_loses_no_event_once_space_returns(disk):
     writer = EventWriter(str(disk.folder), rank=0, attempt=0)
     writer.emit("init_start", pid=1)
-    wait_for(lambda: len(read_events(disk.folder / "rank-0.jsonl")) == 1, 10, "the writer")
+    wait_for(lambda: len(read_events(disk.folder / rank_spool(0))) == 1, 10, "the writer")
     disk.fill()
     for step in range(1, 201):  # about 20 KiB of events, none of which fits
         writer.emit("step", step=step, duration=0.01, tokens=64, loss=1.0)
@@ -79,11 +80,11 @@ def test_a_full_disk_loses_no_event_once_space_returns(disk):
     wait_for(lambda: mark(disk.folder)[0] == 200, 10, "the writer")
     step, beats, unwritten, dropped, *_ = mark(disk.folder)
     assert unwritten > 0 and dropped == 0  # the agent reads this (agent/groups/progress.py)
-    assert len(read_events(disk.folder / "rank-0.jsonl")) < 201
+    assert len(read_events(disk.folder / rank_spool(0))) < 201
 
     disk.free()
     writer.close()
-    events = read_events(disk.folder / "rank-0.jsonl")
+    events = read_events(disk.folder / rank_spool(0))
     assert [e["seq"] for e in events] == list(range(201))  # every event, once, in order
     assert [e["step"] for e in events[1:]] == list(range(1, 201))
     assert mark(disk.folder) == [200, 0, 0, 0, 0, 0]  # closed: pulse 0
@@ -103,5 +104,5 @@ def test_past_its_bound_a_rank_drops_events_and_counts_them(disk, monkeypatch):
     assert unwritten + dropped == 100 and dropped > 0 and unwritten * 80 < 2000
     disk.free()
     writer.close()
-    kept = read_events(disk.folder / "rank-0.jsonl")
+    kept = read_events(disk.folder / rank_spool(0))
     assert len(kept) == unwritten and [e["seq"] for e in kept] == list(range(unwritten))  # the first ones, in order

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import ett
-from ett.folders import MARKER, verify
+from ett.checkpoints.folders import verify
+from ett.protocol import EVENTS_DIR, MARKER, rank_spool
 from ett.integrations.huggingface import resume_checkpoint
 from tests.support.cluster import REPO
 from tests.support.postgres import free_port
@@ -23,7 +24,7 @@ def hf_job(tmp_path_factory):
     """12 steps of the example as attempt 0 of an ETT job that saves every 5 steps."""
     root = tmp_path_factory.mktemp("hf")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETT_", "RANK", "WORLD_SIZE"))}
-    env |= {"ETT_JOB_ID": "hf", "ETT_ATTEMPT": "0", "ETT_EVENT_DIR": str(root / "events"),
+    env |= {"ETT_JOB_ID": "hf", "ETT_ATTEMPT": "0", "ETT_EVENT_DIR": str(root / EVENTS_DIR),
             "ETT_CHECKPOINT_DIR": str(root / "ckpt"), "ETT_CHECKPOINT_INTERVAL_STEPS": "5"}
     result = subprocess.run([sys.executable, str(REPO / "examples" / "hf_trainer.py"), "--steps", "12"],
                             env=env, capture_output=True, text=True, timeout=300, cwd=root)
@@ -32,7 +33,7 @@ def hf_job(tmp_path_factory):
 
 
 def test_the_callback_records_steps_and_saves_and_commits_each_checkpoint(hf_job):
-    events = read_events(hf_job / "events" / "rank-0.jsonl")
+    events = read_events(hf_job / EVENTS_DIR / rank_spool(0))
     kinds = [(e["kind"], e["step"]) for e in events]
     assert kinds[:2] == [("init_start", None), ("init_end", None)] and kinds[-1] == ("train_end", 12)
     assert [s for k, s in kinds if k == "step"] == list(range(1, 13))
@@ -82,7 +83,7 @@ def test_the_callback_marks_the_start_up_when_the_script_does_not(tmp_path, monk
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     monkeypatch.setenv("ETT_JOB_ID", "hf")
-    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "events"))
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / EVENTS_DIR))
     with ett.init() as run:
         model = example.LlamaForCausalLM(example.LlamaConfig(
             vocab_size=example.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -90,7 +91,7 @@ def test_the_callback_marks_the_start_up_when_the_script_does_not(tmp_path, monk
         args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
                                  save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
         Trainer(model=model, args=args, train_dataset=example.SyntheticText(8), callbacks=[ETTCallback(run)]).train()
-    kinds = [e["kind"] for e in read_events(tmp_path / "events" / "rank-0.jsonl")]
+    kinds = [e["kind"] for e in read_events(tmp_path / EVENTS_DIR / rank_spool(0))]
     assert kinds == ["init_start", "init_end", "step", "step", "step_timing", "train_end"]
 
 
@@ -112,7 +113,7 @@ def test_the_callback_says_the_trainers_checkpoints_get_no_snapshots_when_the_jo
     from ett.integrations.huggingface import ETTCallback
 
     monkeypatch.setenv("ETT_JOB_ID", "hf")
-    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "events"))
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / EVENTS_DIR))
     monkeypatch.setenv("ETT_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     monkeypatch.setenv("ETT_CHECKPOINT_INTERVAL_STEPS", "10")
     monkeypatch.setenv("ETT_CHECKPOINT_LOCAL_DIR", str(tmp_path / "local"))

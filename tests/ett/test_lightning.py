@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ett
-from ett.folders import MARKER, verify
+from ett.checkpoints.folders import verify
+from ett.protocol import EVENTS_DIR, MARKER, rank_spool
 from ett.integrations.lightning import ResumableDataLoader, resume_checkpoint
 from tests.ett.test_sigterm import wait_for_event
 from tests.support.cluster import REPO
@@ -31,7 +32,7 @@ def stopped_job(tmp_path_factory):
     to rank 1 alone once rank 0 has reported step 12: (its folder, torchrun's output)."""
     root = tmp_path_factory.mktemp("pl")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETT_", "RANK", "WORLD_SIZE"))}
-    env |= {"ETT_JOB_ID": "pl", "ETT_ATTEMPT": "0", "ETT_EVENT_DIR": str(root / "events"),
+    env |= {"ETT_JOB_ID": "pl", "ETT_ATTEMPT": "0", "ETT_EVENT_DIR": str(root / EVENTS_DIR),
             "ETT_CHECKPOINT_DIR": str(root / "ckpt"), "ETT_CHECKPOINT_INTERVAL_STEPS": "5",
             "ETT_CHECKPOINT_KEEP": "2"}  # fmt: skip
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -39,9 +40,9 @@ def stopped_job(tmp_path_factory):
     torchrun = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, cwd=REPO)  # fmt: skip
     try:
-        rank1 = wait_for_event(root / "events" / "rank-1.jsonl", "init_start")["data"]["pid"]
+        rank1 = wait_for_event(root / EVENTS_DIR / rank_spool(1), "init_start")["data"]["pid"]
         wait_for(lambda: any(e["kind"] == "step" and e["step"] >= 12
-                             for e in read_events(root / "events" / "rank-0.jsonl")), 120, "rank 0's step 12")
+                             for e in read_events(root / EVENTS_DIR / rank_spool(0))), 120, "rank 0's step 12")
         os.kill(rank1, signal.SIGTERM)  # rank 0 gets none
         output, _ = torchrun.communicate(timeout=60)
     finally:
@@ -54,7 +55,7 @@ def stopped_job(tmp_path_factory):
 def test_a_sigterm_saves_that_step_on_every_rank_and_stops_cleanly(stopped_job):
     root, output = stopped_job
     assert output.count("exitcode  : 4") == 2, output[-3000:]  # both ranks: ett.EXIT_STOPPED
-    ends = [[e["step"] for e in read_events(root / "events" / f"rank-{r}.jsonl") if e["kind"] == "train_end"]
+    ends = [[e["step"] for e in read_events(root / EVENTS_DIR / rank_spool(r)) if e["kind"] == "train_end"]
             for r in (0, 1)]
     [[stop], [stop_1]] = ends
     assert stop == stop_1 >= 12
@@ -66,7 +67,7 @@ def test_a_sigterm_saves_that_step_on_every_rank_and_stops_cleanly(stopped_job):
 
 def test_the_callback_reports_start_up_steps_and_each_commit(stopped_job):
     root, _ = stopped_job
-    events = read_events(root / "events" / "rank-0.jsonl")
+    events = read_events(root / EVENTS_DIR / rank_spool(0))
     kinds = [e["kind"] for e in events]
     assert kinds[:2] == ["init_start", "init_end"] and kinds[-1] == "train_end"
     steps = [e["step"] for e in events if e["kind"] == "step"]
@@ -76,7 +77,7 @@ def test_the_callback_reports_start_up_steps_and_each_commit(stopped_job):
     assert [c["step"] for c in commits][:2] == [5, 10] and all(c["data"]["bytes"] > 0 for c in commits)
     for kind in ("ckpt_start", "ckpt_staged"):
         assert [e["step"] for e in events if e["kind"] == kind] == [c["step"] for c in commits]
-    assert not [e for e in read_events(root / "events" / "rank-1.jsonl") if e["kind"] == "ckpt_committed"]
+    assert not [e for e in read_events(root / EVENTS_DIR / rank_spool(1)) if e["kind"] == "ckpt_committed"]
 
 
 def test_resume_checkpoint_skips_a_torn_and_a_corrupt_newest(stopped_job, tmp_path, caplog, monkeypatch):

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ett.folders import MARKER, step_folder
+from ett.checkpoints.folders import step_folder
+from ett.protocol import MARKER
 from ett.protocol import JobEnv, rank_spool
-from ett.snapshot_folder import SnapshotFolder, snapshots_root
+from ett.snapshots.folder import SnapshotFolder, snapshots_root
 from tests.support.waiting import wait_for
 
 REPO = Path(__file__).parents[2]

@@ -11,7 +11,8 @@ from torch import nn
 
 import ett
 from ett.checkpoint import CheckpointConfig
-from ett.folders import MARKER, step_folders
+from ett.checkpoints.folders import step_folders
+from ett.protocol import EVENTS_DIR, INTERVAL_FILE, MARKER, progress_file, rank_spool
 from ett.run import Run
 from tests.trainer.trainer_runs import read_events
 
@@ -30,7 +31,7 @@ def no_ett_environment(monkeypatch):
 def in_job(monkeypatch, tmp_path):
     monkeypatch.setenv("ETT_JOB_ID", "job1")
     monkeypatch.setenv("ETT_ATTEMPT", "2")
-    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / "events"))
+    monkeypatch.setenv("ETT_EVENT_DIR", str(tmp_path / EVENTS_DIR))
     monkeypatch.setenv("ETT_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
     monkeypatch.setenv("ETT_CHECKPOINT_INTERVAL_STEPS", "2")
     monkeypatch.setenv("ETT_CHECKPOINT_KEEP", "5")
@@ -93,7 +94,7 @@ def test_inside_a_job_the_events_and_checkpoints_follow_the_job(in_job):
         train(run, model, optimizer, state, range(1, 4))
         run.progress()
     assert not (in_job / "ignored").exists(), "the job's folder wins over the script's"
-    events = read_events(in_job / "events" / "rank-0.jsonl")
+    events = read_events(in_job / EVENTS_DIR / rank_spool(0))
     # The commit is written in the background: anywhere after its staging, before train_end.
     [committed] = [e for e in events if e["kind"] == "ckpt_committed"]
     assert [(e["kind"], e["step"]) for e in events if e is not committed] == [
@@ -108,7 +109,7 @@ def test_inside_a_job_the_events_and_checkpoints_follow_the_job(in_job):
     assert step["tokens"] == 8 and step["duration"] > 0 and isinstance(step["loss"], float)
     # The progress mark: the last step, one liveness beat, nothing unwritten or dropped, and no
     # background write any more (the save of step 2 is committed); closed, so no pulse.
-    assert (in_job / "events" / "progress-rank-0").read_text().split() == ["3", "1", "0", "0", "0", "0"]
+    assert (in_job / EVENTS_DIR / progress_file(0)).read_text().split() == ["3", "1", "0", "0", "0", "0"]
 
 
 class FailsToSave:
@@ -132,7 +133,7 @@ def test_a_failed_save_is_never_offered_for_resume(in_job):
     state["flaky"] = FailsToSave()
     with ett.init() as run:
         train(run, model, optimizer, state, range(1, 5))  # saves at 2 (good) and 4 (fails)
-    events = read_events(in_job / "events" / "rank-0.jsonl")
+    events = read_events(in_job / EVENTS_DIR / rank_spool(0))
     assert [e["step"] for e in events if e["kind"] == "ckpt_failed"] == [4]
     assert "No space left" in next(e for e in events if e["kind"] == "ckpt_failed")["data"]["error"]
 
@@ -167,7 +168,7 @@ def test_a_framework_marks_its_steps_and_start_up_in_pairs(in_job):
         run.end_step(loss=0.5)
         with pytest.raises(ett.UsageError, match=r"run.end_step\(\): no step was begun"):
             run.end_step()
-    events = read_events(in_job / "events" / "rank-0.jsonl")
+    events = read_events(in_job / EVENTS_DIR / rank_spool(0))
     assert [e["kind"] for e in events if e["kind"] != "step_timing"] == ["init_start", "init_end", "step", "train_end"]
     step = next(e for e in events if e["kind"] == "step")
     assert (step["step"], step["data"]["loss"], step["data"]["tokens"]) == (1, 0.5, 8)
@@ -189,7 +190,7 @@ def test_a_step_that_raises_is_not_recorded(in_job):
             raise RuntimeError("out of memory")
         with run.step(1):  # the same step again: it never happened
             pass
-    assert [e["step"] for e in read_events(in_job / "events" / "rank-0.jsonl") if e["kind"] == "step"] == [1]
+    assert [e["step"] for e in read_events(in_job / EVENTS_DIR / rank_spool(0)) if e["kind"] == "step"] == [1]
 
 
 def test_a_checkpoint_folder_that_cannot_be_written_is_named(tmp_path):
@@ -248,7 +249,7 @@ def test_a_resume_point_outside_the_jobs_folder_is_ignored(in_job, monkeypatch, 
 
 def test_a_new_interval_applies_from_its_step_on_every_rank_alike(tmp_path):
     """What the agent writes for a running `auto` job: every rank switches at `from_step`."""
-    interval_file = tmp_path / "checkpoint-interval"
+    interval_file = tmp_path / INTERVAL_FILE
     ranks = [CheckpointConfig(dir=str(tmp_path), interval_steps=10, interval_file=str(interval_file)) for _ in range(2)]
     saves: list[list[int]] = [[], []]
     for step in range(1, 41):
@@ -264,7 +265,7 @@ def test_a_new_interval_applies_from_its_step_on_every_rank_alike(tmp_path):
 
 def test_two_new_intervals_that_arrive_together_each_apply_from_their_own_step(tmp_path):
     """The agent may get two changes in one answer before the first one's step: both hold."""
-    interval_file = tmp_path / "checkpoint-interval"
+    interval_file = tmp_path / INTERVAL_FILE
     cfg = CheckpointConfig(dir=str(tmp_path), interval_steps=10, interval_file=str(interval_file))
     saves = []
     for step in range(1, 41):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ett.folders import MARKER
+from ett.protocol import EVENTS_DIR, MARKER, rank_spool
 from tests.support.waiting import wait_for
 from tests.trainer.trainer_runs import read_events
 
@@ -26,7 +26,7 @@ def wait_for_event(path: Path, kind: str, timeout: float = 60) -> dict:
 
 
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_its_checkpoint(tmp_path):
-    events, checkpoints = tmp_path / "events", tmp_path / "ckpt"
+    events, checkpoints = tmp_path / EVENTS_DIR, tmp_path / "ckpt"
     env = os.environ | {"ETT_JOB_ID": "job1", "ETT_ATTEMPT": "0", "ETT_EVENT_DIR": str(events),
                         "ETT_CHECKPOINT_DIR": str(checkpoints), "ETT_CHECKPOINT_INTERVAL_STEPS": "1000",
                         "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -35,15 +35,15 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_and_its_checkp
     torchrun = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # fmt: skip
     try:
-        rank1 = wait_for_event(events / "rank-1.jsonl", "init_start")["data"]["pid"]
-        wait_for_event(events / "rank-0.jsonl", "step")
+        rank1 = wait_for_event(events / rank_spool(1), "init_start")["data"]["pid"]
+        wait_for_event(events / rank_spool(0), "step")
         os.kill(rank1, signal.SIGTERM)  # rank 0 gets none
         output, _ = torchrun.communicate(timeout=60)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(torchrun.pid, signal.SIGKILL)  # the ranks too, whatever happened
         torchrun.wait()
-    ends = [wait_for_event(events / f"rank-{r}.jsonl", "train_end")["step"] for r in (0, 1)]
+    ends = [wait_for_event(events / rank_spool(r), "train_end")["step"] for r in (0, 1)]
     assert ends[0] == ends[1], ends
     step = ends[0]
     committed = sorted(p.name for p in checkpoints.iterdir() if (p / MARKER).exists())

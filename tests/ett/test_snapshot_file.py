@@ -1,13 +1,13 @@
-"""The local snapshot's file (ett/snapshot_file.py) and what a snapshot captures (ett/snapshots.py)."""
+"""The local snapshot's file (ett/snapshots/file_format.py) and what a snapshot captures (ett/snapshots/tier.py)."""
 
 import time
 
 import pytest
 import torch
 
-from ett import snapshot_file
-from ett.snapshot_file import StagingBuffer
-from ett.snapshots import LocalSnapshots, template
+from ett.snapshots import file_format as snapshot_file
+from ett.snapshots.file_format import StagingBuffer
+from ett.snapshots.tier import LocalSnapshots, template
 
 
 def state() -> dict:
@@ -91,7 +91,7 @@ def test_a_snapshot_holds_the_state_as_it_was_when_taken(tmp_path):
 
 def test_a_write_that_waits_without_using_the_cpu_does_not_thin_the_snapshots(tmp_path, monkeypatch):
     """On a busy node a write's wall time is stretched by the steps it competes with; what it
-    takes from them is its CPU time, and that is what the cadence weighs (ett/snapshots.py)."""
+    takes from them is its CPU time, and that is what the cadence weighs (ett/snapshots/tier.py)."""
     real_write = snapshot_file.write
 
     def slow_write(file, header, buffer):

@@ -1,8 +1,8 @@
-"""The replicated fast tier (ett/snapshot_peers.py, ett/snapshot_restore.py) with real processes:
+"""The replicated fast tier (ett/snapshots/peers.py, ett/snapshots/restore.py) with real processes:
 each rank's snapshots reach its peer node; a lost node's rank resumes from its peer's copy; a
 torn or corrupt copy is refused for the next one; a process that is not the job's rank cannot
 place a copy; a copy altered on its way, announced beyond bound, or on disk without its seal is
-refused (ett/snapshot_mac.py)."""
+refused (ett/snapshots/mac.py)."""
 
 import json
 import os
@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ett import snapshot_file, snapshot_mac
-from ett.snapshot_folder import SnapshotFolder, snapshots_root
-from ett.snapshot_peers import HELLO, MESSAGE, NONCE_BYTES, REFUSED, PeerReplica, ring_peers
-from ett.snapshot_restore import choose
+from ett.snapshots import file_format as snapshot_file
+from ett.snapshots import mac as snapshot_mac
+from ett.snapshots.folder import SnapshotFolder, snapshots_root
+from ett.snapshots.peers import HELLO, MESSAGE, NONCE_BYTES, REFUSED, PeerReplica, ring_peers
+from ett.snapshots.restore import choose
 from tests.trainer.trainer_runs import REPO
 
 
@@ -173,8 +174,8 @@ def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(
     one before)."""
     import torch
 
-    from ett.snapshot_peers import PeerReplica
-    from ett.snapshots import LocalSnapshots
+    from ett.snapshots.peers import PeerReplica
+    from ett.snapshots.tier import LocalSnapshots
 
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does) and never speaks
     snapshots = LocalSnapshots(str(tmp_path), rank=0, world_size=2, every=1)
@@ -188,7 +189,7 @@ def test_a_peer_that_never_answers_holds_up_neither_the_loop_nor_the_local_tier(
     [sender] = snapshots.peers.senders
     assert sender._sending and snapshots.steps() == [20, 19]  # the first copy still stuck
     assert sender._newest[0] == 20  # the newest waits; those between were passed over
-    monkeypatch.setattr("ett.snapshots.FLUSH_SECONDS", 0.1)
+    monkeypatch.setattr("ett.snapshots.tier.FLUSH_SECONDS", 0.1)
     snapshots.close()  # waits for the copy FLUSH_SECONDS at most
     silent.close()
 

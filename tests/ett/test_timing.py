@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ett
+from ett.protocol import EVENTS_DIR, rank_spool
 from ett.timing import WINDOW, DDPWatch, SyncClock, TimingWindow
 from tests.ett.test_run import in_job, no_ett_environment  # noqa: F401 (fixtures)
 from tests.trainer.trainer_runs import read_events
@@ -54,7 +55,7 @@ def test_a_job_run_writes_each_window_with_the_work_it_marked(in_job, monkeypatc
                 time.sleep(0.01)
                 s.synchronizing()
                 time.sleep(0.01)
-    timings = [e for e in read_events(in_job / "events" / "rank-0.jsonl") if e["kind"] == "step_timing"]
+    timings = [e for e in read_events(in_job / EVENTS_DIR / rank_spool(0)) if e["kind"] == "step_timing"]
     assert [(e["step"], e["data"]["first_step"]) for e in timings] == [(5, 1), (10, 6)]
     before, slowed = (e["data"] for e in timings)
     assert 0.009 < before["work"] < before["duration"]

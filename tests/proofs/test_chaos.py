@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from ett.protocol import MARKER
 from tests.proofs.cluster import cluster, fake_rank_job
 from tests.support.waiting import wait_for
 
@@ -142,7 +143,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_resume_falls_back_saying_so(tm
     with cluster(tmp_path) as c:
         c.start_agent("node-0")
         job_id = c.submit(tiny_job("ckpt-corrupt", checkpoints, steps=16, interval=5, faults=[fail]))
-        wait_for((checkpoints / "step-00000010" / "COMMITTED").exists, 120, "step 10 to be committed")
+        wait_for((checkpoints / "step-00000010" / MARKER).exists, 120, "step 10 to be committed")
         # Once it is committed, one shard of the newest checkpoint rots (not between the attempts:
         # an attempt that committed a checkpoint is restarted without a backoff).
         shard = sorted((checkpoints / "step-00000010").glob("*.distcp"))[0]

@@ -9,6 +9,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from ett.protocol import LOG_FILE
 from service.db import make_engine
 from tests.proofs.cluster import FAKE_RANK, cluster
 
@@ -41,7 +42,7 @@ def test_no_token_or_job_secret_in_any_log_line(tmp_path):
     # Every file the run wrote but the database (which holds the job's spec, env included, and
     # the tokens' digests): the logs of the service, the agent and each attempt, spools, state.
     written = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("ett.db")}
-    assert {"service.log", "node-0.log", "torchrun.log"} <= {p.name for p in written}
+    assert {"service.log", "node-0.log", LOG_FILE} <= {p.name for p in written}
     leaks = [(name, str(path)) for path, data in written.items()
              for name, secret in secrets.items() if secret.encode() in data]  # fmt: skip
     assert not leaks, f"secrets found on disk: {leaks}"

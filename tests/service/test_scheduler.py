@@ -225,7 +225,7 @@ def test_lost_node_is_replaced_by_a_spare(session, settings):
 @pytest.mark.parametrize("names, lost", [("abc", "a"), ("abc", "b"), ("abc", "c"), ("abcd", "a"), ("abcd", "c"),
                                          ("abcd", "d")])
 def test_a_spare_takes_the_lost_nodes_rank_and_the_survivors_keep_theirs(session, settings, names, lost):
-    """Peers keep snapshot copies by rank (ett/snapshot_peers.py): a survivor's rank never shifts,
+    """Peers keep snapshot copies by rank (ett/snapshots/peers.py): a survivor's rank never shifts,
     whichever node went (rank 0's, a middle one, the last), in jobs of 3 and 4 nodes. The spare
     sorts first by name: order alone would put it at rank 0."""
     nodes = {n.name: n for n in add_nodes(session, *names, "0-spare")}

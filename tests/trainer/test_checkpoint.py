@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from ett.checkpoint import CheckpointConfig, find_resume_folder
-from ett.folders import MARKER, step_folders, verify
+from ett.checkpoints.folders import step_folders, verify
+from ett.protocol import MARKER
 
 
 @pytest.fixture
@@ -52,8 +53,8 @@ def test_a_corrupt_file_in_the_newest_checkpoint_makes_resume_fall_back_with_a_w
 @pytest.mark.parametrize("damage, reason", [
     (lambda folder: (folder / ".metadata").unlink(), "missing file .metadata"),
     (lambda folder: (folder / "__0_0.distcp").write_bytes(b"short"), "__0_0.distcp has 5 bytes"),
-    (lambda folder: (folder / MARKER).unlink(), "no COMMITTED marker"),
-    (lambda folder: (folder / MARKER).write_text("{"), "unreadable COMMITTED marker"),
+    (lambda folder: (folder / MARKER).unlink(), f"no {MARKER} marker"),
+    (lambda folder: (folder / MARKER).write_text("{"), f"unreadable {MARKER} marker"),
 ])
 def test_a_damaged_checkpoint_is_never_chosen(checkpoints, caplog, damage, reason):
     damage(checkpoints / "step-00000008")

@@ -3,17 +3,18 @@
 import torch
 import torch.distributed as dist
 
-import ett.checkpoint_writer
+import ett.checkpoints.writer
 from ett.checkpoint import CheckpointConfig, Checkpointer
-from ett.checkpoint_writer import agree_on_mode
+from ett.checkpoints.writer import agree_on_mode
 from ett.events import EventWriter
-from ett.folders import MARKER, step_folder
+from ett.checkpoints.folders import step_folder
+from ett.protocol import MARKER
 from tests.trainer.multiprocess import run_on_ranks
 
 
 def modes_chosen(root: str, min_bytes: int, sizes: list[int]) -> list[str]:
     """The mode each config picks on this rank, whose state holds sizes[rank] bytes."""
-    ett.checkpoint_writer.PROCESS_MIN_BYTES = min_bytes
+    ett.checkpoints.writer.PROCESS_MIN_BYTES = min_bytes
     state = {"weights": torch.zeros(sizes[dist.get_rank()], dtype=torch.uint8)}
     events = EventWriter(None, dist.get_rank(), 0)
     chosen = []

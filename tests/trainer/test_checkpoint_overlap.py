@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from ett.checkpoint import CheckpointConfig, Checkpointer
 from ett.events import EventWriter
-from ett.folders import MARKER, step_folder
+from ett.checkpoints.folders import step_folder
+from ett.protocol import EVENTS_DIR, MARKER, rank_spool
 from ett.state import ModelOptimizerState, TrainProgress
 from tests.trainer.multiprocess import run_on_ranks
 from trainer.model import ModelConfig, Transformer
@@ -101,13 +102,13 @@ def test_the_checkpoint_holds_the_state_at_save_while_forward_backward_and_step_
 def save_a_state_whose_copy_fails(root: str) -> tuple[list[str], bool]:
     model = nn.Linear(4, 4, device="meta")  # no data: its copy raises in the copy thread
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    events = EventWriter(f"{root}/events", 0, 0)
+    events = EventWriter(f"{root}/{EVENTS_DIR}", 0, 0)
     checkpointer = Checkpointer(CheckpointConfig(dir=f"{root}/ckpt", async_mode="thread"), events)
     checkpointer.save(1, {"app": ModelOptimizerState(model, optimizer), "progress": TrainProgress()})
     checkpointer.wait_for_staging()  # the loop goes on: the failure is reported by an event
     checkpointer.close()
     events.close()
-    kinds = [json.loads(line)["kind"] for line in open(f"{root}/events/rank-0.jsonl")]
+    kinds = [json.loads(line)["kind"] for line in open(f"{root}/{EVENTS_DIR}/{rank_spool(0)}")]
     return kinds, (step_folder(f"{root}/ckpt", 1) / MARKER).exists()
 
 

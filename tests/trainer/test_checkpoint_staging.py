@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from ett.checkpoint_staging import ReusedBufferStager
+from ett.checkpoints.staging import ReusedBufferStager
 
 
 def make_state() -> dict:

@@ -6,8 +6,10 @@ import time
 
 import pytest
 
+from ett.errors import UsageError
 from ett.events import EventWriter, read_progress_mark
-from ett.protocol import PULSE_SECONDS, RANK_KINDS
+from ett.protocol import EVENTS_DIR, PULSE_SECONDS, RANK_KINDS, progress_file, rank_spool
+from ett.protocol.event_fields import FIELD_NAMES
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, read_events, run_trainer
 
 
@@ -16,6 +18,7 @@ def assert_schema_v1(events: list[dict], rank: int, attempt: int) -> None:
         assert set(event) == {"kind", "ts", "attempt", "source", "seq", "step", "data"}, event
         assert event["kind"] in RANK_KINDS
         assert isinstance(event["ts"], float) and isinstance(event["data"], dict)
+        assert set(event["data"]) <= FIELD_NAMES[event["kind"]], event  # ett/protocol/event_fields.py
         assert event["step"] is None or (isinstance(event["step"], int) and event["step"] >= 0)
         assert event["attempt"] == attempt and event["source"] == f"rank:{rank}"
     seqs = [e["seq"] for e in events]
@@ -39,20 +42,29 @@ def test_nothing_is_written_without_a_spool_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == [] and writer.path is None
 
 
+def test_a_declared_kind_takes_only_its_declared_fields():
+    writer = EventWriter(None, rank=0, attempt=0)
+    writer.emit("step", step=1, duration=0.5, tokens=64, loss=2.5)
+    with pytest.raises(UsageError, match="a step event has no field lr"):
+        writer.emit("step", step=2, duration=0.5, lr=3e-4)
+    with pytest.raises(UsageError, match="a ckpt_start event has no field path"):
+        writer.emit("ckpt_start", step=2, path="/c")
+
+
 def test_each_event_reaches_the_file_before_close(tmp_path):
     writer = EventWriter(str(tmp_path), rank=3, attempt=2)
     writer.emit("step", step=1, duration=0.5, tokens=64, loss=2.5)
     deadline = time.monotonic() + 5
-    while not read_events(tmp_path / "rank-3.jsonl") and time.monotonic() < deadline:
+    while not read_events(tmp_path / rank_spool(3)) and time.monotonic() < deadline:
         time.sleep(0.005)
-    [event] = read_events(tmp_path / "rank-3.jsonl")
+    [event] = read_events(tmp_path / rank_spool(3))
     assert event["source"] == "rank:3" and event["attempt"] == 2 and event["seq"] == 0
     assert event["data"] == {"duration": 0.5, "tokens": 64, "loss": 2.5}
     writer.close()
 
 
 def test_a_restarted_rank_continues_the_seq_of_its_attempt_after_a_torn_line(tmp_path):
-    spool = tmp_path / "rank-0.jsonl"
+    spool = tmp_path / rank_spool(0)
     spool.write_text(
         json.dumps({"kind": "step", "ts": 1.0, "attempt": 1, "source": "rank:0", "seq": 0, "step": 1, "data": {}}) + "\n"
         + json.dumps({"kind": "step", "ts": 2.0, "attempt": 1, "source": "rank:0", "seq": 7, "step": 2, "data": {}}) + "\n"
@@ -115,10 +127,10 @@ def test_the_mark_says_while_a_checkpoint_is_written_in_the_background(tmp_path)
     writer.writing(True)
     writer.progress(None)
     writer.close()
-    mark = read_progress_mark(tmp_path / "progress-rank-1")
+    mark = read_progress_mark(tmp_path / progress_file(1))
     assert (mark.step, mark.beats, mark.writing) == (7, 1, True)
-    (tmp_path / "progress-rank-2").write_text("5 0 0 0".rjust(64))  # a mark of an older writer
-    assert read_progress_mark(tmp_path / "progress-rank-2").writing is False
+    (tmp_path / progress_file(2)).write_text("5 0 0 0".rjust(64))  # a mark of an older writer
+    assert read_progress_mark(tmp_path / progress_file(2)).writing is False
 
 
 def test_the_marks_pulse_counts_up_while_the_rank_waits_and_is_zero_once_closed(tmp_path):
@@ -127,10 +139,10 @@ def test_the_marks_pulse_counts_up_while_the_rank_waits_and_is_zero_once_closed(
     pulses = []
     for _ in range(4):  # nothing emitted meanwhile: the writer thread pulses on its own
         time.sleep(3 * PULSE_SECONDS)
-        pulses.append(read_progress_mark(tmp_path / "progress-rank-0").pulse)
+        pulses.append(read_progress_mark(tmp_path / progress_file(0)).pulse)
     assert pulses == sorted(pulses) and len(set(pulses)) == 4 and pulses[0] >= 1, pulses
     writer.close()
-    mark = read_progress_mark(tmp_path / "progress-rank-0")
+    mark = read_progress_mark(tmp_path / progress_file(0))
     assert (mark.step, mark.pulse) == (3, 0)  # closed: no longer a sign of life to judge by
 
 
@@ -141,7 +153,7 @@ def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(t
 
     def sample(_events: list[dict]) -> bool:
         for rank in seen:
-            mark = read_progress_mark(tmp_path / "events" / f"progress-rank-{rank}")
+            mark = read_progress_mark(tmp_path / EVENTS_DIR / progress_file(rank))
             if mark is not None and (not seen[rank] or seen[rank][-1] != mark.step):
                 seen[rank].append(mark.step)
         return False  # never signal: only watch
@@ -149,7 +161,7 @@ def test_every_trainer_rank_keeps_a_progress_mark_the_agent_reads_step_by_step(t
     run = run_trainer(tmp_path, [*TINY_EP_ZERO3, "--train.steps", "6"], signal_when=sample)
     assert run.returncode == 0, run.stderr
     for rank, steps in seen.items():
-        final = read_progress_mark(run.event_dir / f"progress-rank-{rank}")
+        final = read_progress_mark(run.event_dir / progress_file(rank))
         assert final is not None and final.step == 6 and (final.unwritten, final.dropped) == (0, 0)
         assert not final.writing  # the last save is committed before the rank ends
         assert steps == sorted(steps) and len(set(steps) - {0}) >= 3, (rank, steps)  # seen advancing

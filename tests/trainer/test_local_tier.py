@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from ett.folders import MARKER, step_folder, step_folders, verify
+from ett.checkpoints.folders import step_folder, step_folders, verify
+from ett.protocol import MARKER
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, local_checkpoint_dir, run_trainer
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,8 @@ import signal
 
 import pytest
 
-from ett.folders import MARKER, step_folders, verify
+from ett.checkpoints.folders import step_folders, verify
+from ett.protocol import MARKER
 from ett.protocol import EXIT_STOPPED
 from tests.trainer.trainer_runs import has_event, run_trainer
 
@@ -33,7 +34,7 @@ def test_a_checkpoint_torn_by_a_kill_is_skipped_and_the_one_before_it_loaded(kil
     torn = killed_run.folders["step-00000008"]
     assert "__0_0.distcp" in torn and MARKER not in torn and ".metadata" not in torn
     assert MARKER in killed_run.folders["step-00000004"]
-    assert "skipping checkpoint" in resumed_run.stderr and "step-00000008: no COMMITTED marker" in resumed_run.stderr
+    assert "skipping checkpoint" in resumed_run.stderr and f"step-00000008: no {MARKER} marker" in resumed_run.stderr
     for rank in (0, 1):
         restored = [e["step"] for e in resumed_run.events(rank) if e["kind"] == "restore_end"]
         assert restored == [4]

@@ -1,4 +1,4 @@
-"""The fast tier (ett/snapshots.py) on real torchrun ranks (EP 2, ZeRO-3, dropout): a rank killed
+"""The fast tier (ett/snapshots/tier.py) on real torchrun ranks (EP 2, ZeRO-3, dropout): a rank killed
 right after a local snapshot resumes from it with at most that step lost, bitwise as an
 uninterrupted run; a node whose local shards are gone (a lost node) makes every rank fall back to
 the persistent tier; snapshots never block the loop; their cadence follows their cost."""
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from ett.snapshots import MAX_EVERY, next_every
+from ett.snapshots.tier import MAX_EVERY, next_every
 from tests.trainer.trainer_runs import TINY_EP_ZERO3, has_event, local_checkpoint_dir, run_trainer
 
 pytestmark = pytest.mark.slow

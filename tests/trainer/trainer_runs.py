@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ett.protocol import EVENTS_DIR, RANK_SPOOL_GLOB, rank_spool
 from tests.support.postgres import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ class TrainerRun:
     checkpoint_dir: Path
 
     def events(self, rank: int = 0) -> list[dict]:
-        return read_events(self.event_dir / f"rank-{rank}.jsonl")
+        return read_events(self.event_dir / rank_spool(rank))
 
     def losses(self) -> dict[int, float]:
         return {e["step"]: e["data"]["loss"] for e in self.events(0) if e["kind"] == "step"}
@@ -47,7 +48,7 @@ def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Pa
            module: str = "trainer.train") -> tuple[subprocess.Popen, Path, Path]:
     """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None;
     `module`: the trainer, or a test's wrapper of it."""
-    event_dir, checkpoint_dir = workdir / "events", checkpoint_dir or workdir / "ckpt"
+    event_dir, checkpoint_dir = workdir / EVENTS_DIR, checkpoint_dir or workdir / "ckpt"
     env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1"}
     if nproc is None:
         command = [sys.executable, "-m", module]
@@ -77,8 +78,8 @@ def run_trainer(
     deadline = time.monotonic() + timeout
     try:
         while signal_when is not None and process.poll() is None:
-            if signal_when(read_events(event_dir / "rank-0.jsonl")):
-                for spool in event_dir.glob("rank-*.jsonl"):
+            if signal_when(read_events(event_dir / rank_spool(0))):
+                for spool in event_dir.glob(RANK_SPOOL_GLOB):
                     pid = next(e["data"]["pid"] for e in read_events(spool) if e["kind"] == "init_start")
                     os.kill(pid, signum)
                 break

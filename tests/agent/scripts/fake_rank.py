@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ett.protocol import JobEnv, rank_spool
+from ett.protocol import RANKS_FILE, JobEnv, rank_spool
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=5)
@@ -64,7 +64,7 @@ if args.spawn_child:
 
 emit("init_start", pid=os.getpid())
 if args.forge_pid and rank == 1:
-    records = os.path.join(os.path.dirname(os.environ[JobEnv.CHECKPOINT_INTERVAL_FILE]), "ranks.jsonl")
+    records = os.path.join(os.path.dirname(os.environ[JobEnv.CHECKPOINT_INTERVAL_FILE]), RANKS_FILE)
     with open(records, "a") as f:
         f.write(json.dumps({"rank": 1, "pid": args.forge_pid, "runner_pid": args.forge_pid}) + "\n")
 if args.escape and rank == 0:
@@ -74,8 +74,8 @@ if args.escape and rank == 0:
     os.rename(args.escape + ".tmp", args.escape)
 if args.lay_traps and rank == 0:
     events = os.environ[JobEnv.EVENT_DIR]
-    os.mkdir(os.path.join(events, "rank-9.jsonl"))
-    with open(os.path.join(events, "rank-8.jsonl"), "wb") as f:
+    os.mkdir(os.path.join(events, rank_spool(9)))
+    with open(os.path.join(events, rank_spool(8)), "wb") as f:
         f.write(b"{" + b"x" * (100 << 20))  # 100 MB, no newline, ever
 emit("init_end")
 if args.hang_at_step == 0:

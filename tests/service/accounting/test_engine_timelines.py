@@ -59,7 +59,7 @@ def crash_with_rollback(t0: float = T0) -> Timeline:
     tl.steps(0, 1, 4, start=10, duration=3)  # ends 22
     tl.checkpoint(0, 4, start=22, staged=22.5, committed=24)
     tl.steps(0, 5, 6, start=22.5, duration=3)  # ends 28.5; steps 5 and 6 will be rolled back
-    tl.add("worker_exited", 29.2, 0, "node:n1", signal=9)
+    tl.add("worker_exited", 29.2, 0, "node:n1", rank=1, signal="SIGKILL")
     tl.service("attempt_failed", 30, 0, cause="signal", detail="rank 1 killed by signal 9")
     tl.start_attempt(1, allocated=35, init_end=41, restore=(41, 43, 4))
     tl.steps(1, 5, 8, start=43, duration=3)  # ends 55

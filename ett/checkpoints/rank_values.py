@@ -7,10 +7,10 @@ one rank's copy: a resume wrong without a word. (The snapshot tiers keep each ra
 
 So at each save every rank takes a CRC-32 of each such entry (plain values, and CPU tensors of
 at most MAX_CHECKED_BYTES: weights replicated by DDP are large, the same by design and on the
-GPU, and are not read); the commit's gather (ett/checkpoint_tiers.py) brings them to rank 0,
+GPU, and are not read); the commit's gather (ett/checkpoints/tiers.py) brings them to rank 0,
 which names the keys whose values differ in the log, the `ckpt_committed` event and the
 manifest (`differs_across_ranks`); a restore of that checkpoint names them again
-(ett/state_load.py). An entry of each rank's own goes under a key of its own, as ett.RNGState's.
+(ett/checkpoints/state_load.py). An entry of each rank's own goes under a key of its own, as ett.RNGState's.
 """
 
 import pickle

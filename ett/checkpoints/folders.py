@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ett.checkpoint_tiers import file_crc32, file_entry
+from ett.checkpoints.tiers import file_crc32, file_entry
+from ett.protocol import MARKER
 
 logger = logging.getLogger(__name__)
 
-MARKER = "COMMITTED"
 STEP_FOLDER = re.compile(r"^step-(\d{8})$")
 
 Manifest = dict[str, dict[str, int]]  # file name (relative) -> {"bytes", "crc32"}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from ett.rank_values import differing
+from ett.checkpoints.rank_values import differing
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def gather_manifest(upload: Future, written: Path, folder: Path, group: dist.Pro
     long as the whole checkpoint's size over one reader. One all-gather (reached even by a rank
     whose part failed, so none waits for ever) tells all that every part is done; then rank 0
     adds DCP's metadata, copied last as DCP writes it. The same gather carries each rank's
-    `digests` of the entries DCP keeps one copy of (ett/rank_values.py). Returns, on rank 0, the
+    `digests` of the entries DCP keeps one copy of (ett/checkpoints/rank_values.py). Returns, on rank 0, the
     manifest's entries and the keys whose values differed between ranks; None on the others;
     raises on every rank when any rank's part failed."""
     def record(path: Path) -> dict[str, int]:

@@ -3,7 +3,7 @@
 A lost node takes its disk's snapshots with it. With `checkpoint.snapshots` on a job of several
 nodes, each rank also sends every snapshot it writes to its peer: the rank of the same local rank
 on the next node, in a ring over the nodes (rank r to r + ranks-per-node, modulo the world). The
-peer keeps it on its node-local disk, beside its own (ett/snapshot_folder.py): a node holds the
+peer keeps it on its node-local disk, beside its own (ett/snapshots/folder.py): a node holds the
 snapshots of its own ranks and those of the node before it, `KEEP` of each.
 
 With `checkpoint.snapshot_copies = k` (default 1), each snapshot goes to the same local rank on
@@ -11,18 +11,18 @@ each of the next k nodes, and a node keeps those of the k nodes before it: any k
 nodes may be lost at once.
 
 Off the training process group and the loop: once the rank's snapshot writer thread has written a
-snapshot, a sender thread per peer (ett/snapshot_sender.py) sends that file, then its MAC, and
+snapshot, a sender thread per peer (ett/snapshots/sender.py) sends that file, then its MAC, and
 waits for the peer's word that it is stored; a slow peer costs that copy's freshness, never the
 loop or the local tier. The peer's receiver thread streams it to disk through one buffer
 (bounded memory), and once whole and its MAC matches, renames it into place beside its seal,
-then acknowledges; its CRC-32 (the snapshot's trailer, ett/snapshot_file.py) and its seal are
+then acknowledges; its CRC-32 (the snapshot's trailer, ett/snapshots/file_format.py) and its seal are
 checked before a restore takes it.
 
 Other jobs' processes share the nodes, and a snapshot's header is unpickled on restore: a receiver
 takes copies only from the ranks it keeps copies for, over a connection that proved it knows the job's
 attempt secret (HMAC-SHA256 of a fresh nonce; the secret is handed to the ranks over their own
 process group), and each copy only with its MAC, its header judged before a byte of it is read
-(ett/snapshot_mac.py: which keys, where the proof lives until the restore, the size bound). All of
+(ett/snapshots/mac.py: which keys, where the proof lives until the restore, the size bound). All of
 it is per connection and per message: more peers would be more of the same.
 """
 
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ett import snapshot_mac
-from ett.snapshot_folder import SnapshotFolder
-from ett.snapshot_mac import MAC_BYTES, PROOF, STREAM, copy_through, from_secret
-from ett.snapshot_sender import (
+from ett.snapshots import mac as snapshot_mac
+from ett.snapshots.folder import SnapshotFolder
+from ett.snapshots.mac import MAC_BYTES, PROOF, STREAM, copy_through, from_secret
+from ett.snapshots.sender import (
     CHUNK_BYTES,
     HANDSHAKE_SECONDS,
     HELLO,
@@ -129,7 +129,7 @@ class PeerReplica:
         return from_secret(self._secret, PROOF, nonce, source)
 
     def offer(self, step: int, path: Path) -> None:
-        """Hands the snapshot file just written to each peer's sender (ett/snapshot_sender.py)."""
+        """Hands the snapshot file just written to each peer's sender (ett/snapshots/sender.py)."""
         for sender in self.senders:
             sender.offer(step, path)
 
@@ -203,7 +203,7 @@ class PeerReplica:
         """Streams one snapshot to disk through `chunk`, a buffer reused for the connection's life,
         hashing it on the way, then reads its MAC; renamed into place, its seal beside it, only
         when its MAC matches, else deleted: False. Its CRC-32 is checked with its seal before any
-        restore takes it (ett/snapshot_restore.py): a pass for it here would cost the node's steps
+        restore takes it (ett/snapshots/restore.py): a pass for it here would cost the node's steps
         CPU at every snapshot. Raises when the connection breaks (the partial file goes)."""
         staging = self.folder.staging(step, source, "peer")
         try:

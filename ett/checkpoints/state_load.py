@@ -26,7 +26,7 @@ Additions to DCP, so that nothing is lost without a word and every tier does the
   (ett.RNGState's `rank3`): those are not this rank's, and are neither loaded nor named.
 A tensor whose saved shape differs raises, as DCP does: that state cannot be this run's.
 
-The persistent tier's side is ett/dcp_planners.py.
+The persistent tier's side is ett/checkpoints/planners.py.
 Keys are DCP's flattened names (`optim.state.0.exp_avg`), the same for every tier.
 """
 
@@ -37,7 +37,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 
-from ett.rank_values import REPORTED_KEYS, describe, named
+from ett.checkpoints.rank_values import REPORTED_KEYS, describe, named
 from ett.state import is_stateful
 
 
@@ -46,7 +46,7 @@ from ett.state import is_stateful
 class LoadReport:
     not_restored: list[str] = field(default_factory=list)  # saved, but `state` has no place for it
     missing: list[str] = field(default_factory=list)  # in `state`, but not saved: left as it was
-    # Differed between ranks when saved; the persistent tier holds one rank's (ett/rank_values.py).
+    # Differed between ranks when saved; the persistent tier holds one rank's (ett/checkpoints/rank_values.py).
     differed: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -84,7 +84,7 @@ def flat_keys(value: Any, prefix: str) -> list[str]:
     return [prefix]
 
 
-# -- the snapshot tiers: a saved structure, as ett/snapshots.py's `template` took it ----------------
+# -- the snapshot tiers: a saved structure, as ett/snapshots/tier.py's `template` took it ----------------
 
 
 def load_saved(state: dict[str, Any], saved: dict[str, Any]) -> LoadReport:

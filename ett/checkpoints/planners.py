@@ -1,4 +1,4 @@
-"""DCP's planners, by the rules every tier shares (ett/state_load.py).
+"""DCP's planners, by the rules every tier shares (ett/checkpoints/state_load.py).
 
 Saving: DCP's own plan, which also records each entry's path with its keys as they are (DCP
 spells them all as strings, so a dict keyed by numbers, an optimizer's `state` or a MultiStepLR's
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ett.state_load import LoadReport
+from ett.checkpoints.state_load import LoadReport
 
 
 TYPED_PATHS = "ett.typed_paths"  # in the planner data of a checkpoint whose paths keep their keys' types

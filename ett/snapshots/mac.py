@@ -3,7 +3,7 @@ them, its seal before a restore takes it: proof that it is the one its rank sent
 
 Other jobs' processes share the nodes and their network, and a snapshot's header is a pickle: a
 copy placed by anyone but the job's rank would run its code at restore. The receiver's handshake
-(ett/snapshot_peers.py) proves who opened a connection; the MACs here prove what came over it,
+(ett/snapshots/peers.py) proves who opened a connection; the MACs here prove what came over it,
 and that what a restore takes is what came.
 
 On the wire. Each message (the step, the size, the file's bytes) ends in
@@ -21,13 +21,13 @@ stored), logged, and the connection closed.
 On disk, until the restore. The restore comes in a later attempt, whose secret is new, and the
 job hands its ranks no secret that outlives an attempt (JobEnv, ett/protocol, holds none). So the
 receiver seals each copy it verified with a key of the node's: HMAC-SHA256(node key, step | whose |
-size | the same digest), written beside it (`rank-R.seal`, ett/snapshot_folder.py) before the copy
+size | the same digest), written beside it (`rank-R.seal`, ett/snapshots/folder.py) before the copy
 is renamed into place. The node key is 32 random bytes in the job's node-local snapshots folder
 (`copies.key`, 0600), made by the first rank of the node that needs it. That folder is the job's:
 the agent makes it per job, 0700, of the owner's uid, keeps it across the job's attempts and
 removes it once the job succeeded. So every later attempt on the node has the key, with the copies
 it seals, and another owner's job cannot read it. At restore the holder checks a copy's CRC-32 and
-its seal in one pass (`verify`) before the copy goes anywhere (ett/snapshot_restore.py); one
+its seal in one pass (`verify`) before the copy goes anywhere (ett/snapshots/restore.py); one
 without a matching seal is removed as a corrupt one is. A peer's copy is unpickled only at the end
 of that chain: its MAC on arrival (the attempt's secret), its seal at restore (the node's key).
 
@@ -54,8 +54,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from ett import snapshot_file
-from ett.snapshot_folder import SnapshotFolder
+from ett.snapshots import file_format as snapshot_file
+from ett.snapshots.folder import SnapshotFolder
 
 MAC_BYTES = 32  # HMAC-SHA256: after each message's bytes; a seal file's contents
 FIELDS = struct.Struct("<qqQ")  # bound into each MAC: the step, the rank whose state it is, the size

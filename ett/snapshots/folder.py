@@ -1,10 +1,10 @@
 """Where a node keeps snapshots: `<local_dir>/snapshots/w<world>/step-N/rank-R.snap`.
 
-A node holds the snapshots of its own ranks and, with replication (ett/snapshot_peers.py), the
+A node holds the snapshots of its own ranks and, with replication (ett/snapshots/peers.py), the
 copies its ranks keep for the ranks of the node before it in the ring. Both are named by the rank
 whose state they hold, not by who wrote them, so a restart finds a rank's state by its rank
 whichever node now runs it. A peer's copy has its seal beside it, `step-N/rank-R.seal`: the proof
-that it passed its MAC on arrival, checked before a restore takes it (ett/snapshot_mac.py).
+that it passed its MAC on arrival, checked before a restore takes it (ett/snapshots/mac.py).
 """
 
 import contextlib
@@ -56,7 +56,7 @@ class SnapshotFolder:
 
     def steps(self, rank: int) -> list[int]:
         """The steps this node holds a snapshot of `rank` of, newest first (written whole: renamed
-        into place; whether it verifies is ett.snapshot_file.verify's to say)."""
+        into place; whether it verifies is ett.snapshots.file_format.verify's to say)."""
         found = []
         for folder in self.root.glob("step-*"):
             if (folder / f"rank-{rank}.snap").exists():

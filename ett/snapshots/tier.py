@@ -3,7 +3,7 @@
 A persistent checkpoint (DCP, `checkpoint.dir`) is written every `interval_steps` and survives any
 node; a failure between two of them loses up to `interval_steps` steps. Between them, each rank
 keeps its own shard of the state (model and optimizer shards, data position, generators, step)
-in `<local_dir>/snapshots/w<world>/step-N/rank-R.snap` (ett/snapshot_file.py): a copy into CPU
+in `<local_dir>/snapshots/w<world>/step-N/rank-R.snap` (ett/snapshots/file_format.py): a copy into CPU
 buffers kept from snapshot to snapshot at the step's end, written by a background thread, renamed
 into place once whole. No collective is involved, so a snapshot costs the training loop its copy
 and the CPU its write takes (on a busy node the write competes with the steps for it: its wall
@@ -12,10 +12,10 @@ between two snapshots, the rank snapshots every 2nd, 4th, ... step instead (powe
 ranks that chose differently still share steps), and back again once they cost far less
 (`next_every`).
 
-On a job of several nodes each snapshot also goes to a peer on another node (ett/snapshot_peers.py),
+On a job of several nodes each snapshot also goes to a peer on another node (ett/snapshots/peers.py),
 so a lost node's ranks can take their state from their peers' copies. On restart the ranks agree
 on the newest step of which every rank's snapshot exists and verifies, on its own node or a
-peer's (ett/snapshot_restore.py); nothing partial is ever loaded. The same world size and shard
+peer's (ett/snapshots/restore.py); nothing partial is ever loaded. The same world size and shard
 layout are needed, which the scheduler keeps by giving an attempt its previous nodes in their old
 rank order (a lost node's replacement in its place). The checkpointer (ett/checkpoint.py) loads
 the newer of that snapshot and the persistent checkpoint.
@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ett import snapshot_file, snapshot_restore
-from ett.snapshot_file import Slot, StagingBuffer
-from ett.snapshot_folder import SnapshotFolder, snapshots_root
-from ett.snapshot_peers import PeerReplica
+from ett.snapshots import file_format as snapshot_file
+from ett.snapshots import restore as snapshot_restore
+from ett.snapshots.file_format import Slot, StagingBuffer
+from ett.snapshots.folder import SnapshotFolder, snapshots_root
+from ett.snapshots.peers import PeerReplica
 from ett.state import is_stateful
-from ett.state_load import LoadReport, load_saved
+from ett.checkpoints.state_load import LoadReport, load_saved
 
 logger = logging.getLogger(__name__)
 MAX_SHARE = 0.05  # of a step's time, for the copy a snapshot costs the training loop
@@ -181,7 +182,7 @@ class LocalSnapshots:
 
     def load(self, step: int, state: dict[str, Any]) -> LoadReport:
         """Loads this rank's snapshot of `step` into `state`, in place, by the rules every tier
-        shares (ett/state_load.py); returns what did not match."""
+        shares (ett/checkpoints/state_load.py); returns what did not match."""
         return load_saved(state, snapshot_file.read(self.folder.path(step, self.rank))["state"])
 
     def forget_newer_than(self, step: int) -> None:

@@ -1,11 +1,11 @@
 """Which step a restart resumes from the fast tier, and from which copy each rank takes its state.
 
 Every rank offers the snapshots its node holds of itself and, with replication, of the rank it
-keeps copies for (ett/snapshot_peers.py). The ranks agree on the newest step of which every
+keeps copies for (ett/snapshots/peers.py). The ranks agree on the newest step of which every
 rank's snapshot is offered by someone: a rank takes its own copy when its node has one, else the
 copy its peer keeps (a lost node's replacement). Before the choice stands, each copy chosen is
-verified by its holder (the CRC-32 of ett/snapshot_file.py and, for a peer's copy, its seal: the
-proof it passed its MAC on arrival, ett/snapshot_mac.py); one torn, corrupt or without a matching
+verified by its holder (the CRC-32 of ett/snapshots/file_format.py and, for a peer's copy, its seal: the
+proof it passed its MAC on arrival, ett/snapshots/mac.py); one torn, corrupt or without a matching
 seal is removed and the choice is made again without it: the next copy of the same step, else an
 older step, else none (the checkpointer then reads the persistent tier). So no peer's copy is
 unpickled unverified. Copies then move holder to rank over the checkpointer's own process group
@@ -18,8 +18,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ett import snapshot_mac
-from ett.snapshot_folder import SnapshotFolder
+from ett.snapshots import mac as snapshot_mac
+from ett.snapshots.folder import SnapshotFolder
 
 logger = logging.getLogger(__name__)
 

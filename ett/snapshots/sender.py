@@ -1,7 +1,7 @@
-"""One rank's copies to one peer (ett/snapshot_peers.py): the wire's messages, and the sender.
+"""One rank's copies to one peer (ett/snapshots/peers.py): the wire's messages, and the sender.
 
 A sender thread of its own sends each snapshot file it is offered through one buffer, hashing it
-on the way, then its MAC (ett/snapshot_mac.py), over a TCP connection of its own, and waits for
+on the way, then its MAC (ett/snapshots/mac.py), over a TCP connection of its own, and waits for
 the peer's word that it is stored. At most one snapshot is in flight; one written meanwhile
 waits, and a newer one replaces it (the local tier never waits for the peer). A peer that cannot
 be reached is tried again after `RETRY_SECONDS`. With several copies of each snapshot
@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from ett import snapshot_mac
-from ett.snapshot_mac import PROOF, STREAM, copy_through, from_secret
+from ett.snapshots import mac as snapshot_mac
+from ett.snapshots.mac import PROOF, STREAM, copy_through, from_secret
 
 logger = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@
     MAGIC | header length (8 bytes, little-endian) | header (pickle) | the tensors' bytes | TRAILER
 
 The trailer holds the CRC-32 of everything before it: a copy torn or corrupted on a disk or on its
-way to a peer node (ett/snapshot_peers.py) is refused, never loaded.
+way to a peer node (ett/snapshots/peers.py) is refused, never loaded.
 
 The header is the state with each tensor replaced by a `Slot` naming its dtype and shape; the
 tensors follow in the order of their slots, each at an offset aligned to `ALIGN` bytes
-(`layout`). A snapshot is written every step it can afford (ett/snapshots.py), so its format is
+(`layout`). A snapshot is written every step it can afford (ett/snapshots/tier.py), so its format is
 chosen for the CPU it takes: `torch.save` pickles each tensor and writes one zip record per
 storage: 6 ms of CPU for a cpu-demo rank's 1.6 MB. Here the copy that takes the snapshot puts
 every tensor in one buffer (`StagingBuffer`), written at once: 1 ms (BENCHMARKS.md, "Recovery",
@@ -97,7 +97,7 @@ def write(file: BinaryIO, header: bytes, buffer: torch.Tensor) -> None:
 def verify(path: Path, feed: Callable[[bytes], object] | None = None) -> str | None:
     """Why the file at `path` is not a whole snapshot (cut short, corrupt), or None when it is:
     its bytes match the trailer's CRC-32. Read in chunks: a rank's snapshot may be gigabytes.
-    `feed` gets every byte of the file as read (a peer's copy's seal, ett/snapshot_mac.py, is
+    `feed` gets every byte of the file as read (a peer's copy's seal, ett/snapshots/mac.py, is
     checked in the same pass)."""
     try:
         size = path.stat().st_size
