@@ -22,8 +22,9 @@ BACKENDS = ["sqlite", "postgresql"]
 # ("torchrun exit code 1" before any fault). Below Linux's ephemeral ports (32768 on).
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 WORKER_ENV = {"ETT_MASTER_PORT_FIRST": str(20000 + 1000 * _WORKER), "ETT_MASTER_PORT_COUNT": "1000"}
-for _name, _value in WORKER_ENV.items():
-    os.environ.setdefault(_name, _value)
+# Set, not defaulted: the workers inherit the controller's environment, where this module set
+# worker 0's range first (both workers then shared it: "EADDRINUSE" on a master port, BENCHMARKS.md).
+os.environ.update(WORKER_ENV)
 _database_numbers = itertools.count()
 # Each test's budget on a quiet 2-core machine (two xdist workers): one that needs more says why in
 # `@pytest.mark.over_budget(reason)`; the others over it are named at the end of the run (not failed:

@@ -21,3 +21,10 @@ def test_the_next_test_finds_it_gone():
     # By its mark, not its pid: a pid is soon another process's on a busy machine.
     assert pids_with_env(TEST_MARK_ENV, left["mark"]) == [], f"process {left['pid']} of the previous test still runs"
     assert os.environ[TEST_MARK_ENV] != left["mark"]  # each test has a mark of its own
+
+
+def test_each_worker_hands_out_master_ports_of_its_own():
+    # Both workers once shared worker 0's range (inherited from the controller): two jobs of the
+    # suite got one port at once and a torchrun failed its rendezvous with EADDRINUSE.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    assert os.environ["ETT_MASTER_PORT_FIRST"] == str(20000 + 1000 * worker)

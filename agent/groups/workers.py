@@ -43,9 +43,9 @@ from agent.groups.rank_records import RankRecords, end_of_rank
 from agent.groups.states import GroupEnd, WorkerState
 from agent.groups.wakeup import ExitWatch
 from agent.launching.launch import rank_argv, torchrun_argv, worker_env
-from agent.launching.rank_log import DEFAULT_MAX_BYTES
+from agent.launching.rank_log import DEFAULT_MAX_BYTES, last_line
 from ett.protocol.event_fields import HangDetectedData, WorkerExitedData, WorkersLaunchedData
-from ett.protocol.messages import LaunchCommand
+from ett.protocol.messages import REPORT_DETAIL_CHARS, LaunchCommand
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +288,10 @@ class WorkerGroup:
             # Every rank here succeeded: torchrun's own end (its exit barrier across nodes) is not ours.
             self.end = GroupEnd(WorkerState.SUCCEEDED)
         else:
-            self.end = GroupEnd(WorkerState.FAILED, "exit", f"torchrun exit code {code} (see {self.paths.log_file})",
-                                code)
+            # No rank started: torchrun's own last word says why (its rendezvous port in use, say).
+            said = f": {line}" if not self.rank_pids and (line := last_line(str(self.paths.log_file))) else ""
+            detail = f"torchrun exit code {code}{said} (see {self.paths.log_file})"
+            self.end = GroupEnd(WorkerState.FAILED, "exit", detail[:REPORT_DETAIL_CHARS], code)
         self.state = self.end.state
         self._exits.forget_exited(everything=True)
         write_private(self.paths.ended_marker, self.state.value.encode())

@@ -21,6 +21,20 @@ CHILDREN_OUTPUT_SECONDS = 2.0
 OUTPUT_IN_LOG = "output_in_log"
 
 
+def last_line(path: str, max_bytes: int = 4096, max_chars: int = 300) -> str:
+    """The last non-empty line of a log (torchrun's: why it ended before any rank started, e.g. its
+    rendezvous port in use), from its last `max_bytes`, cut at `max_chars`; "" when none or unreadable.
+    The file is the agent's own (root's folder); its contents are the job's: bounded, never followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    with contextlib.closing(os.fdopen(fd, "rb")) as f:
+        f.seek(max(0, os.fstat(fd).st_size - max_bytes))
+        lines = [line.strip() for line in f.read(max_bytes).decode(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:max_chars] if lines else ""
+
+
 class RotatingLog:
     def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.path, self.max_bytes = path, max_bytes

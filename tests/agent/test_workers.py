@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +47,19 @@ def test_success_reports_every_rank_and_the_spool_env(supervisor):
     steps = [e["step"] for e in spool_events(supervisor, command, "rank:0") if e["kind"] == "step"]
     assert steps == [1, 2, 3]
     assert spool_events(supervisor, command, "rank:1")[0]["attempt"] == 2  # ETT_ATTEMPT reached the rank
+
+
+def test_a_torchrun_that_starts_no_rank_says_why_in_the_failure(supervisor):
+    """Its master port held by another program on the node: torchrun's rendezvous fails before any
+    rank starts, and the failure names torchrun's own last word, not only its exit code."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        command = launch_command("--steps", "3", nproc=1, master_port=held.getsockname()[1])
+        supervisor.launch(command)
+        report = run_to_end(supervisor)
+    assert report["state"] == "failed" and report["detail"].startswith("torchrun exit code 1: "), report
+    assert "EADDRINUSE" in report["detail"] and "torchrun.log" in report["detail"], report
 
 
 def test_what_a_job_lays_in_its_events_folder_does_not_stop_the_monitor(supervisor):
