@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from ett_cli.render import fleet_table, progress_line, report_table
+from ett_cli.render import fleet_table, progress_line, report_table, terminal_safe
 from ett_cli.spec_file import SpecFileError, load_spec
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -113,7 +113,7 @@ def run_jobs(args: argparse.Namespace) -> int:
         if job["state"] != "queued":
             ett = f"{_call(args, 'GET', '/api/v1/jobs/' + job['id'] + '/ett')['ett_percent']:.1f}%"
         print(f"{job['id']:32}  {job['name'][:20]:20}  {job['state']:9}  {len(job['attempts']):>8}  {ett:>6}  "
-              f"{job['submitted_at'][:19]:19}  {job['reason'] or ''}")
+              f"{job['submitted_at'][:19]:19}  {terminal_safe(job['reason'] or '')}")
     return 0
 
 
@@ -135,7 +135,8 @@ def run_report(args: argparse.Namespace) -> int:
         elif terse and number and not done:
             print(progress_line(report), flush=True)
         else:
-            print(("\n" if number and not terse else "") + report_table(report), flush=True)
+            # A failure's detail and summary are what the job printed: escaped like its logs.
+            print(("\n" if number and not terse else "") + terminal_safe(report_table(report)), flush=True)
         if done:
             return 0
         try:
@@ -153,7 +154,8 @@ def run_logs(args: argparse.Namespace) -> int:
         ranks = ", ".join(map(str, log["ranks"])) or "none yet"
         print(f"ett: rank {log['rank']} of attempt {log['attempt']} printed nothing (ranks with output: {ranks})",
               file=sys.stderr)
-    print(log["text"], end="", flush=True)
+    # What the job printed, its escape sequences shown, not obeyed (`\x1b`): it cannot drive the terminal.
+    print(terminal_safe(log["text"]), end="", flush=True)
     params |= {"attempt": log["attempt"], "rank": log["rank"]}
     params.pop("tail", None)
     while args.follow:
@@ -164,7 +166,7 @@ def run_logs(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 130
         log = _call(args, "GET", f"/api/v1/jobs/{args.job_id}/logs", params=params | {"since": log["end"]})
-        print(log["text"], end="", flush=True)
+        print(terminal_safe(log["text"]), end="", flush=True)
     return 0
 
 

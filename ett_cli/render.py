@@ -1,9 +1,21 @@
-"""ETT reports as terminal tables: the same numbers as GET /api/v1/jobs/{id}/ett and GET /api/v1/ett."""
+"""ETT reports as terminal tables: the same numbers as GET /api/v1/jobs/{id}/ett and GET /api/v1/ett; and
+what a job wrote made safe to show on a terminal."""
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 CATEGORY_ORDER = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
+# What a terminal takes as a command rather than text: the C0 controls but tab and newline (ESC
+# starts the sequences that move the cursor, retitle the window, write the clipboard), DEL, and
+# the C1 controls (0x9b is CSI to some terminals).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """Text a job wrote, fit for the user's terminal: each control character but tab and newline
+    shown as its escape (ESC as `\\x1b`), so what a job prints cannot drive the terminal."""
+    return _CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
 
 
 def _seconds(value: float | None) -> str:

@@ -58,20 +58,26 @@ class LogShipper:
                 pieces.append({"job_id": job_id, "attempt": int(attempt), "rank": int(match.group(1)),
                                "text": text, "skipped": skipped})  # fmt: skip
                 moved[key] = position
-        if not pieces:
-            return True
-        try:
-            response = self.send(pieces)
-        except httpx.HTTPError as exc:
-            log.warning("shipping %d rank logs failed: %s", len(pieces), exc)
-            return False
-        if response.status_code >= 500 or response.status_code == 429:
-            return False
-        if response.status_code != 200:  # refused for good (an attempt no longer this node's): not resent
-            log.warning("rank logs refused: %d %s", response.status_code, response.text[:200])
-        self.positions |= moved
-        self._save()
-        return True
+        # One request per attempt: a refusal (an attempt no longer this node's, a rank beyond its
+        # world) is that attempt's alone, never another job's output.
+        by_attempt: dict[str, list[dict[str, Any]]] = {}
+        for piece in pieces:
+            by_attempt.setdefault(f"{piece['job_id']}/{piece['attempt']}", []).append(piece)
+        shipped = True
+        for attempt, its_pieces in by_attempt.items():
+            try:
+                response = self.send(its_pieces)
+            except httpx.HTTPError as exc:
+                log.warning("shipping %d rank logs failed: %s", len(its_pieces), exc)
+                return False
+            if response.status_code >= 500 or response.status_code == 429:
+                shipped = False  # kept for later
+                continue
+            if response.status_code != 200:  # refused for good: not resent
+                log.warning("rank logs of %s refused: %d %s", attempt, response.status_code, response.text[:200])
+            self.positions |= {key: at for key, at in moved.items() if key.startswith(f"{attempt}/")}
+            self._save()
+        return shipped
 
     def _new_part(self, path: Path, known: list[int] | None) -> tuple[str, int, list[int]]:
         """The text after the known position (the rotated-away rest first), the bytes skipped, and

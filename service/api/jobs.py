@@ -22,8 +22,8 @@ def job_out(job: Job, restored: dict[int, int]) -> JobOut:
     attempts = [
         AttemptOut(
             number=a.number, state=a.state, allocated_at=a.allocated_at, ended_at=a.ended_at, cause=a.cause,
-            detail=a.detail, resume_from=a.resume_from, restored_step=restored.get(a.number),
-            nodes=[n.node.name for n in a.nodes],
+            detail=a.detail, diagnosis=a.diagnosis, summary=a.summary, resume_from=a.resume_from,
+            restored_step=restored.get(a.number), nodes=[n.node.name for n in a.nodes],
         )
         for a in job.attempts
     ]

@@ -31,6 +31,7 @@ log = logging.getLogger("ett.events")
 
 Outcome = IngestOut | Exception
 NodeLike = Node | Row  # a node's row, or (a batch refused at first, then found) its ORM object
+Given = tuple[int, str, int]  # (node id, job id, attempt): an attempt given to a node
 
 
 def _refused(item: "Posted", error: Exception) -> Exception:
@@ -85,13 +86,14 @@ class EventBatchWriter:
         with self.sessions() as session:
             outcomes: list[Outcome | None] = [None] * len(group)
             nodes = self._own_nodes(session, group, outcomes)
-            strangers = self._not_given(session, group, nodes)
+            strangers, worlds = self._not_given(session, group, nodes)
             batch, offsets, spans = [], [], {}  # spans: group index -> its events' range in `batch`
             for i, item in enumerate(group):
                 if outcomes[i] is not None:
                     continue
                 node = nodes[i]
-                refused = _foreign_source(node, item.events) or strangers.get(i)
+                refused = (_foreign_source(node, item.events) or strangers.get(i)
+                           or _beyond_world(node, item.events, worlds))
                 if refused is not None:
                     outcomes[i] = refused
                     continue
@@ -121,13 +123,17 @@ class EventBatchWriter:
         return nodes
 
     @staticmethod
-    def _not_given(session: Session, group: list[Posted], nodes: dict[int, NodeLike]) -> dict[int, Refused]:
-        """The 403 of each batch with an event of an attempt the scheduler did not give its node.
-        Events of unknown jobs are left to ingestion, which refuses them with 422 naming the field."""
+    def _not_given(
+        session: Session, group: list[Posted], nodes: dict[int, NodeLike]
+    ) -> tuple[dict[int, Refused], dict[Given, int]]:
+        """The 403 of each batch with an event of an attempt the scheduler did not give its node, and
+        the number of ranks of each attempt given. Events of unknown jobs are left to ingestion,
+        which refuses them with 422 naming the field."""
         jobs = list({e.job_id for i in nodes for e in group[i].events})
         if not jobs:
-            return {}
-        given = set(map(tuple, session.execute(_GIVEN, {"nodes": list({n.id for n in nodes.values()}), "jobs": jobs})))
+            return {}, {}
+        rows = session.execute(_GIVEN, {"nodes": list({n.id for n in nodes.values()}), "jobs": jobs})
+        given = {(row.node_id, row.job_id, row.number): row.world for row in rows}
         known: set[str] | None = None  # read only when some attempt was not given: rarely
         refused = {}
         for i, node in nodes.items():
@@ -142,7 +148,7 @@ class EventBatchWriter:
                     refused[i] = Forbidden(f"events.{k}: attempt {e.attempt} of job {e.job_id} was not given to "
                                            f"agent {node.name}; it may report only its own attempts")
                     break
-        return refused
+        return refused, given
 
 
 # A group's statements, built once (built per group, each left cyclic garbage for the collector).
@@ -152,10 +158,24 @@ _NODES = (
 )  # fmt: skip
 _KNOWN_JOBS = select(Job.id).where(Job.id.in_(bindparam("jobs", expanding=True)))
 _GIVEN = (
-    select(AttemptNode.node_id, Attempt.job_id, Attempt.number).join(AttemptNode)
+    select(AttemptNode.node_id, Attempt.job_id, Attempt.number,  # and the job's JobSpec.world_size, read in SQL
+           (Job.spec["nodes"].as_integer() * Job.spec["procs_per_node"].as_integer()).label("world"))
+    .join(AttemptNode).join(Job, Attempt.job_id == Job.id)
     .where(AttemptNode.node_id.in_(bindparam("nodes", expanding=True)),
            Attempt.job_id.in_(bindparam("jobs", expanding=True)))
 )  # fmt: skip
+
+
+def _beyond_world(node: NodeLike, events: list[AgentEventIn], worlds: dict[Given, int]) -> Unprocessable | None:
+    """The 422 of a batch with an event of a rank its attempt does not have (the forwarder takes a
+    rank's number from a file name the job can lay)."""
+    for i, e in enumerate(events):
+        if e.source[:5] == "rank:":
+            world = worlds.get((node.id, e.job_id, e.attempt))
+            if world is not None and int(e.source[5:]) >= world:
+                return Unprocessable(f"events.{i}.source", f"{e.source} does not exist in attempt {e.attempt} of job "
+                                     f"{e.job_id}: its ranks are 0 to {world - 1} (nodes x procs_per_node)")
+    return None
 
 
 def _foreign_source(node: NodeLike, events: list[AgentEventIn]) -> Unprocessable | None:

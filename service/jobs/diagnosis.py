@@ -2,9 +2,10 @@
 
 The agent reports how a rank ended (an exit code, a signal, a hang) and ships its output; this
 reads both: the last lines of the rank the failure names, matched against one table of patterns
-(an operator adds theirs first with ETT_FAILURE_PATTERNS), give the failure's diagnosis and a
-one-line summary, e.g. `exception` and `ValueError: bad batch`. A failure no line explains is
-told by its cause (a hang, a lost node, Slurm's end) or its exit code, else `unknown`.
+(service/jobs/failure_text.py; an operator adds theirs first with ETT_FAILURE_PATTERNS), give the
+failure's diagnosis and a one-line summary, e.g. `exception` and `ValueError: bad batch`. A failure
+no line explains is told by its cause (a hang, a lost node, Slurm's end) or its exit code, else
+`unknown`. The heartbeats diagnose before the transaction that records a failure (diagnose_reports).
 """
 
 import re
@@ -12,49 +13,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session, sessionmaker
 
 from ett.protocol import EXIT_CONFIG_ERROR
+from ett.protocol.messages import AttemptReport
+from service.jobs.failure_text import (
+    DEFAULT_COMPILED,
+    SUMMARY_CHARS,
+    Diagnosis,
+    compile_patterns,
+    failure_key,
+    last_lines,
+    read_lines,
+)
 from service.jobs.logs import rank_named
 from service.models import Attempt, Job, Node, RankLog
 from service.settings import Settings
 
-# (diagnosis, pattern): the first diagnosis whose pattern matches a line of the rank's last
-# output wins (so the specific before the general: a CUDA out-of-memory is also an exception);
-# the summary is the last line it matched.
-DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("import_error", r"^(?:ModuleNotFoundError|ImportError): .+"),
-    ("cuda_out_of_memory", r"(?:torch\.(?:cuda\.)?OutOfMemoryError|CUDA out of memory)"),
-    ("out_of_memory", r"^MemoryError\b|Cannot allocate memory|std::bad_alloc|out-of-memory killer"),
-    ("collective_timeout", r"Watchdog caught collective operation timeout|NCCL.*[Tt]imed? ?out|[Gg]loo.*[Tt]imed out"),
-    ("hardware_error",
-     r"\bXid\b|uncorrectable ECC|CUDA error: (?:an illegal memory access|unspecified launch failure)"),
-    ("disk_full", r"No space left on device|Disk quota exceeded"),
-    ("exception", r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)\w*(?::.*)?$"),
-)
 # Failures no restart can fix: the job ends at once.
 NEVER_RETRIED = frozenset({"import_error", "configuration"})
 # Told by the failure's cause alone.
 CAUSE_DIAGNOSES = {"hang": "hang", "node_lost": "node_lost", "time_limit": "time_limit", "preempted": "preempted",
                    "terminated": "terminated", "straggler": "straggler"}
-TAIL_LINES = 60
-SUMMARY_CHARS = 240
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    kind: str
-    summary: str
-
-
-def compile_patterns(extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, re.Pattern[str]]]:
-    return [(kind, re.compile(pattern)) for kind, pattern in (*extra, *DEFAULT_PATTERNS)]
-
-
-DEFAULT_COMPILED = compile_patterns()
 # Diagnoses of the job's own making: they do not count against the node that reported them.
 JOBS_OWN = frozenset({"exception", "import_error", "configuration"})
+LogKey = tuple[str, int, int]  # (job id, attempt, rank)
 
 
 @dataclass(frozen=True)
@@ -93,40 +77,74 @@ def without_logs(cause: str, detail: str, exit_code: int | None) -> Diagnosis:
     return Diagnosis("signal" if cause == "signal" else "unknown", detail[:SUMMARY_CHARS])
 
 
-def diagnose(session: Session, attempt: Attempt, cause: str, detail: str, exit_code: int | None,
-             patterns: Sequence[tuple[str, re.Pattern[str]]] = DEFAULT_COMPILED) -> Diagnosis:
-    """The failure's diagnosis: from the failed rank's last lines when they tell, else its cause."""
+def reported_failure(report: AttemptReport, node_name: str) -> tuple[str, str]:
+    """A failed report's cause and detail (one said for it when the agent gave none)."""
+    return report.cause or "exit", report.detail or f"{report.cause} on {node_name}"
+
+
+def rank_to_read(cause: str, detail: str, exit_code: int | None) -> int | None:
+    """The rank whose output may tell the failure (the one its detail names); None when its cause
+    or exit code alone tells, or it names none."""
     if cause in CAUSE_DIAGNOSES or exit_code == EXIT_CONFIG_ERROR:
-        return without_logs(cause, detail, exit_code)
-    rank = rank_named(detail)
-    if rank is not None:
-        text = session.scalar(select(RankLog.text).where(
-            RankLog.job_id == attempt.job_id, RankLog.attempt == attempt.number, RankLog.rank == rank))  # fmt: skip
+        return None
+    return rank_named(detail)
+
+
+def conclude(cause: str, detail: str, exit_code: int | None, log: str | None,
+             patterns: Sequence[tuple[str, re.Pattern[str]]] = DEFAULT_COMPILED) -> Diagnosis:
+    """The failure's diagnosis: from the last lines of its rank's `log` (bounded: at most TAIL_LINES
+    lines of LINE_CHARS characters, service/jobs/failure_text.py) when they tell, else its cause."""
+    if rank_to_read(cause, detail, exit_code) is not None:
         # The detail last: the agent's word on a kill (the kernel's out-of-memory killer).
-        found = read_lines([*(text or "").splitlines()[-TAIL_LINES:], detail], patterns)
+        found = read_lines([*last_lines(log or ""), detail], patterns)
         if found is not None:
             return found
     return without_logs(cause, detail, exit_code)
 
 
-def read_lines(lines: Sequence[str], patterns: Sequence[tuple[str, re.Pattern[str]]]) -> Diagnosis | None:
-    for kind, pattern in patterns:
-        matched = [line.strip() for line in lines if pattern.search(line)]
-        if matched:
-            return Diagnosis(kind, matched[-1][:SUMMARY_CHARS])
-    return None
+def diagnose(session: Session, attempt: Attempt, cause: str, detail: str, exit_code: int | None,
+             patterns: Sequence[tuple[str, re.Pattern[str]]] = DEFAULT_COMPILED) -> Diagnosis:
+    """The failure's diagnosis, its rank's output read in the caller's transaction (the heartbeats
+    diagnose before theirs: diagnose_reports)."""
+    rank = rank_to_read(cause, detail, exit_code)
+    key = (attempt.job_id, attempt.number, rank)
+    return conclude(cause, detail, exit_code, None if rank is None else rank_logs(session, {key}).get(key), patterns)
+
+
+def diagnose_reports(sessions: sessionmaker[Session], failed: Sequence[tuple[str, AttemptReport]],
+                     patterns: Sequence[tuple[str, re.Pattern[str]]]) -> list[Diagnosis]:
+    """The diagnoses of failed reports, (node name, report) pairs: their ranks' output read in one
+    short transaction of its own, then matched with no transaction open, so no lock waits on the
+    text a job wrote."""
+    failures = [(report.job_id, report.attempt, *reported_failure(report, name), report.exit_code)
+                for name, report in failed]
+    keys = [(job_id, attempt, rank_to_read(cause, detail, code)) for job_id, attempt, cause, detail, code in failures]
+    wanted = {key for key in keys if key[2] is not None}
+    logs: dict[LogKey, str] = {}
+    if wanted:
+        with sessions() as session:
+            logs = rank_logs(session, wanted)
+    return [conclude(cause, detail, code, logs.get(key), patterns)
+            for (_, _, cause, detail, code), key in zip(failures, keys, strict=True)]
+
+
+def rank_logs(session: Session, keys: set[LogKey]) -> dict[LogKey, str]:
+    """The kept output of these ranks, by (job id, attempt, rank)."""
+    rows = session.execute(select(RankLog.job_id, RankLog.attempt, RankLog.rank, RankLog.text).where(
+        tuple_(RankLog.job_id, RankLog.attempt, RankLog.rank).in_(list(keys))))  # fmt: skip
+    return {(row.job_id, row.attempt, row.rank): row.text for row in rows}
 
 
 def restart_loop(attempts: Sequence[Attempt], newest_checkpoint: str | None, limit: int) -> str | None:
     """Why the job must not restart again, if its last `limit` attempts all failed alike and made
-    no progress: the same diagnosis and summary, each resumed from the same checkpoint, and no newer
-    one committed since (None: a restart may help)."""
+    no progress: the same diagnosis and summary (but for its numbers and addresses: failure_key),
+    each resumed from the same checkpoint, and no newer one committed since (None: a restart may help)."""
     failed = [a for a in attempts if a.diagnosis is not None][-limit:]
     if len(failed) < limit or len(failed) != len(attempts[-limit:]):
         return None
     first = failed[0]
-    if any((a.diagnosis, a.summary, a.resume_from) != (first.diagnosis, first.summary, first.resume_from)
-           for a in failed) or newest_checkpoint != first.resume_from:
+    alike = {(a.diagnosis, failure_key(a.summary), a.resume_from) for a in failed}
+    if len(alike) > 1 or newest_checkpoint != first.resume_from:
         return None
     return (f"the same failure {limit} times in a row, with no progress past it (each attempt resumed from "
             f"{first.resume_from or 'the start'}): {first.diagnosis}: {first.summary}; not restarted again "

@@ -24,7 +24,7 @@ from service.agents import commands
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
-from service.jobs.diagnosis import FailurePolicy
+from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose_reports
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.outcomes import Refused
 from service.schemas.agents import Heartbeat
@@ -100,6 +100,8 @@ class Beat:
     beat: Heartbeat
     received: float
     answer: asyncio.Future[tuple[int, list[dict]]]
+    # The failures it reports, diagnosed before the first transaction that writes it: (job, attempt) -> why
+    diagnoses: dict[tuple[str, int], Diagnosis] | None = None
 
 
 class HeartbeatWriter:
@@ -139,6 +141,7 @@ class HeartbeatWriter:
         Plain rows and one bulk UPDATE by primary key: the ORM's loading and unit of work were
         most of a batch's cost. Only a report that changes something (an attempt started or
         ended) goes through the scheduler's ORM code, after the nodes' UPDATE."""
+        self._diagnose(batch)
         with self.sessions() as session:
             names = list({item.name for item in batch})
             nodes = {row.name: row for row in session.execute(_NODES_LOCKED[skip_locked], {"names": names})}
@@ -179,6 +182,19 @@ class HeartbeatWriter:
             session.commit()
             return outcomes
 
+    def _diagnose(self, batch: list[Beat]) -> None:
+        """Diagnoses the failures the heartbeats report, before the transaction that applies them:
+        the failed ranks' output is read in a short transaction of its own and matched with none
+        open (bounded, in linear time: service/jobs/failure_text.py), so no writer waits on a job's text."""
+        failed = [(item, report) for item in batch if item.diagnoses is None
+                  for report in item.beat.attempts if report.state == "failed"]  # fmt: skip
+        found = diagnose_reports(self.sessions, [(item.name, report) for item, report in failed],
+                                 self.failure_policy.patterns)  # fmt: skip
+        for item in batch:
+            if item.diagnoses is None:
+                item.diagnoses = {report.key: diagnosis for (of, report), diagnosis in zip(failed, found, strict=True)
+                                  if of is item}  # fmt: skip
+
     @staticmethod
     def _active_shares(session: Session, batch: list[Beat], node_ids: list[int]) -> dict[tuple[int, str, int], Row]:
         """The active shares of these nodes with their attempt's state, by (node id, job id, attempt)."""
@@ -196,4 +212,5 @@ class HeartbeatWriter:
         loaded = {share.id: share for share in session.scalars(query)}
         for share_id, item, report in changing:
             share = loaded[share_id]
-            scheduler.apply_report(session, share.node, share, report, item.received, self.failure_policy)
+            diagnosis = item.diagnoses.get(report.key) if item.diagnoses else None
+            scheduler.apply_report(session, share.node, share, report, item.received, self.failure_policy, diagnosis)

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.models import Attempt, AttemptNode, Job, Node, RankLog
-from service.outcomes import Forbidden, NotFound
+from service.outcomes import Forbidden, NotFound, Unprocessable
 
 LOG_KEEP_CHARS = 256 << 10
 REDACTED = "[redacted]"
@@ -29,7 +29,9 @@ class Piece:
 
 
 def store_pieces(session: Session, node: Node, pieces: Sequence[Piece]) -> None:
-    """Appends each piece to its rank's log; Forbidden when an attempt was not given to this node."""
+    """Appends each piece to its rank's log; Forbidden when an attempt was not given to this node,
+    Unprocessable for a rank its job does not have (a rank's number comes from a file name the job
+    can lay): nothing of the batch is then stored."""
     attempts = {(p.job_id, p.attempt) for p in pieces}
     given = set(map(tuple, session.execute(
         select(Attempt.job_id, Attempt.number).join(AttemptNode)
@@ -38,6 +40,11 @@ def store_pieces(session: Session, node: Node, pieces: Sequence[Piece]) -> None:
     for job_id, attempt in attempts - given:
         raise Forbidden(f"attempt {attempt} of job {job_id} was not given to agent {node.name}")
     jobs = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_({job for job, _ in attempts})))}
+    for i, piece in enumerate(pieces):
+        world = jobs[piece.job_id].spec.world_size
+        if piece.rank >= world:
+            raise Unprocessable(f"logs.{i}.rank", f"rank {piece.rank} does not exist in job {piece.job_id}: its "
+                                f"ranks are 0 to {world - 1} ({world} ranks: nodes x procs_per_node)")
     rows = {(r.job_id, r.attempt, r.rank): r for r in session.scalars(
         select(RankLog).where(RankLog.job_id.in_(list(jobs))).with_for_update())}  # fmt: skip
     for piece in pieces:

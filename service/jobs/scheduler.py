@@ -17,7 +17,8 @@ from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
-from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose, drain_if_failing, no_restart_reason, without_logs
+from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose, drain_if_failing, no_restart_reason
+from service.jobs.diagnosis import reported_failure, without_logs
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
@@ -66,10 +67,11 @@ def report_changes_nothing(share_state: AttemptState, attempt_state: AttemptStat
 
 
 def apply_report(session: Session, node: Node, share: AttemptNode, report: AttemptReport, now: float,
-                 policy: FailurePolicy = FailurePolicy()) -> None:
+                 policy: FailurePolicy = FailurePolicy(), diagnosis: Diagnosis | None = None) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt; the
-    heartbeats' batches load theirs at once). A failure is diagnosed from its rank's output, and
-    counted against the node, by `policy` (service/jobs/diagnosis.py)."""
+    heartbeats' batches load theirs at once). A failure is diagnosed from its rank's output, unless
+    `diagnosis` was made before the transaction, and counted against the node, by `policy`
+    (service/jobs/diagnosis.py)."""
     if share.state not in ACTIVE:
         return
     share.state = AttemptState(report.state)
@@ -77,8 +79,8 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
     if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
         attempt.state = AttemptState.running
     elif share.state == AttemptState.failed:
-        detail, cause = report.detail or f"{report.cause} on {node.name}", report.cause or "exit"
-        diagnosis = diagnose(session, attempt, cause, detail, report.exit_code, policy.patterns)
+        cause, detail = reported_failure(report, node.name)
+        diagnosis = diagnosis or diagnose(session, attempt, cause, detail, report.exit_code, policy.patterns)
         fail_attempt(session, attempt, cause, detail, now, report.exit_code, diagnosis, node)
         drain_if_failing(session, node, policy, now)
     elif share.state == AttemptState.stopped and attempt.state in ACTIVE:

@@ -15,6 +15,10 @@ class AttemptOut(BaseModel):
     ended_at: datetime | None
     cause: str | None
     detail: str | None
+    # Why it failed, from the evidence (docs/reliability.md, "Failure diagnosis"): `exception` and
+    # `ValueError: bad batch`, say. None while it has not failed.
+    diagnosis: str | None = None
+    summary: str | None = None
     resume_from: str | None  # the newest committed checkpoint when the attempt was scheduled
     # The step its ranks went on from: a local snapshot newer than resume_from when every rank
     # held one. None until they have restored (and for an attempt that started from scratch).

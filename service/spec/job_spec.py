@@ -149,6 +149,11 @@ class JobSpec(Strict):
     # Webhooks the service calls, signed, on the job's events (docs/jobspec.md, "notify").
     notify: NotifySpec | None = None
 
+    @property
+    def world_size(self) -> int:
+        """Its ranks, numbered 0 to this less one."""
+        return self.nodes * self.procs_per_node
+
     @field_validator("env")
     @classmethod
     def _no_variable_that_changes_how_programs_start(cls, env: dict[str, str]) -> dict[str, str]:

@@ -125,3 +125,28 @@ def test_a_rank_printing_faster_than_shipping_has_its_middle_skipped_and_counted
     assert LogShipper(tmp_path / "spool", tmp_path, service).ship_once()
     [piece] = service.pieces
     assert piece["skipped"] == PIECE_BYTES * 2 and len(piece["text"]) == PIECE_BYTES
+
+
+def test_a_refused_jobs_output_never_takes_another_jobs_with_it_and_a_429_keeps_it_for_later(tmp_path):
+    """A job lays `rank-999999.log` (the service refuses a rank beyond the attempt's world with a
+    422): the other job's output on the node is shipped all the same. Told to slow down (429), the
+    shipper keeps every byte for its next round."""
+    for job, rank in (("bad", 999999), ("good", 0)):
+        logs = tmp_path / "spool" / job / "0" / LOGS_DIR
+        logs.mkdir(parents=True)
+        (logs / rank_log(rank)).write_text(f"{job} says hello\n")
+
+    class Refusing(Service):
+        def __call__(self, pieces: list[dict]) -> httpx.Response:
+            if self.status == 200 and any(p["rank"] >= 16 for p in pieces):
+                return httpx.Response(422, json={"detail": "logs.0.rank: beyond the attempt's world"})
+            return super().__call__(pieces)
+
+    service = Refusing()
+    shipper = LogShipper(tmp_path / "spool", tmp_path, service)
+    service.status = 429
+    assert not shipper.ship_once() and service.pieces == []
+    service.status = 200
+    assert shipper.ship_once()
+    assert [(p["job_id"], p["text"]) for p in service.pieces] == [("good", "good says hello\n")]
+    assert shipper.shipped(tmp_path / "spool" / "good" / "0")

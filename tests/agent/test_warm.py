@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from agent.confinement.job_user import RunAs
+from agent.groups.supervisor import Supervisor
 from agent.warm.client import WarmProcess, python_module
 from agent.warm.servers import WarmServer, WarmServers
+from tests.agent.helpers import launch_command, run_to_end
 from tests.support.waiting import wait_for
 
 RANK_MODULE = textwrap.dedent("""
@@ -157,3 +159,25 @@ def test_a_jobs_script_is_forked_with_its_warm_imports_loaded_as_python_would_ru
                 WarmProcess(str(server.socket_path), [other_python, str(scripts / "train.py"), str(out), "0"])
     finally:
         server.stop()
+
+
+def test_a_script_job_without_warm_imports_gets_torchrun_forked_warm_and_its_ranks_fresh(tmp_path):
+    """torchrun is ours, not the job's: it is forked from the user's warm server for every job with
+    no environment of its own, while the job's ranks (no `warm_imports`) start fresh as it wrote them."""
+    warm = WarmServers(tmp_path / "data", ["trainer.train", "torch.distributed.run"])
+    supervisor = Supervisor(tmp_path / "spool", "node-a", stop_grace_seconds=1.0, warm=warm)
+    try:
+        command = launch_command("--steps", "40", nproc=1)
+        supervisor.launch(command)  # held until the user's torchrun server has imported it
+        wait_for(lambda: command.key in supervisor.groups, 60, "the launch", while_waiting=supervisor.poll)
+        group = supervisor.groups[command.key]
+        wait_for(lambda: group.rank_pids, 60, "the rank to start", while_waiting=supervisor.poll)
+        rank, runner = group.rank_pids[0], group.runner_pids[0]
+        torchrun = int(Path(f"/proc/{runner}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert b"agent.warm.server" in Path(f"/proc/{torchrun}/cmdline").read_bytes()  # forked, not started
+        assert b"fake_rank.py" in Path(f"/proc/{rank}/cmdline").read_bytes()  # the job's own, fresh
+        assert b"ETT_WARM" not in Path(f"/proc/{rank}/environ").read_bytes()  # nothing of ours reaches it
+        assert run_to_end(supervisor)["state"] == "succeeded"
+    finally:
+        supervisor.shutdown()
+        warm.stop()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ett.protocol import LOG_FILE
 from tests.agent.helpers import ETT_RANK
 from tests.support.cluster import cluster
 
@@ -82,7 +83,7 @@ def test_injected_faults_fail_a_script_on_the_library_as_real_ones_would(tmp_pat
                 """What each side saw (once in CI the disk drill ended "torchrun exit code 1" with no rank
                 record, and the memory drill's rank log was read before its last lines were in it)."""
                 torchrun_logs = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}"
-                                           for p in (tmp_path / "node-a").rglob("torchrun.log"))
+                                           for p in (tmp_path / "node-a").rglob(LOG_FILE))
                 return failure, c.logs(), torchrun_logs
 
             raised = drill("raise", {"action": "raise", "exception": "ValueError", "message": "bad batch"})
@@ -108,8 +109,10 @@ def test_a_rank_the_kernels_out_of_memory_killer_ends_is_diagnosed_so(tmp_path):
     try:
         (cap / "memory.limit_in_bytes").write_text(str(1536 << 20))
         with cluster(tmp_path) as c:
-            agent = c.start_agent("node-a")
-            (cap / "cgroup.procs").write_text(str(agent.pid))  # what it starts from now on is capped
+            # Capped before its first line: its warm server, and the torchrun it forks, are capped too.
+            agent = c.start_agent("node-a", wait=False)
+            (cap / "cgroup.procs").write_text(str(agent.pid))
+            c.wait_registered("node-a")
             killed = c.wait_job(c.submit(**job("oom", OOM_HOG, max_restarts=0)))
             [failure] = c.report(killed["id"])["failures"]
         assert failure["cause"] == "signal" and failure["diagnosis"] == "out_of_memory", failure

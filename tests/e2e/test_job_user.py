@@ -12,6 +12,7 @@ from sqlalchemy import select
 
 from agent.settings import AgentSettings
 from service.models import Owner
+from ett.protocol import LOG_FILE
 from tests.e2e.test_own_scripts import run_with_a_kill
 from tests.support.cluster import REPO, Cluster, cluster, example_job, trainer_job
 from tests.support.job_user import job_python, open_folder
@@ -98,5 +99,5 @@ def test_a_trainer_job_forks_warm_as_its_owner_and_resumes(open_root, python):
     assert owners(root / "checkpoints" / "alice" / job["id"]) == {alice}
     # The restart's ranks and torchrun were forked by the server (the first attempt may come before
     # its imports are done, and then starts fresh interpreters).
-    logs = [log.read_text() for log in root.glob(f"node-*/*/{job['id']}/1/torchrun.log")]
+    logs = [log.read_text() for log in root.glob(f"node-*/*/{job['id']}/1/{LOG_FILE}")]
     assert len(logs) == 2 and not any("no warm start" in log for log in logs)

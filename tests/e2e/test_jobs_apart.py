@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.files.spool import AttemptPaths
+from ett.protocol import rank_log, rank_spool
 from tests.e2e.test_job_user import owner_uid
 from tests.support.cluster import cluster
 from tests.support.job_user import job_python, open_folder
@@ -79,12 +81,13 @@ def test_two_owners_jobs_cannot_touch_each_other(open_root):
         alice_ckpt = open_root / "checkpoints" / "alice" / victim
         wait_for(lambda: (alice_ckpt / "ready").exists(), 120, "alice's job to be under way")
         node = c.job(victim)["attempts"][0]["nodes"][0]
-        attempt = open_root / node / "spool" / victim / "0"
+        paths = AttemptPaths.of(open_root / node / "spool", victim, 0)
+        attempt = paths.root
         home = open_root / node / "homes" / str(owner_uid(c, "alice"))
-        files = [alice_ckpt / "step-00000001" / "model.bin", attempt / "events" / "rank-0.jsonl",
-                 attempt / "control" / "ranks.jsonl", attempt / "torchrun.log", attempt / "launch.json",
-                 attempt / f"node-{node}.jsonl", attempt / "logs" / "rank-0.log", open_root / node / "forward-offsets.json"]
-        folders = [alice_ckpt, alice_ckpt / "step-00000001", attempt / "events", attempt / "control", attempt / "logs",
+        files = [alice_ckpt / "step-00000001" / "model.bin", paths.events_dir / rank_spool(0), paths.ranks_file,
+                 paths.log_file, paths.launch_file, paths.node_spool(node), paths.logs_dir / rank_log(0),
+                 open_root / node / "forward-offsets.json"]
+        folders = [alice_ckpt, alice_ckpt / "step-00000001", paths.events_dir, paths.control_dir, paths.logs_dir,
                    attempt, home,
                    attempt.parent, open_root / node / "spool", open_root / node]
         assert all(path.exists() for path in files + folders), [p for p in files + folders if not p.exists()]

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ett.protocol import LOG_FILE
 from tests.support.cluster import REPO
 from tests.support.job_user import job_python, open_folder
 from tests.support.postgres import free_port
@@ -101,6 +102,6 @@ def _group_alive(pgid: int) -> bool:
 
 
 def logs(folder: Path) -> str:
-    found = [*folder.glob("*.log"), *folder.glob("agent-node-*/*/*/*/torchrun.log"),
+    found = [*folder.glob("*.log"), *folder.glob(f"agent-node-*/*/*/*/{LOG_FILE}"),
              *folder.glob("agent-node-*/*/*/*/logs/*.log")]
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in found)

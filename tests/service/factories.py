@@ -1,5 +1,6 @@
 """Small factories for request bodies and rows used across the service tests."""
 
+import time
 from typing import Any
 
 import httpx
@@ -55,3 +56,9 @@ def give_attempt(service, job_id: str, node_name: str, attempt: int = 0) -> None
         session.add(row)
         session.get(Job, job_id).state = JobState.running
         session.commit()
+
+
+def report_failure(agent: httpx.Client, node_name: str, job_id: str, detail: str, attempt: int = 0) -> httpx.Response:
+    """A heartbeat of the node saying that its share of the attempt failed, as its agent sends one."""
+    report = {"job_id": job_id, "attempt": attempt, "state": "failed", "cause": "exit", "detail": detail, "exit_code": 1}
+    return agent.post(f"/api/v1/agents/{node_name}/heartbeat", json={"clock": time.time(), "attempts": [report]})

@@ -1,5 +1,6 @@
 """The user's commands against a real service over HTTP: submit a job file, list, cancel, report;
-and a one-line error, not a traceback, from a server that is not ETT."""
+a job's output and failures shown with their escape sequences escaped; and a one-line error, not a
+traceback, from a server that is not ETT."""
 
 import http.server
 import os
@@ -12,6 +13,7 @@ import time
 import pytest
 
 from tests.deploy.replayed import replayed_job
+from tests.service.factories import give_attempt, register_agent, report_failure, submit
 from tests.support.cluster import EXAMPLE_JOBS
 from tests.support.waiting import wait_for
 
@@ -91,6 +93,26 @@ def test_report_names_each_failure_and_a_closed_pipe_ends_the_command_quietly(se
                            text=True, timeout=60)  # fmt: skip
     os.close(write)
     assert piped.returncode == 141 and piped.stderr == ""
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_logs_and_report_show_what_a_job_printed_with_its_escape_sequences_escaped(service):
+    token = service.token("user", "alice")
+    job = submit(service.client(token), nodes=8, procs_per_node=1)  # more nodes than registered: left to the test
+    agent = service.client(service.token("agent", "node-a"))
+    register_agent(agent, "node-a")
+    give_attempt(service, job["id"], "node-a")
+    # A window title, a cleared screen, colours, a carriage return, a backspace, 8-bit CSI and DEL.
+    text = "step 1\tloss 2.3\n\x1b]0;pwned\x07\x1b[2J\x1b[31mred\x1b[0m\r\x08\x9b31m\x7f done\n"
+    piece = {"job_id": job["id"], "attempt": 0, "rank": 0, "text": text, "skipped": 0}
+    assert agent.post("/api/v1/agents/node-a/logs", json={"logs": [piece]}).status_code == 200
+    shown = ett("logs", job["id"], service=service.url, token=token)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == ("step 1\tloss 2.3\n"
+                            "\\x1b]0;pwned\\x07\\x1b[2J\\x1b[31mred\\x1b[0m\\x0d\\x08\\x9b31m\\x7f done\n")
+    assert report_failure(agent, "node-a", job["id"], "rank 0 exit code 1 \x1b[2J").is_success
+    report = ett("report", job["id"], service=service.url, token=token)
+    assert report.returncode == 0 and "rank 0 exit code 1 \\x1b[2J" in report.stdout and "\x1b" not in report.stdout
 
 
 def test_a_server_that_is_not_ett_gets_one_line_not_a_traceback():

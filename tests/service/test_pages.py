@@ -14,10 +14,11 @@ import pytest
 from ett_cli.render import report_table
 from service.accounting.engine import CATEGORIES
 from service.accounting.memory import MemoryJob
+from service.models import Job
 from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
 from tests.deploy.replayed import clean_success, failed_at_start, replayed_job
 from tests.service.accounting.timelines import Timeline
-from tests.service.factories import submit
+from tests.service.factories import give_attempt, register_agent, report_failure, submit
 from tests.support.browser import chromium
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -150,6 +151,30 @@ def test_fleet_page_shows_the_apis_figures_where_time_went_and_each_job(service)
     assert [c for c, _ in rows] == [c for c, _ in expected]
     assert f'data-job-id="{job.id}"' in html and '<td>exit</td><td class="num">1</td>' in html
     assert alice.get("/fleet?window=3").status_code == 422
+
+
+@SQLITE_ONLY
+def test_markup_in_a_jobs_name_failure_and_output_is_shown_escaped_on_the_job_list_and_fleet_pages(service):
+    alice = service.client(service.token("user", "alice"))
+    job = submit(alice, nodes=8, procs_per_node=1)  # more nodes than registered: the scheduler leaves it be
+    agent = service.client(service.token("agent", "node-a"))
+    register_agent(agent, "node-a")
+    give_attempt(service, job["id"], "node-a")
+    with service.context.sessions() as session:  # a name the API refuses, as a tool or an older service stored it
+        session.get(Job, job["id"]).name = "<b>bold</b>"
+        session.commit()
+    log = "[rank0]: ValueError: <img src=x onerror=alert(1)>\n<script>alert('log')</script>\n"
+    piece = {"job_id": job["id"], "attempt": 0, "rank": 0, "text": log, "skipped": 0}
+    assert agent.post("/api/v1/agents/node-a/logs", json={"logs": [piece]}).status_code == 200
+    assert report_failure(agent, "node-a", job["id"], "rank 0 exit code 1 <script>alert('detail')</script>").is_success
+    pages = {path: alice.get(path).text for path in (f"/jobs/{job['id']}", "/jobs", "/fleet?window=all")}
+    for path, html in pages.items():
+        assert "&lt;b&gt;bold&lt;/b&gt;" in html and "<b>" not in html, path
+        assert "<script" not in html and "<img" not in html, path
+    page = pages[f"/jobs/{job['id']}"]
+    assert "exit code 1 &lt;script&gt;alert(&#39;detail&#39;)&lt;/script&gt;" in page  # the failure's detail
+    assert "exception: ValueError: &lt;img src=x onerror=alert(1)&gt;" in page  # its diagnosis
+    assert "\n&lt;script&gt;alert(&#39;log&#39;)&lt;/script&gt;" in page  # the rank's last lines
 
 
 @SQLITE_ONLY

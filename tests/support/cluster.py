@@ -40,7 +40,7 @@ class Cluster:
         for name in names:
             self.start_agent(name, slots=slots, wait=False)
         for name in names:
-            wait_for(lambda name=name: self._registered(name), 60, f"agent {name} to register")
+            self.wait_registered(name)
 
     def start_agent(self, name: str, slots: int = 2, job_python: Path | None = None, cwd: Path = REPO,
                     wait: bool = True, **settings: str) -> subprocess.Popen:
@@ -60,8 +60,11 @@ class Cluster:
                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
         self.agents[name] = proc
         if wait:
-            wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
+            self.wait_registered(name)
         return proc
+
+    def wait_registered(self, name: str) -> None:
+        wait_for(lambda: self._registered(name), 60, f"agent {name} to register")
 
     def _token_file(self, name: str) -> Path:
         """The agent's token in a file only its owner reads, as an operator would keep it."""
