@@ -15,7 +15,7 @@ from agent.files.spool import AttemptPaths, write_private
 from agent.groups.report_book import AttemptKey, ReportBook, attempt_report
 from agent.groups.states import GroupEnd, WorkerState
 from agent.groups.workers import WorkerGroup
-from agent.launching.launch import torchrun_warm, warm_imports
+from agent.launching.launch import starts_warm
 from agent.launching.rank_log import DEFAULT_MAX_BYTES
 from agent.node.health import HealthCheck
 from agent.warm.servers import WarmServer, WarmServers
@@ -98,9 +98,9 @@ class Supervisor:
 
     def _warm_server(self, command: LaunchCommand, run_as: RunAs) -> WarmServer | None:
         """The warm server this launch forks from (started if it is not), if it may."""
-        if self.warm is None or not torchrun_warm(command):
+        if self.warm is None or not starts_warm(command):
             return None
-        server = self.warm.for_user(run_as, warm_imports(command))
+        server = self.warm.for_user(run_as, command.warm_imports if command.entrypoint is not None else None)
         server.ensure_running()
         return server if server.usable else None
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 
 from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV, set_parent_death_signal, signal_marked
-from agent.warm.client import WARM_SOCKET_ENV, WARM_TORCHRUN_ENV, WarmProcess, start_process
+from agent.warm.client import WARM_SOCKET_ENV, WarmProcess, start_process
 
 WAIT_SECONDS = 60.0
 POLL_SECONDS = 0.005
@@ -88,9 +88,7 @@ def main(argv: list[str]) -> int:
         wait_for_listener(wait_for, stopped=lambda: bool(stop_requested))
     if stop_requested:
         return 128 + signal.SIGTERM  # stopped while waiting for the master: nothing to stop
-    # torchrun alone warm (the job's ranks start fresh): the variable goes no further than here.
-    warm_socket = os.environ.pop(WARM_TORCHRUN_ENV, None) or os.environ.get(WARM_SOCKET_ENV)
-    child = start_process(argv[2:], warm_socket)
+    child = start_process(argv[2:], os.environ.get(WARM_SOCKET_ENV))
     if stop_requested:  # came while torchrun was being started, so it may have missed it
         child.send_signal(signal.SIGTERM)
     returncode = child.wait()

@@ -10,7 +10,7 @@ from agent.confinement.job_user import RunAs
 from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
 from agent.files.spool import AttemptPaths
 from agent.launching.rank_log import DEFAULT_MAX_BYTES
-from agent.warm.client import WARM_SOCKET_ENV, WARM_TORCHRUN_ENV, python_module, runs_script
+from agent.warm.client import WARM_SOCKET_ENV, python_module, runs_script
 from ett.protocol import LIBRARY_FAULT_ACTIONS, JobEnv
 from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 
@@ -102,30 +102,17 @@ def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_so
     env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})
     if cgroup is not None:
         env[GROUP_CGROUP_ENV] = str(cgroup)
-    if warm_socket is not None and torchrun_warm(command):
-        env[WARM_SOCKET_ENV if starts_warm(command) else WARM_TORCHRUN_ENV] = str(warm_socket)
+    if warm_socket is not None and starts_warm(command):
+        env[WARM_SOCKET_ENV] = str(warm_socket)
     return env
 
 
-def torchrun_warm(command: LaunchCommand) -> bool:
-    """torchrun itself forked from a warm server: for every job with no environment of its own
-    (variables read while torch is imported, in the warm server long before, could not take
-    effect). A fresh torchrun spends 2 s of CPU importing torch at every launch on every node."""
-    return not command.env
-
-
 def starts_warm(command: LaunchCommand) -> bool:
-    """The ranks forked warm too: the trainer's, and a job's `python SCRIPT` that names its `warm_imports`."""
-    if not torchrun_warm(command):
+    """Warm start for the trainer, and for a job's `python SCRIPT` that names its `warm_imports`;
+    only with no job environment: variables read while torch is imported (in the warm server,
+    long before) could not take effect."""
+    if command.env:
         return False
     if command.entrypoint is None:
         return True
     return bool(command.warm_imports) and runs_script(command.entrypoint)
-
-
-def warm_imports(command: LaunchCommand) -> list[str] | None:
-    """Which of its user's warm servers a launch forks from (agent.warm.servers): the trainer's
-    (None), a job's own imports' (its scripts start there), or [] for torchrun alone."""
-    if command.entrypoint is None:
-        return None
-    return command.warm_imports if starts_warm(command) else []

@@ -14,8 +14,7 @@ import sys
 
 from agent.confinement.procs import set_parent_death_signal
 
-WARM_SOCKET_ENV = "ETT_WARM_SOCKET"  # set by the agent for ranks it may start warm (and their torchrun)
-WARM_TORCHRUN_ENV = "ETT_WARM_TORCHRUN_SOCKET"  # for torchrun alone: the job's ranks start fresh
+WARM_SOCKET_ENV = "ETT_WARM_SOCKET"  # set by the agent for ranks it may start warm
 HANDSHAKE_TIMEOUT_SECONDS = 10.0
 
 

@@ -82,6 +82,10 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
     gc.collect()
     gc.freeze()  # a rank's collections then leave the imported objects' pages shared with the server
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
+    # A SIGTERM to the whole tree (Slurm's preemption, a service manager's stop) is for the ranks to
+    # act on: the server and its keepers would die of it, and take what they forked with them by
+    # its parent-death signal (SIGKILL) before a final checkpoint. The agent stops them with SIGKILL.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Bound under a name of the same length (sun_path), and put in place once listening: a socket
     # there is one that accepts (the agent takes its appearance for the end of the imports).
     bound = socket_path.with_name("." + socket_path.name[1:])
@@ -168,6 +172,7 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
     code = 1
     try:
         os.setpgid(0, 0)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's SIG_IGN is not the rank's
         set_parent_death_signal()
         if os.getppid() != keeper:
             return  # the keeper died before the request above took hold

@@ -16,7 +16,6 @@ from agent.warm.server import STALE_EXIT
 
 RESTART_PAUSE_SECONDS = 10.0
 SOCKET_PATH_MAX_BYTES = 107  # sun_path
-TORCHRUN_ONLY = "torchrun"  # the key of a user's server of torchrun alone (a job's ranks start fresh)
 
 log = logging.getLogger(__name__)
 # What the server's environment pins for the imports; a rank gets the request's values.
@@ -116,15 +115,11 @@ class WarmServers:
         self._servers: dict[tuple[int, str], WarmServer] = {}  # by uid and imports, least recently used first
 
     def for_user(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer:
-        """The user's server of the trainer (`imports` None), of a job's scripts (its `warm_imports`),
-        or of torchrun alone ([]: the trainer's when it runs as this job would, it serves torchrun
-        too), a fresh one if it no longer runs as this job would. Asked at a launch, when the node
-        runs no group: a server stopped here takes no job's process with it."""
+        """The user's server of the trainer, or (`imports`: a job's `warm_imports`) of its scripts,
+        a fresh one if it no longer runs as this job would. Asked at a launch, when the node runs no
+        group: a server stopped here takes no job's process with it."""
         uid = run_as.user.uid if run_as.user is not None else os.geteuid()
-        trainers = self._servers.get((uid, ""))
-        if imports == [] and trainers is not None and trainers.pid is not None and trainers.serves_job(run_as):
-            return trainers
-        key = (uid, TORCHRUN_ONLY if imports == [] else imports_key(imports) if imports else "")
+        key = (uid, imports_key(imports) if imports else "")
         server = self._servers.pop(key, None)
         if server is not None and not server.serves_job(run_as):  # replaced: a fresh one of the job's
             log.info("warm server %s: the job's interpreter or environment changed; starting a fresh one",
@@ -137,11 +132,11 @@ class WarmServers:
                 owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
                 cgroup = owner / "warm" if owner is not None else None
             sock = socket_path(self.data_dir, uid)
-            if key[1]:  # torchrun, and the job's imports if any
+            if imports:  # torchrun, and the job's imports
                 sock = sock.with_name(f"w-{key[1]}.sock")
-            modules = ["torch.distributed.run"] if key[1] else self.modules
-            server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if key[1] else ''}.log",
-                                run_as, cgroup, imports or None)
+            modules = ["torch.distributed.run"] if imports else self.modules
+            server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if imports else ''}.log",
+                                run_as, cgroup, imports)
         self._servers[key] = server
         while len(self._servers) > self.MAX_SERVERS:
             self._servers.pop(next(iter(self._servers))).stop()

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from agent.confinement.job_user import RunAs
-from agent.groups.supervisor import Supervisor
 from agent.warm.client import WarmProcess, python_module
 from agent.warm.servers import WarmServer, WarmServers
-from tests.agent.helpers import launch_command, run_to_end
 from tests.support.waiting import wait_for
 
 RANK_MODULE = textwrap.dedent("""
@@ -34,11 +32,26 @@ RANK_MODULE = textwrap.dedent("""
 """)
 
 
+# A rank that, told to stop, takes its time (a final checkpoint) and exits 4, as the trainer does.
+STOPPING_MODULE = textwrap.dedent("""
+    import signal, sys, time
+    if __name__ == "__main__":
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        open(sys.argv[1], "w").close()
+        while not stop:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        sys.exit(4)
+""")
+
+
 @pytest.fixture
 def warm(tmp_path, monkeypatch):
     (tmp_path / "warm_rank_module.py").write_text(RANK_MODULE)
+    (tmp_path / "warm_stopping_module.py").write_text(STOPPING_MODULE)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    server = WarmServer(tmp_path / "warm.sock", ["warm_rank_module"], tmp_path / "warm.log")
+    server = WarmServer(tmp_path / "warm.sock", ["warm_rank_module", "warm_stopping_module"], tmp_path / "warm.log")
     server.ensure_running()
     wait_for(server.socket_path.exists, 30, "the warm server to listen")
     yield server
@@ -61,6 +74,20 @@ def test_a_killed_warm_rank_reports_the_signal(warm, tmp_path):
     rank = WarmProcess(str(warm.socket_path), argv)
     rank.kill()
     assert rank.wait() == -signal.SIGKILL
+
+
+def test_a_sigterm_to_the_whole_tree_leaves_a_warm_rank_its_graceful_stop(warm, tmp_path):
+    """Slurm's preemption signals every process of the allocation: the server and the keeper ignore
+    it, so the rank lives to act on it (the trainer saves its step and exits 4) instead of dying of
+    their parent-death signal."""
+    ready = tmp_path / "ready"
+    rank = WarmProcess(str(warm.socket_path), [*python_module(sys.executable, "warm_stopping_module"), str(ready)])
+    wait_for(ready.exists, 30, "the rank to take SIGTERM")
+    keeper = int(Path(f"/proc/{rank.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    for pid in (warm.pid, keeper, rank.pid):
+        os.kill(pid, signal.SIGTERM)
+    assert rank.wait() == 4
+    assert warm.pid is not None  # the server serves on
 
 
 def test_a_module_the_server_did_not_load_is_refused(warm, tmp_path):
@@ -160,24 +187,3 @@ def test_a_jobs_script_is_forked_with_its_warm_imports_loaded_as_python_would_ru
     finally:
         server.stop()
 
-
-def test_a_script_job_without_warm_imports_gets_torchrun_forked_warm_and_its_ranks_fresh(tmp_path):
-    """torchrun is ours, not the job's: it is forked from the user's warm server for every job with
-    no environment of its own, while the job's ranks (no `warm_imports`) start fresh as it wrote them."""
-    warm = WarmServers(tmp_path / "data", ["trainer.train", "torch.distributed.run"])
-    supervisor = Supervisor(tmp_path / "spool", "node-a", stop_grace_seconds=1.0, warm=warm)
-    try:
-        command = launch_command("--steps", "40", nproc=1)
-        supervisor.launch(command)  # held until the user's torchrun server has imported it
-        wait_for(lambda: command.key in supervisor.groups, 60, "the launch", while_waiting=supervisor.poll)
-        group = supervisor.groups[command.key]
-        wait_for(lambda: group.rank_pids, 60, "the rank to start", while_waiting=supervisor.poll)
-        rank, runner = group.rank_pids[0], group.runner_pids[0]
-        torchrun = int(Path(f"/proc/{runner}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert b"agent.warm.server" in Path(f"/proc/{torchrun}/cmdline").read_bytes()  # forked, not started
-        assert b"fake_rank.py" in Path(f"/proc/{rank}/cmdline").read_bytes()  # the job's own, fresh
-        assert b"ETT_WARM" not in Path(f"/proc/{rank}/environ").read_bytes()  # nothing of ours reaches it
-        assert run_to_end(supervisor)["state"] == "succeeded"
-    finally:
-        supervisor.shutdown()
-        warm.stop()

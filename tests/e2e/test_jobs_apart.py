@@ -90,7 +90,9 @@ def test_two_owners_jobs_cannot_touch_each_other(open_root):
         folders = [alice_ckpt, alice_ckpt / "step-00000001", paths.events_dir, paths.control_dir, paths.logs_dir,
                    attempt, home,
                    attempt.parent, open_root / node / "spool", open_root / node]
-        assert all(path.exists() for path in files + folders), [p for p in files + folders if not p.exists()]
+        # The agent's own files come as it goes (its read positions once it has forwarded a batch).
+        wait_for(lambda: all(path.exists() for path in files + folders), 30, "every file and folder to be there",
+                 explain=lambda: str([p for p in files + folders if not p.exists()]))
         targets = {"read": files, "append": files, "list": folders, "create": folders}
 
         bob = c.service.client(c.service.token("user", "bob"))
