@@ -36,6 +36,7 @@ def read_until(fd: int, pattern: str, timeout: float, out: list[str]) -> re.Matc
     return match
 
 
+@pytest.mark.over_budget("the whole `ett demo`: 60 steps, four attempts, a node loss waiting out its 6 s deadline")
 def test_ett_demo_on_a_terminal_shows_progress_the_report_and_stays_up_until_ctrl_c():
     main, terminal = pty.openpty()
     demo = subprocess.Popen([str(ETT), "demo", "--timeout", "400"], stdin=terminal, stdout=terminal,

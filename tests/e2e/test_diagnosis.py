@@ -62,6 +62,7 @@ def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small file system")
+@pytest.mark.over_budget("three drills, each a job of its own from a fresh interpreter")
 def test_injected_faults_fail_a_script_on_the_library_as_real_ones_would(tmp_path):
     small = tmp_path / "small"
     small.mkdir()

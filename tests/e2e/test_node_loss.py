@@ -103,5 +103,6 @@ def test_rank_0s_node_lost_in_a_job_of_three_resumes_on_the_spare_in_its_rank(tm
     lose_nodes(tmp_path, nodes=3, spares=1, lost=[0])
 
 
+@pytest.mark.over_budget("five agents, a 3-rank job and its uninterrupted reference, a heartbeat deadline")
 def test_with_two_copies_two_neighbouring_nodes_lost_at_once_resume_on_spares(tmp_path):
     lose_nodes(tmp_path, nodes=3, spares=2, lost=[1, 2], copies=2)  # a middle node and the last

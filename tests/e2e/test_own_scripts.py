@@ -108,6 +108,7 @@ def test_plain_ddp_job_recovers_and_ends_bitwise_equal_to_an_uninterrupted_run(t
                                                         "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain")))
 
 
+@pytest.mark.over_budget("the Hugging Face Trainer, twice: as a job with a kill and uninterrupted")
 def test_hf_trainer_job_recovers_and_its_losses_after_resume_match_the_uninterrupted_run(tmp_path):
     plain, as_job = uninterrupted_then_as_a_job(tmp_path, "hf_trainer.py", "hf_trainer.toml", "--losses", "json",
                                                 "--steps", "30", "--output-dir", str(tmp_path / "plain"))

@@ -46,10 +46,15 @@ def test_submit_list_cancel_and_report(service):
     follow = subprocess.Popen([sys.executable, "-m", "ett_cli.main", "report", job_id, "--follow", "--interval", "0.2"],
                               env={"PATH": "/usr/bin:/bin", "ETT_SERVICE_URL": service.url, "ETT_TOKEN": token},
                               stdout=subprocess.PIPE, text=True)
-    time.sleep(2)
-    assert follow.poll() is None
+    # Three updates seen (not a sleep: the command's own start-up may take seconds beside the suite).
+    seen: list[str] = []
+    while sum(re.match(r"\d\d:\d\d:\d\d  queued", line) is not None for line in seen) < 3:
+        line = follow.stdout.readline()
+        assert line, "".join(seen)  # it ended before the job did
+        seen.append(line)
     cancelled = ett("cancel", job_id, service=service.url, token=token)
-    out, _ = follow.communicate(timeout=30)
+    rest, _ = follow.communicate(timeout=30)
+    out = "".join(seen) + rest
     assert follow.returncode == 0 and out.count(f"job {job_id}") == 2
     assert out[out.rindex(f"job {job_id}"):].startswith(f"job {job_id}  state cancelled")
     lines = out.splitlines()

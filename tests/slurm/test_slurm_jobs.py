@@ -137,6 +137,7 @@ def test_a_silent_agent_is_lost_its_allocation_replaced_and_without_a_spare_node
     assert slurm.job(first)["JobState"] == "CANCELLED"
 
 
+@pytest.mark.over_budget("a real Slurm preemption and a second allocation")
 def test_a_preempted_job_saves_a_final_checkpoint_in_the_grace_and_goes_on_in_a_new_allocation(ett, slurm):
     spec = {"name": "preempted", "nodes": 2, "procs_per_node": 1, "max_restarts": 2,
             "entrypoint": [sys.executable, str(PLAIN_DDP), "--steps", "40", "--step-seconds", "0.2"],
