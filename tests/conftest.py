@@ -111,19 +111,11 @@ def service(settings: Settings) -> Iterator[LiveService]:
         yield live
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "call" and report.duration > BUDGET_SECONDS and item.get_closest_marker("over_budget") is None:
-        report.user_properties.append(("over_budget", round(report.duration, 1)))
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    # Runs on the controller too (xdist sends each report there): the names gather where the summary is.
-    for name, seconds in report.user_properties:
-        if name == "over_budget":
-            _over_budget.append(f"{seconds:6.1f} s  {report.nodeid}")
+    # Runs on the controller too (xdist sends it each report, its markers among the keywords): the
+    # names gather where the summary is printed.
+    if report.when == "call" and report.duration > BUDGET_SECONDS and "over_budget" not in report.keywords:
+        _over_budget.append(f"{report.duration:6.1f} s  {report.nodeid}")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -41,8 +41,10 @@ class LogShipper:
             self.positions = json.loads(self.positions_file.read_text())
 
     def ship_once(self) -> bool:
-        """Sends what is new; False when the service could not take it (tried again later)."""
-        pieces, moved = [], {}
+        """Sends what is new; False when the service could not take it (tried again later). One
+        request per attempt: a refusal (an attempt no longer this node's, a rank beyond its world)
+        is that attempt's alone, never another job's output."""
+        batches: dict[str, tuple[list[dict[str, Any]], dict[str, list[int]]]] = {}  # JOB_ID/ATTEMPT ->
         for path in sorted(self.spool_root.glob(f"*/*/{LOGS_DIR}/rank-*.log")):
             match = RANK_LOG_NAME.match(path.name)
             if match is None:
@@ -55,27 +57,26 @@ class LogShipper:
                 log.debug("rank log %s not read: %s", path, exc)
                 continue
             if text or skipped:
+                pieces, moved = batches.setdefault(f"{job_id}/{attempt}", ([], {}))
                 pieces.append({"job_id": job_id, "attempt": int(attempt), "rank": int(match.group(1)),
                                "text": text, "skipped": skipped})  # fmt: skip
                 moved[key] = position
-        # One request per attempt: a refusal (an attempt no longer this node's, a rank beyond its
-        # world) is that attempt's alone, never another job's output.
-        by_attempt: dict[str, list[dict[str, Any]]] = {}
-        for piece in pieces:
-            by_attempt.setdefault(f"{piece['job_id']}/{piece['attempt']}", []).append(piece)
-        shipped = True
-        for attempt, its_pieces in by_attempt.items():
+        shipped, taken = True, {}
+        for attempt, (pieces, moved) in batches.items():
             try:
-                response = self.send(its_pieces)
+                response = self.send(pieces)
             except httpx.HTTPError as exc:
-                log.warning("shipping %d rank logs failed: %s", len(its_pieces), exc)
-                return False
+                log.warning("shipping %d rank logs failed: %s", len(pieces), exc)
+                shipped = False
+                break
             if response.status_code >= 500 or response.status_code == 429:
-                shipped = False  # kept for later
+                shipped = False  # kept for the next round
                 continue
             if response.status_code != 200:  # refused for good: not resent
                 log.warning("rank logs of %s refused: %d %s", attempt, response.status_code, response.text[:200])
-            self.positions |= {key: at for key, at in moved.items() if key.startswith(f"{attempt}/")}
+            taken |= moved
+        if taken:
+            self.positions |= taken
             self._save()
         return shipped
 

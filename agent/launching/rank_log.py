@@ -29,7 +29,7 @@ def last_line(path: str, max_bytes: int = 4096, max_chars: int = 300) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return ""
-    with contextlib.closing(os.fdopen(fd, "rb")) as f:
+    with os.fdopen(fd, "rb") as f:
         f.seek(max(0, os.fstat(fd).st_size - max_bytes))
         lines = [line.strip() for line in f.read(max_bytes).decode(errors="replace").splitlines() if line.strip()]
     return lines[-1][:max_chars] if lines else ""

@@ -17,8 +17,8 @@ from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
-from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose, drain_if_failing, no_restart_reason
-from service.jobs.diagnosis import reported_failure, without_logs
+from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, drain_if_failing, no_restart_reason,
+                                    reported_failure, without_logs)
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
