@@ -55,6 +55,15 @@ def make_passable(folder: Path) -> None:
         path.chmod(PASSABLE)
 
 
+def _make_folder_at(folder_fd: int, name: str) -> bool:
+    """mkdir in the folder `folder_fd` holds; False when something of that name is there already."""
+    try:
+        os.mkdir(name, dir_fd=folder_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
 def describe_folder(folder: str) -> str:
     """`/x (drwx------ root:root)`: what an operator needs to see why a user cannot enter it."""
     try:
@@ -144,26 +153,40 @@ class RunAs:
         env["PATH"] = os.pathsep.join([os.path.dirname(self.python), env.get("PATH", os.defpath)])
         return env
 
-    def make_own(self, folder: Path | str) -> None:
-        """Creates `folder` (its parents stay the agent's, PASSABLE) and gives it to the job's
-        user alone (OWN: no other user's job may read it)."""
-        make_passable(Path(folder).parent)
-        Path(folder).mkdir(exist_ok=True)
-        if self.switches:
-            assert self.user is not None
-            # A job's folder from an earlier attempt is the job's: a link it put there is refused,
-            # never followed (chown through it would give the job whatever it points at).
-            try:
-                fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                raise OSError(errno.ELOOP, "not a folder of its own (a link?)", str(folder)) from None
-            try:
+    def make_own(self, folder: Path | str, anchor: Path | str | None = None) -> None:
+        """Creates `folder` and gives it to the job's user alone (OWN: no other user's job may read
+        it). `anchor`, a folder above it that no job can change (the agent's own, the operator's
+        checkpoint area; default: its parent), is opened by path; every folder below it is opened
+        from its parent's descriptor without following a link, made where missing (the agent's,
+        PASSABLE). A link a job lays anywhere on the way, even after the launch was checked, is
+        refused, never followed: chown through it would give the job whatever it points at."""
+        folder = Path(folder)
+        anchor = Path(anchor) if anchor is not None else folder.parent
+        below = folder.relative_to(anchor).parts  # ValueError: not below it
+        if not below or ".." in below:
+            raise OSError(errno.EINVAL, f"not a folder below {anchor}", str(folder))
+        make_passable(anchor)
+        fd = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for depth, name in enumerate(below, 1):
+                made = _make_folder_at(fd, name)
+                try:
+                    inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    where = str(anchor.joinpath(*below[:depth]))
+                    raise OSError(errno.ELOOP, "not a folder of its own (a link?)", where) from None
+                os.close(fd)
+                fd = inner
+                if made and depth < len(below):
+                    os.fchmod(fd, PASSABLE)
+            if self.switches:
+                assert self.user is not None
                 os.fchown(fd, self.user.uid, self.user.gid)
                 os.fchmod(fd, OWN)
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
 
     def problem(self, folders: list[Path]) -> str | None:
         """Why the job's user cannot run jobs here (None: it can). Runs the interpreter once as that

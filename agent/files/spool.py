@@ -101,9 +101,10 @@ def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tu
     """Lines after `offset` that end in a newline, each with the offset just past it.
 
     A line still being written (no newline yet) is left for the next call; one past
-    MAX_LINE_BYTES is cut there. The file is not followed if it is a link (a job's folders are the
-    job's to fill; the agent runs as root). OSError (a folder, a link) is the caller's to keep to
-    that file.
+    MAX_LINE_BYTES is no event: its start is returned as a line that ends where the file ends now,
+    the rest skipped unread (a job's sparse terabyte would otherwise be read for days). The file is
+    not followed if it is a link (a job's folders are the job's to fill; the agent runs as root).
+    OSError (a folder, a link) is the caller's to keep to that file.
     """
     try:
         fd = open_job_file(path, os.O_RDONLY)
@@ -112,10 +113,12 @@ def read_complete_lines(path: Path, offset: int, max_bytes: int = 1 << 20) -> tu
     with open(fd, "rb") as f:
         f.seek(offset)
         chunk = f.read(max_bytes)
+        size = os.fstat(f.fileno()).st_size
     if len(chunk) == max_bytes and b"\n" not in chunk:
         if max_bytes < MAX_LINE_BYTES:  # one line longer than the chunk
             return read_complete_lines(path, offset, min(4 * max_bytes, MAX_LINE_BYTES))
-        return [(chunk, offset + max_bytes)], offset + max_bytes  # cut: not an event, set aside
+        end = max(size, offset + max_bytes)
+        return [(chunk, end)], end  # cut: not an event, set aside
     lines = []
     position = offset
     start = 0
@@ -214,9 +217,10 @@ class NodeEventLog:
 
 
 def parse_event(raw: bytes) -> dict[str, Any] | None:
-    """The event on a spool line, or None when the line is not a JSON object (or was released)."""
+    """The event on a spool line, or None when the line is not a JSON object (or was released).
+    A job's line may nest deeper than the parser recurses: that is no event either."""
     try:
         event = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return event if isinstance(event, dict) else None

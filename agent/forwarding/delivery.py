@@ -17,12 +17,13 @@ from typing import Any
 import httpx
 
 from agent.files.jsonl import append_json_line
-from agent.forwarding.spool_files import Spooled
+from agent.forwarding.spool_files import RAW_KEEP_BYTES, Spooled
 from agent.node.metrics import AgentStats
 
 log = logging.getLogger(__name__)
 REJECTED_INDEX = re.compile(r"\bevents\.(\d+)\b")
-DEAD_LETTER_LINE_BYTES = 4096  # what a dead letter keeps of the line it sets aside
+# The dead letters' file is rotated at this size (one older file kept): a job may send garbage for ever.
+DEAD_LETTERS_MAX_BYTES = 16 << 20
 Send = Callable[[list[dict[str, Any]]], httpx.Response]
 
 
@@ -36,12 +37,19 @@ def rejected_indices(body: Any) -> set[int]:
     return found
 
 
+def bounded(error: Any) -> Any:
+    """The service's answer as a dead letter keeps it: as it came, or its JSON text cut short (a
+    422 may quote the megabytes it refused)."""
+    text = json.dumps(error)
+    return error if len(text) <= RAW_KEEP_BYTES else text[:RAW_KEEP_BYTES]
+
+
 class Delivery:
     def __init__(self, send: Send, stats: AgentStats, dead_letter_file: Path) -> None:
         self.send = send
         self.stats = stats
         self.dead_letter_file = dead_letter_file
-        if self.dead_letter_file.exists():
+        if self.dead_letter_file.exists():  # bounded (DEAD_LETTERS_MAX_BYTES): read whole
             self.stats.dead_letters = len(self.dead_letter_file.read_bytes().splitlines())
 
     def deliver(self, items: list[Spooled]) -> bool:
@@ -86,8 +94,11 @@ class Delivery:
 
     def _dead_letter(self, item: Spooled, error: Any) -> None:
         log.error("event set aside in %s: %s: %s", self.dead_letter_file, item.file, str(error)[:200])
-        line = item.raw[:DEAD_LETTER_LINE_BYTES].decode(errors="replace")  # a job's line may be megabytes
+        line = item.raw.decode(errors="replace")  # its start: a job's line may be megabytes
+        with contextlib.suppress(FileNotFoundError):
+            if self.dead_letter_file.stat().st_size >= DEAD_LETTERS_MAX_BYTES:
+                self.dead_letter_file.replace(self.dead_letter_file.with_name(self.dead_letter_file.name + ".1"))
         append_json_line(self.dead_letter_file, {"file": item.file, "end_offset": item.end, "line": line,
-                                                 "bytes": len(item.raw), "error": error}, mode=0o600)
+                                                 "bytes": item.size, "error": bounded(error)}, mode=0o600)
         item.done = True
         self.stats.dead_letters += 1

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from agent.forwarding.delivery import Delivery, Send
 from agent.forwarding.log_shipper import LogShipper
-from agent.forwarding.spool_files import SpoolFiles, Spooled
+from agent.forwarding.spool_files import PENDING_MAX_BYTES, SpoolFiles, Spooled
 from agent.forwarding.stamp import Stamper
 from agent.forwarding.upkeep import SpoolUpkeep
 from agent.node.metrics import AgentStats
@@ -123,7 +123,8 @@ class Forwarder:
     def _read_spools(self) -> bool:
         """Reads on into `pending` (up to a few batches); True when there was something new."""
         room = 4 * self.config.batch_max_events - len(self.pending)
-        new = self.spools.read_on(room, self.stamper.stamped, time.monotonic())
+        byte_room = PENDING_MAX_BYTES - sum(item.held for item in self.pending)
+        new = self.spools.read_on(room, byte_room, self.stamper.stamped, time.monotonic())
         self.pending.extend(new)
         self.stats.events_buffered = len(self.pending)
         return bool(new)

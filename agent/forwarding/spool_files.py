@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 # position, so the monitor loop (which reads the same files on its own) never meets a hole.
 RELEASE_CHUNK_BYTES = 1 << 20
 RELEASE_MARGIN_BYTES = 1 << 20
+# What a line keeps of its bytes once its event is made: enough for a dead letter to show it.
+RAW_KEEP_BYTES = 4096
+# The most the forwarder holds of lines read and not yet sent: a job's spools may hold any bytes
+# (a sparse file of a terabyte reads as zeros), and what they hold costs the agent its memory.
+PENDING_MAX_BYTES = 16 << 20
 
 
 @dataclass
@@ -30,10 +35,16 @@ class Spooled:
 
     file: str  # relative to the spool root: JOB_ID/ATTEMPT/events/rank-R.jsonl or JOB_ID/ATTEMPT/node-NAME.jsonl
     end: int  # the file offset just past the line
-    raw: bytes
+    raw: bytes  # its first RAW_KEEP_BYTES
+    size: int  # its length in bytes
     event: dict[str, Any] | None  # None: the line is not a JSON object
     read_at: float
     done: bool = False
+
+    @property
+    def held(self) -> int:
+        """About what it costs the agent's memory until it is sent: its event, or what it keeps of its line."""
+        return self.size if self.event is not None else len(self.raw)
 
 
 def _is_plain(path: Path, kind: Any) -> bool:
@@ -61,22 +72,24 @@ class SpoolFiles:
                  and _is_plain(path, stat.S_ISREG)]
         return sorted([*ranks, *self.spool_root.glob(f"*/*/{NODE_SPOOL_GLOB}")])
 
-    def read_on(self, room: int, stamped: Callable[[str, bytes], dict[str, Any] | None],
+    def read_on(self, room: int, byte_room: int, stamped: Callable[[str, bytes], dict[str, Any] | None],
                 now: float) -> list[Spooled]:
         """Up to `room` new lines, read on from where each file was left, each with its event as
-        `stamped(name, raw)` makes it."""
+        `stamped(name, raw)` makes it; once `byte_room` bytes are read no further file is read."""
         new: list[Spooled] = []
         for path in self.paths():
-            if room <= 0:
+            if room <= 0 or byte_room <= 0:
                 break
             name = str(path.relative_to(self.spool_root))
+            start = self.read_to.get(name, 0)
             try:
-                lines, self.read_to[name] = read_complete_lines(path, self.read_to.get(name, 0), max_bytes=256 * 1024)
+                lines, self.read_to[name] = read_complete_lines(path, start, max_bytes=256 * 1024)
             except OSError as exc:  # this file's trouble (swapped for a link since listed): not the others'
                 log.warning("spool %s not read: %s", name, exc)
                 continue
-            for raw, end in lines[:room]:
-                new.append(Spooled(name, end, raw, stamped(name, raw), now))
+            for raw, end in lines[:room]:  # a line's size: the bytes of the file it covers (a cut one's skipped too)
+                new.append(Spooled(name, end, raw[:RAW_KEEP_BYTES], end - start, stamped(name, raw), now))
+                byte_room, start = byte_room - len(raw), end
             if len(lines) > room:
                 self.read_to[name] = lines[room - 1][1]
             room -= len(lines)

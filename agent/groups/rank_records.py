@@ -14,9 +14,22 @@ from agent.files.spool import SpoolReader
 from agent.groups.oom import OomWatch
 from agent.groups.states import GroupEnd, WorkerState
 from agent.launching.rank_log import OUTPUT_DRAIN_SECONDS, OUTPUT_IN_LOG
+from ett.protocol.event_fields import WorkerExitedData
 
 # How long after a rank's exit record its output is waited for at most (its runner's drain, and a margin).
 OUTPUT_WAIT_SECONDS = OUTPUT_DRAIN_SECONDS + 0.5
+RECORD_TEXT_CHARS = 512  # a runner's words on an exit are short; a job's forged ones are cut here
+
+
+def exit_record(record: dict[str, Any]) -> WorkerExitedData:
+    """An exit record as a runner writes it: the fields of its type, each of that type (text cut
+    short), whatever else the job's line held left out; `oom` is the kernel's word, never the line's."""
+    kept: dict[str, Any] = {}
+    for name, kind in WorkerExitedData.__annotations__.items():
+        value = record.get(name)
+        if name != "oom" and type(value) is kind:  # bool is no exit code
+            kept[name] = value[:RECORD_TEXT_CHARS] if isinstance(value, str) else value
+    return WorkerExitedData(**kept)  # type: ignore[typeddict-item]
 
 
 def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
@@ -35,9 +48,10 @@ def end_of_rank(record: dict[str, Any]) -> GroupEnd | None:
 
 
 class RankRecords:
-    def __init__(self, ranks_file: Path, ranks: int, on_runner: Callable[[int], None]) -> None:
+    def __init__(self, ranks_file: Path, ranks: int, on_runner: Callable[[int], None], world: int) -> None:
         self.ranks_file = ranks_file
         self.ranks = ranks  # the local ranks torchrun starts
+        self.world = world  # a record of a rank outside the job's is not one of ours
         self.on_runner = on_runner  # told each rank runner's pid as it is read: the group watches its exit
         self.rank_pids: dict[int, int] = {}
         self.runner_pids: dict[int, int] = {}
@@ -63,7 +77,7 @@ class RankRecords:
         """Reads on; yields each new exit record as (rank, record), in the file's order."""
         for record in self._reader.read(self.ranks_file):
             rank = record.get("rank")
-            if not isinstance(rank, int):
+            if type(rank) is not int or not 0 <= rank < self.world:
                 continue
             if "pid" in record:
                 pid, runner_pid = record["pid"], record.get("runner_pid")
@@ -74,7 +88,7 @@ class RankRecords:
             if record.get(OUTPUT_IN_LOG) is True:
                 self.in_log.add(rank)
                 continue
-            record = {k: v for k, v in record.items() if k != "oom"}  # the kernel's word, not the job's
+            record = dict(exit_record(record))
             if record.get("signal") == "SIGKILL" and rank in self.rank_pids:
                 killed = self._oom.killed({self.rank_pids[rank]})  # by the out-of-memory killer? (oom.py)
                 if killed:

@@ -5,6 +5,7 @@ import os
 import pwd
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agent.confinement.cgroups import NodeCgroups
@@ -25,6 +26,12 @@ from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
 log = logging.getLogger(__name__)
 INTERVAL_FILE_MAX_BYTES = 1 << 20  # a line per change: far less in any real job
 WARM_WAIT_SECONDS = 30.0  # the longest a trainer launch waits for the warm server's imports
+
+
+def strictly_below(path: str, folder: str) -> bool:
+    """`path`, as written, names a folder below `folder` (no link is resolved: make_own walks it)."""
+    below = Path(os.path.normpath(path))
+    return below != Path(folder) and below.is_relative_to(folder)
 
 
 class Supervisor:
@@ -143,13 +150,20 @@ class Supervisor:
             return
         self.groups[command.key] = group
         try:
-            for folder in (command.checkpoint.dir, command.checkpoint.local_dir):
-                if folder is not None:  # the job's own folders, its user's to write and prune
-                    run_as.make_own(folder)
+            for folder, anchor in self._job_folders(command):  # its user's to write and prune
+                run_as.make_own(folder, anchor)
             group.start()
         except OSError as exc:  # torchrun could not even be started
             group.end, group.state = GroupEnd(WorkerState.FAILED, "exit", f"launch failed: {exc}"), WorkerState.FAILED
         self._report(group)
+
+    def _job_folders(self, command: LaunchCommand) -> list[tuple[str, str | None]]:
+        """The job's checkpoint folders, each with the folder it is made from (make_own, which follows
+        no link below it): the owner's area (checked at launch) or this agent's local root."""
+        ckpt, local_root = command.checkpoint, self.local_checkpoint_root
+        anchors = {ckpt.dir: ckpt.area, ckpt.local_dir: str(local_root) if local_root is not None else None}
+        return [(folder, anchor if anchor is not None and strictly_below(folder, anchor) else None)
+                for folder, anchor in anchors.items() if folder is not None]
 
     def _with_local_checkpoints(self, command: LaunchCommand) -> LaunchCommand:
         """The service knows no node's disks: the agent names the job's node-local folder."""
@@ -197,7 +211,7 @@ class Supervisor:
         if group is None:
             log.info("stop for attempt %s/%d, which does not run here; ignored", *command.key)
             return
-        group.stop(command.reason)
+        self._guarded(group, lambda: group.stop(command.reason))
         self._report(group)
 
     def poll(self) -> bool:
@@ -205,11 +219,7 @@ class Supervisor:
         changed = False
         for key, group in list(self.groups.items()):
             before = group.reported_state, group.outcome  # a failure's cause may be corrected (its root cause)
-            try:
-                group.poll()
-            except Exception:  # one group's trouble (its folders are its job's) must not end the agent
-                log.exception("attempt %s/%d: poll failed; trying again at the next", *key)
-                continue
+            self._guarded(group, group.poll)
             if (group.reported_state, group.outcome) != before:
                 self._report(group)
                 changed = True
@@ -231,7 +241,7 @@ class Supervisor:
         for key in list(self.held):
             self.stop(StopCommand(type="stop", job_id=key[0], attempt=key[1], reason="agent shutting down"))
         for group in self.groups.values():
-            group.stop("agent shutting down", failure)
+            self._guarded(group, lambda g=group: g.stop("agent shutting down", failure))
         deadline = time.monotonic() + self.stop_grace_seconds + 5.0
         while self.groups and time.monotonic() < deadline:
             self.poll()
@@ -241,6 +251,15 @@ class Supervisor:
         while self.groups and time.monotonic() < deadline + 5.0:
             self.poll()
             time.sleep(0.05)
+
+    def _guarded(self, group: WorkerGroup, action: Callable[[], object]) -> None:
+        """Does `action` on the group; whatever goes wrong there (its folders and files are its
+        job's to fill) fails that attempt with the reason, never the agent or another job."""
+        try:
+            action()
+        except Exception as exc:
+            log.exception("attempt %s/%d: failed on what its job wrote", *group.command.key)
+            group.fail_on_its_files(f"{type(exc).__name__}: {exc}")
 
     def _report(self, group: WorkerGroup) -> None:
         command = group.command

@@ -4,24 +4,18 @@
         |                                     |
         +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
 
-A rank that fails makes torchrun tear the others down; the first failure recorded by a rank runner
-is the attempt's cause, reported as soon as that rank's last output is in its log (its runner says
-so once it has read the rank's pipe empty: the service diagnoses from those lines), before the
-group is gone: the service stops the other nodes and plans the restart meanwhile.
-Likewise a success is reported once every local rank has exited cleanly, before torchrun's own
-wind-down. Once every local rank has exited after a failure or a stop and its output is in its log,
-torchrun is not waited for (it takes seconds to wind down). A hang is torn down at once with
-SIGKILL: the group is broken and its last committed checkpoint is all that counts. A stop gets
-SIGTERM, then SIGKILL after a grace. Whatever happens, every process carrying the group's marker is
-SIGKILLed at the end, and the attempt's cgroup is emptied (agent.confinement.cgroups): a rank that left its
-session and its environment behind is gone too.
-Process ids are the kernel's: a pid in the ranks' records (the job's to write) is signalled only
-while it is in the attempt's cgroup (or, without one, carries the group's marker).
-The group's parts: its states and end (agent.groups.states), its rank runners' records
-(agent.groups.rank_records), its ranks' progress and when silence is a hang (agent.groups.progress),
-its watched processes (agent.groups.wakeup); the group itself decides how it ends and acts on it.
+A rank that fails makes torchrun tear the others down; the first failure a rank runner records is
+the attempt's cause, reported as soon as that rank's last output is in its log (the service
+diagnoses from those lines), before the group is gone. A success is reported once every local rank
+exited cleanly, before torchrun's own wind-down, which is not waited for after a failure or a stop
+either. A hang is torn down at once with SIGKILL; a stop gets SIGTERM, then SIGKILL after a grace.
+At the end every process carrying the group's marker is SIGKILLed and the attempt's cgroup emptied
+(agent.confinement.cgroups). A pid in the ranks' records (the job's to write) is signalled only
+while the kernel says the group owns it. What the job wrote that the agent cannot handle fails the
+attempt, never the agent. The group's parts: its states (agent.groups.states), its runners'
+records (agent.groups.rank_records), its ranks' progress and hangs (agent.groups.progress), its
+watched processes (agent.groups.wakeup); the group decides how it ends and acts on it.
 """
-
 import logging
 import os
 import shutil
@@ -31,7 +25,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
-from typing import Any
 
 from agent.confinement.cgroups import PROCS, NodeCgroups, kill_cgroup, pids_in
 from agent.confinement.job_user import RunAs, make_passable
@@ -44,13 +37,12 @@ from agent.groups.states import GroupEnd, WorkerState
 from agent.groups.wakeup import ExitWatch
 from agent.launching.launch import rank_argv, torchrun_argv, worker_env
 from agent.launching.rank_log import DEFAULT_MAX_BYTES, last_line
-from ett.protocol.event_fields import HangDetectedData, WorkerExitedData, WorkersLaunchedData
+from ett.protocol import EXIT_CONFIG_ERROR
+from ett.protocol.event_fields import HangDetectedData, WorkersLaunchedData
 from ett.protocol.messages import REPORT_DETAIL_CHARS, LaunchCommand
 
 log = logging.getLogger(__name__)
 
-# What a rank runner's exit record passes on in a worker_exited event: the fields of its type.
-WORKER_EXITED_FIELDS = tuple(WorkerExitedData.__annotations__)
 # How soon after a peer's plain exit a rank's SIGKILL is still taken for the cause (_is_root_cause).
 ROOT_CAUSE_SECONDS = 1.0
 
@@ -79,7 +71,8 @@ class WorkerGroup:
         write_private(paths.launch_file, command.model_dump_json(exclude={"env"}).encode())  # its env may hold secrets
         self.events = NodeEventLog(paths.node_spool(node_name), node_name, command.attempt)
         self._faults = FaultInjector(command.faults, paths, self.owns, self.lose_node)
-        self.records = RankRecords(paths.ranks_file, command.nproc_per_node, self._watch_runner)
+        self.records = RankRecords(paths.ranks_file, command.nproc_per_node, self._watch_runner,
+                                   command.nnodes * command.nproc_per_node)
         self._proc: subprocess.Popen[bytes] | None = None
         self.progress = Progress(command, paths.events_dir, clock())
         self._ending: GroupEnd | None = None  # decided; waiting for the processes to go
@@ -88,22 +81,11 @@ class WorkerGroup:
         self._killed_at: float | None = None  # when the agent SIGKILLed the group
         self._kill_at: float | None = None
         self._exits = ExitWatch()  # torchrun's guard and the rank runners (agent.groups.wakeup)
-
-    @property
-    def rank_pids(self) -> dict[int, int]:
-        return self.records.rank_pids
-
-    @property
-    def runner_pids(self) -> dict[int, int]:
-        return self.records.runner_pids
-
-    @property
-    def exited(self) -> dict[int, dict[str, Any]]:
-        return self.records.exited
+        self._files_failed = False  # the job's files could not be handled: read no more of them
 
     @property
     def live_ranks(self) -> int:
-        return 0 if self.state.is_terminal else len(self.rank_pids) - len(self.exited)
+        return 0 if self.state.is_terminal else len(self.records.rank_pids) - len(self.records.exited)
 
     @property
     def outcome(self) -> GroupEnd | None:
@@ -180,6 +162,17 @@ class WorkerGroup:
             self._check_hang(now)
         return self.state != before
 
+    def fail_on_its_files(self, problem: str) -> None:
+        """What the job wrote could not be handled: the attempt fails so, as a configuration error (its
+        files would say the same again), its processes killed, nothing more of its files read."""
+        self._files_failed = True
+        if self.state.is_terminal:
+            return
+        detail = f"the agent could not handle the job's files: {problem}"[:REPORT_DETAIL_CHARS]
+        self._ending, self._ending_rank = GroupEnd(WorkerState.FAILED, "exit", detail, EXIT_CONFIG_ERROR), None
+        self.state = WorkerState.STOPPING
+        self.kill()
+
     def kill(self) -> None:
         """SIGKILL to every process of the group; poll() then sees torchrun gone."""
         self._kill_at, self._killed_at = None, self.clock()
@@ -224,8 +217,10 @@ class WorkerGroup:
             self._exits.watch(pid)
 
     def _read_rank_records(self, now: float) -> None:
+        if self._files_failed:
+            return
         for rank, record in self.records.read(now):
-            self.events.emit("worker_exited", {k: v for k, v in record.items() if k in WORKER_EXITED_FIELDS})
+            self.events.emit("worker_exited", record)  # its type's fields alone (agent.groups.rank_records)
             failure = end_of_rank(record)
             if failure is not None and self._ending is None:
                 log.warning("attempt %s/%d: %s", self.command.job_id, self.command.attempt, failure.detail)
@@ -240,7 +235,7 @@ class WorkerGroup:
         if self.records.all_exited and self._kill_at is None:
             self._kill_at = now + self.stop_grace_seconds  # torchrun should follow its ranks out
         ended = self.records.all_exited and self._ending is not None
-        if ended and self.records.output_in(set(self.exited), now, self._exits):
+        if ended and self.records.output_in(set(self.records.exited), now, self._exits):
             self._kill_at = now  # a failed or stopped group: nothing of torchrun's own teardown is needed
 
     def _is_root_cause(self, failure: GroupEnd, now: float) -> bool:
@@ -252,13 +247,15 @@ class WorkerGroup:
                 and now - (self._ending_at or now) <= ROOT_CAUSE_SECONDS)
 
     def _read_progress(self, now: float) -> None:
-        self.progress.read(now, {rank: pid for rank, pid in self.rank_pids.items() if rank not in self.exited})
+        if self._files_failed:
+            return
+        self.progress.read(now, {rank: pid for rank, pid in self.records.rank_pids.items() if rank not in self.records.exited})
         step = self.progress.last_step
         if step is not None and self._faults.pending and self._ending is None:
-            self._faults.on_step(step, self.rank_pids, self.runner_pids)
+            self._faults.on_step(step, self.records.rank_pids, self.records.runner_pids)
 
     def _check_hang(self, now: float) -> None:
-        hang = self.progress.hang(now, self.rank_pids, self.owns)
+        hang = self.progress.hang(now, self.records.rank_pids, self.owns)
         if hang is None:
             return
         phase, waited, limit, detail = hang
@@ -289,7 +286,7 @@ class WorkerGroup:
             self.end = GroupEnd(WorkerState.SUCCEEDED)
         else:
             # No rank started: torchrun's own last word says why (its rendezvous port in use, say).
-            said = f": {line}" if not self.rank_pids and (line := last_line(str(self.paths.log_file))) else ""
+            said = f": {line}" if not self.records.rank_pids and (line := last_line(str(self.paths.log_file))) else ""
             detail = f"torchrun exit code {code}{said} (see {self.paths.log_file})"
             self.end = GroupEnd(WorkerState.FAILED, "exit", detail[:REPORT_DETAIL_CHARS], code)
         self.state = self.end.state

@@ -46,6 +46,7 @@ class WarmServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._next_start = 0.0
         self._env: dict[str, str] | None = None  # what it was started with
+        self._trouble: str | None = None  # why its last start failed (its folder is its user's to fill)
 
     def environment(self) -> dict[str, str]:
         """What it starts with: the job's processes' own, with no thread pool at import time (above)."""
@@ -58,6 +59,11 @@ class WarmServer:
 
     @property
     def usable(self) -> bool:
+        """Whether launches may fork from it; if not, they start fresh."""
+        return self._socket_fits and self._trouble is None
+
+    @property
+    def _socket_fits(self) -> bool:
         return len(os.fsencode(self.socket_path)) <= SOCKET_PATH_MAX_BYTES
 
     @property
@@ -70,7 +76,18 @@ class WarmServer:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def ensure_running(self) -> None:
-        if not self.usable or (self._proc is not None and self._proc.poll() is None):
+        """Starts it if it is not running (and its pause after a failed start is over). What its
+        user left in its folder (a folder where the socket goes, say) stops this server from
+        starting, never the agent: its launches start fresh meanwhile."""
+        try:
+            self._ensure_running()
+        except OSError as exc:
+            if self._trouble is None:
+                log.warning("warm server %s not started: %s; its user's launches start fresh", self.socket_path, exc)
+            self._trouble, self._next_start = str(exc), time.monotonic() + RESTART_PAUSE_SECONDS
+
+    def _ensure_running(self) -> None:
+        if not self._socket_fits or (self._proc is not None and self._proc.poll() is None):
             return
         stale = self._proc is not None and self._proc.returncode == STALE_EXIT
         if time.monotonic() < self._next_start and not stale:
@@ -93,13 +110,16 @@ class WarmServer:
             )  # fmt: skip
         if self.cgroup is not None:  # long before its imports are done and it forks anything
             (self.cgroup / PROCS).write_text(str(self._proc.pid))
-        self._next_start = time.monotonic() + RESTART_PAUSE_SECONDS
+        self._next_start, self._trouble = time.monotonic() + RESTART_PAUSE_SECONDS, None
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()  # keepers and ranks follow through their parent-death signals
             self._proc.wait()
-        self.socket_path.unlink(missing_ok=True)
+        try:
+            self.socket_path.unlink(missing_ok=True)
+        except OSError as exc:  # its user's folder: whatever lies there is left there
+            log.warning("warm server %s: socket not removed: %s", self.socket_path, exc)
 
 
 class WarmServers:

@@ -94,3 +94,57 @@ def test_a_link_the_job_left_for_its_folder_is_refused_not_followed(open_root):
     with pytest.raises(OSError, match="not a folder of its own"):
         run_as.make_own(folder)
     assert target.stat().st_uid == 0
+
+
+def test_a_link_anywhere_below_the_area_is_refused_not_followed(open_root):
+    """The job owns the folders between its checkpoint area and its checkpoint folder: a link it
+    lays at any of them (not only the last) must not lead root outside the area."""
+    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user("nobody", allow_root=False))
+    area, outside = open_root / "area-1", open_root / "outside-1"
+    outside.mkdir()
+    (area / "job-1").mkdir(parents=True)
+    (area / "job-1" / "sub").symlink_to(outside)
+    with pytest.raises(OSError, match="not a folder of its own"):
+        run_as.make_own(area / "job-1" / "sub" / "run", anchor=area)
+    assert list(outside.iterdir()) == [] and outside.stat().st_uid == 0
+
+
+FLIPPER = """
+import os, shutil, sys
+sub, outside = sys.argv[1], sys.argv[2]
+while True:  # a folder, then a link to outside, as fast as it can
+    try:
+        os.mkdir(sub)
+        shutil.rmtree(sub)
+        os.symlink(outside, sub)
+        os.unlink(sub)
+    except OSError:
+        shutil.rmtree(sub, ignore_errors=True)
+        if os.path.islink(sub):
+            os.unlink(sub)
+"""
+
+
+def test_a_link_raced_in_while_root_makes_the_folder_leads_nowhere_outside(open_root):
+    """A real process swaps a folder on the way for a link to outside the area as fast as it can,
+    while root makes the job's folder below it, again and again: root creates and gives away
+    nothing outside the area (the check at launch comes before, and cannot see this)."""
+    run_as = RunAs(str(open_root / "python" / "bin" / "python"), resolve_job_user("nobody", allow_root=False))
+    area, outside = open_root / "area-2", open_root / "outside-2"
+    outside.mkdir()
+    (area / "job-1").mkdir(parents=True)
+    sub = area / "job-1" / "sub"
+    flipper = subprocess.Popen([sys.executable, "-c", FLIPPER, str(sub), str(outside)])
+    made = 0
+    try:
+        for _ in range(500):
+            try:
+                run_as.make_own(sub / "run", anchor=area)
+                made += 1
+            except OSError:
+                pass
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert list(outside.iterdir()) == [] and outside.stat().st_uid == 0
+    assert made > 0  # the race was run: some tries found the folder and made the job's in it

@@ -54,5 +54,5 @@ def test_a_group_wakes_the_monitor_when_its_ranks_and_torchrun_exit_then_stops_w
         assert timed_wait(wakeup, supervisor.exit_fds) < LONG / 2, "an exit did not end the pause"
         supervisor.poll()
     assert group.state == "succeeded" and group.exit_fds == []
-    assert sorted(group.exited) == [0, 1]
+    assert sorted(group.records.exited) == [0, 1]
 

@@ -337,7 +337,7 @@ def test_a_rank_killed_from_outside_is_the_cause_though_a_peer_exited_a_moment_b
     group = supervisor.groups[command.key]
     wait_for(lambda: group.outcome is not None, 60, "rank 0's exit", while_waiting=supervisor.poll)
     assert group.outcome.detail == "rank 0 exit code 1"
-    os.kill(group.rank_pids[1], signal.SIGKILL)  # as a fault or the kernel's out-of-memory killer would
+    os.kill(group.records.rank_pids[1], signal.SIGKILL)  # as a fault or the kernel's out-of-memory killer would
     report = run_to_end(supervisor)
     assert (report["state"], report["cause"], report["detail"]) == ("failed", "signal", "rank 1 killed by SIGKILL")
 

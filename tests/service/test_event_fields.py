@@ -6,7 +6,7 @@ import time
 
 from sqlalchemy import select
 
-from agent.groups.workers import WORKER_EXITED_FIELDS
+from agent.groups.rank_records import exit_record
 from ett.protocol import EVENT_KINDS
 from ett.protocol.event_fields import EVENT_FIELDS, FIELD_NAMES, WorkerExitedData
 from service.models import JobEvent
@@ -41,7 +41,12 @@ WRONG_TYPES = [
 def test_every_kind_has_its_type_and_the_agent_takes_its_fields_from_it():
     assert set(EVENT_FIELDS) == EVENT_KINDS
     assert all(names == set(EVENT_FIELDS[kind].__annotations__) for kind, names in FIELD_NAMES.items())
-    assert WORKER_EXITED_FIELDS == tuple(WorkerExitedData.__annotations__)
+    # The agent passes on a runner's exit record as its type has it: declared fields alone, and
+    # `oom` only ever the agent's own (the kernel's word).
+    line = {"rank": 1, "exit_code": 3, "signal": "SIGKILL", "fault": "exit", "error": "x", "oom": "forged", "pid": 7}
+    assert set(exit_record(line)) == set(WorkerExitedData.__annotations__) - {"oom"}
+    assert exit_record({"rank": 1, "exit_code": True, "signal": ["SIGKILL"], "error": "e" * 10_000}) == {
+        "rank": 1, "error": "e" * 512}
 
 
 def test_a_known_field_of_the_wrong_type_is_refused_naming_it(service):
