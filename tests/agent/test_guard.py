@@ -9,6 +9,7 @@ import time
 
 from agent.confinement.procs import GROUP_MARKER_ENV
 from tests.agent.helpers import free_port
+from tests.support.waiting import wait_for
 
 STAMP_CHILD = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(repr(time.time()))"
 
@@ -21,10 +22,18 @@ def start_guard(port: int, stamp) -> subprocess.Popen:
     return subprocess.Popen(argv, env={**os.environ, GROUP_MARKER_ENV: "guard-test"})
 
 
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has its SIGTERM handler installed (the kernel's SigCgt mask)."""
+    status = open(f"/proc/{pid}/status").read().splitlines()
+    caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught & 1 << (signal.SIGTERM - 1))
+
+
 def test_the_guard_starts_torchrun_only_once_the_master_listens(tmp_path):
     port, stamp = free_port(), tmp_path / "started"
     guard = start_guard(port, stamp)
-    time.sleep(0.5)
+    wait_for(lambda: catches_sigterm(guard.pid), 10, "the guard to be under way")
+    time.sleep(0.5)  # a while of waiting for a master that is not there
     assert not stamp.exists() and guard.poll() is None  # nothing listens yet: still waiting
     with socket.create_server(("127.0.0.1", port)):
         listening_since = time.time()
@@ -35,7 +44,7 @@ def test_the_guard_starts_torchrun_only_once_the_master_listens(tmp_path):
 def test_a_sigterm_while_the_guard_waits_ends_it_and_nothing_starts(tmp_path):
     port, stamp = free_port(), tmp_path / "started"
     guard = start_guard(port, stamp)
-    time.sleep(0.5)  # the guard has installed its handlers and waits
+    wait_for(lambda: catches_sigterm(guard.pid), 10, "the guard to have installed its handlers")
     guard.send_signal(signal.SIGTERM)
     assert guard.wait(timeout=10) == 128 + signal.SIGTERM
     time.sleep(0.2)
