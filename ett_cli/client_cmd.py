@@ -179,12 +179,24 @@ def run_nodes(args: argparse.Namespace) -> int:
         node = _call(args, "POST", f"/api/v1/nodes/{args.name}/{args.action}", json=body)
         print(f"{node['name']}: {node['drained'] or 'returned: it takes new work'}")
         return 0
-    print(f"{'NAME':24}  {'STATE':8}  {'SLOTS':>5}  {'FAILURES':>8}  {'FLAGS':>5}  {'JOBS':32}  WHY NO NEW WORK")
+    print(f"{'NAME':24}  {'STATE':8}  {'SLOTS':>5}  {'FAILURES':>8}  {'FLAGS':>5}  {'EVIDENCE':>8}  {'JOBS':32}  "
+          "WHY NO NEW WORK")
     for node in _call(args, "GET", "/api/v1/nodes"):
         why = "; ".join(filter(None, (node["drained"], node["health"])))
         print(f"{node['name'][:24]:24}  {node['state']:8}  {node['slots']:>5}  {node['failures']:>8}  "
-              f"{node.get('flags', 0):>5}  {','.join(node['jobs'])[:32]:32}  {why}")
+              f"{node.get('flags', 0):>5}  {node.get('evidence_count', 0):>8}  {','.join(node['jobs'])[:32]:32}  "
+              f"{terminal_safe(why)}")
+        for evidence in node.get("evidence", []):  # what tells of the node itself, and drains it
+            print("    " + terminal_safe(evidence_line(evidence)))
     return 0
+
+
+def evidence_line(evidence: dict) -> str:
+    """One piece of a node's evidence as `ett nodes` shows it under the node."""
+    attempt = f", job {evidence['job_id']} attempt {evidence['attempt']}" if evidence.get("job_id") else ""
+    counted = " [drained it]" if evidence.get("drained") else ""
+    return (f"{evidence['seen_at'][:19]}  {evidence['kind']} from {evidence['source']}{attempt}: "
+            f"{evidence['detail']}{counted}")
 
 
 def _moment(text: str | None, flag: str) -> str | None:

@@ -1,5 +1,5 @@
 """What a job's ranks tell beyond their events: the last part of their output, and the ranks
-their peers waited for."""
+their peers waited for; and what tells of a node itself, its evidence."""
 
 from datetime import datetime
 
@@ -46,3 +46,23 @@ class StragglerFlag(Base):
     # reported, or replaced (the policy stopped the attempt to restart without its node)
     action: Mapped[str] = mapped_column(String(16), default="reported")
     flagged_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class NodeEvidence(Base):
+    """Something that tells of a node itself, never of a job (service/agents/node_evidence.py): its
+    agent's health check failing, a record the agent read in the kernel's log, its heartbeats gone."""
+
+    __tablename__ = "node_evidence"
+    __table_args__ = (UniqueConstraint("node_id", "key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # health_check, xid, ecc, oom_kill, node_lost
+    source: Mapped[str] = mapped_column(String(64))  # who read it: the agent's health check, its kernel log, ...
+    detail: Mapped[str] = mapped_column(String(256))
+    # The kernel record's own key (the same record told by two attempts is one); None: no such key.
+    key: Mapped[str | None] = mapped_column(String(48), default=None)
+    job_id: Mapped[str | None] = mapped_column(String(32), default=None)  # the attempt that ran meanwhile, if any
+    attempt: Mapped[int | None] = mapped_column(default=None)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    drained: Mapped[bool] = mapped_column(default=False)  # counted in the node's standing drain

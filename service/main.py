@@ -24,6 +24,7 @@ from service.asgi.metrics import install_metrics
 from service.context import ServiceContext
 from service.db import DB_THREADS, make_engine, make_session_factory
 from service.ingest.batches import EventBatchWriter
+from service.jobs import event_limit
 from service.jobs.heartbeats import HeartbeatWriter
 from service.migrate import check_at_head
 from service.outcomes import Refused
@@ -55,7 +56,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         notifier = asyncio.create_task(run_notifier(context, stop))
         context.heartbeats = HeartbeatWriter(context.sessions, settings)
         writer = asyncio.create_task(context.heartbeats.run())
-        context.event_batches = EventBatchWriter(context.sessions, settings)
+        context.event_batches = EventBatchWriter(context.sessions, settings,
+                                                 over_bound=event_limit.stopper(context.sessions, settings))
         events_writer = asyncio.create_task(context.event_batches.run())
         watcher = asyncio.create_task(context.bell.watch(context.sessions))
         collector = asyncio.create_task(YoungCollector().run())

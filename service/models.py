@@ -16,7 +16,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column, relationship, validates
 
 from service.column_types import UTCDateTime  # noqa: F401 (the migrations name it service.models.UTCDateTime)
-from service.evidence_models import RankLog, StragglerFlag  # noqa: F401 (every table is imported from here)
+from service.evidence_models import NodeEvidence, RankLog, StragglerFlag  # noqa: F401 (every table is imported from here)
 from service.model_base import Base, enum_column, utcnow
 from service.notification_models import Notification  # noqa: F401 (every table is imported from here)
 from service.spec.job_spec import JobSpec
@@ -104,6 +104,10 @@ class Job(Base):
     def _typed(self, _key: str, spec: JobSpec | dict[str, Any]) -> JobSpec:
         """A spec given as a dict (a test, a tool) is checked and typed as it is set."""
         return spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
+
+
+# A job's number of ranks (JobSpec.world_size: nodes x procs_per_node), read in SQL with its id.
+JOB_WORLD_SIZE = (Job.spec["nodes"].as_integer() * Job.spec["procs_per_node"].as_integer()).label("world")
 
 
 class Attempt(Base):

@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     # dated further than this ahead of the service's clock (after the node's skew correction).
     max_event_data_bytes: int = Field(16 * 1024, ge=256)
     max_event_future_seconds: float = Field(300.0, ge=0)
+    # A job stores at most this many events for each of its ranks (nodes x procs_per_node), all its
+    # attempts together: past it, its events are refused and the job is stopped, with this for
+    # reason (service/ingest/bound.py). Rank 0 sends a `step` event a step and every rank a
+    # `step_timing` every 5: about 1.2 million for a million steps of a one-rank job.
+    max_events_per_rank: int = Field(2_000_000, ge=1)
     # /metrics exports per-job series for running jobs and jobs finished this recently.
     metrics_recent_seconds: float = Field(3600.0, ge=0)
     # Who may submit a job with an `entrypoint` (its own program): "any" user, "admins" only, or
@@ -90,8 +95,10 @@ class Settings(BaseSettings):
     # A failure's diagnosis is read from its rank's last lines (service/jobs/diagnosis.py): these
     # [diagnosis, regular expression] pairs are tried first, before the built-in table.
     failure_patterns: list[tuple[str, str]] = []
-    # A node whose reports tell this many failures within the window (not of the jobs' own making:
-    # an exception, an import error) is drained until an admin returns it (`ett nodes return`).
+    # A node with this much node evidence within the window is drained until an admin returns it
+    # (`ett nodes return`): its agent's health check starting to fail, a kernel record its agent read
+    # (a hardware Xid, an uncorrected ECC error, an out-of-memory kill over no limit of a job's own),
+    # its heartbeats gone. A job's failures never count, whatever it printed (service/agents/node_evidence.py).
     node_failure_limit: int = Field(3, ge=1)
     node_failure_window_seconds: float = Field(3600.0, gt=0)
 

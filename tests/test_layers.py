@@ -20,7 +20,8 @@ PACKAGES = ("service", "ett", "ett_cli", "agent", "trainer")
 # stand on it and never on each other, the command line on all of them.
 TIERS = {"ett": 0, "service": 1, "agent": 1, "trainer": 1, "ett_cli": 2}
 # What the service may take of the library: pieces without torch, shared with ranks and agents.
-LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol", "ett.protocol.event_fields", "ett.protocol.messages")
+LIGHT_LIBRARY = ("ett", "ett.events", "ett.paths", "ett.protocol", "ett.protocol.event_fields", "ett.protocol.messages",
+                 "ett.protocol.redaction")  # fmt: skip
 
 # The service's layers, lowest first; a module sits in the first whose prefix it starts with.
 LAYERS = (

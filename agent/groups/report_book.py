@@ -4,6 +4,7 @@ import threading
 import time
 
 from agent.groups.states import GroupEnd
+from agent.node.kernel_log import KernelLog
 from ett.protocol.messages import REPORT_DETAIL_CHARS, AttemptReport
 
 AttemptKey = tuple[str, int]
@@ -17,17 +18,26 @@ class ReportBook:
     from the newest checkpoint it knows of and counts a job done once its nodes report the end,
     so those events must be there first (after a service outage the forwarder may still be in
     backoff). It then stays in every heartbeat until one carrying it is answered 200.
+
+    An ended attempt's report carries the node evidence the kernel logged while it ran
+    (agent.node.kernel_log): the agent's own reading, which the service alone counts against the
+    node, never what the job printed or how it ended.
     """
 
     END_WAIT_SECONDS = 30.0
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: KernelLog | None = None) -> None:
         self._lock = threading.Lock()
         self._reports: dict[AttemptKey, AttemptReport] = {}
         self._held: dict[AttemptKey, float] = {}  # ended attempts not yet released, since when
+        self._kernel = kernel or KernelLog()
+        self._kernel_from: dict[AttemptKey, int] = {}  # each attempt's first kernel reading (KernelLog.mark)
 
     def set(self, key: AttemptKey, report: AttemptReport) -> None:
         with self._lock:
+            start = self._kernel_from.setdefault(key, self._kernel.mark())
+            if report.state != "running" and not report.kernel:
+                report = report.model_copy(update={"kernel": self._kernel.since(start)})
             self._reports[key] = report
             if report.state != "running":
                 self._held.setdefault(key, time.monotonic())
@@ -40,6 +50,7 @@ class ReportBook:
     def to_send(self) -> list[AttemptReport]:
         """What a heartbeat carries: a held end still as `running`."""
         with self._lock:
+            self._kernel.poll()  # every heartbeat: a record is read before the kernel's ring overwrites it
             return [report if key not in self._held else attempt_report(*key, "running", None)
                     for key, report in self._reports.items()]
 
@@ -61,6 +72,7 @@ class ReportBook:
             for report in sent:
                 if report.state != "running" and self._reports.get(report.key) is report:
                     del self._reports[report.key]
+                    self._kernel_from.pop(report.key, None)
 
 
 def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) -> AttemptReport:

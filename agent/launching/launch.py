@@ -67,6 +67,8 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
         "--ranks-file", str(paths.ranks_file),
         "--control-dir", str(paths.control_dir),
         "--log-dir", str(paths.logs_dir), "--log-max-bytes", str(log_max_bytes),
+        # The names of the job's `env`, whose values the runner blanks in the rank's output.
+        *(["--secret-env", ",".join(sorted(command.env))] if command.env else []),
         "--", *rank_argv(command, python),
     ]  # fmt: skip
 

@@ -1,13 +1,18 @@
 """A rank's output in a file of its own, bounded: `rank-R.log` is rotated at `max_bytes` into
 `rank-R.log.1` (the older part, replaced at each rotation), so a rank keeps at most twice that on
 its node, however much it prints. The rank runner copies the rank's stdout and stderr there from a
-pipe (agent.launching.rank_runner); the agent ships what is new to the service (agent/forwarding/log_shipper.py).
-Imported by the rank runner at every launch: a few modules of the standard library only."""
+pipe (agent.launching.rank_runner), the values of the job's `env` blanked on the way, even a secret
+the rank printed in two writes (ett/protocol/redaction.py): what reaches the file, and so what the
+agent ships to the service (agent/forwarding/log_shipper.py), holds none.
+Imported by the rank runner at every launch: a few modules of the standard library and ett.protocol only."""
 
 import contextlib
 import os
 import select
 import threading
+from collections.abc import Iterable
+
+from ett.protocol.redaction import Redactor
 
 DEFAULT_MAX_BYTES = 16 << 20
 CHUNK_BYTES = 1 << 16
@@ -62,11 +67,13 @@ class RotatingLog:
 
 class PipeCopier:
     """Copies a pipe into the log, on a thread of its own, until every writer has closed it (the
-    rank and its children). `caught_up` tells when what is in the pipe now is in the log: a child of
-    the rank may hold the pipe long after the rank's exit, but the rank's own last words are there."""
+    rank and its children), `secrets` blanked. `caught_up` tells when what is in the pipe now is in
+    the log: a child of the rank may hold the pipe long after the rank's exit, but the rank's own
+    last words are there (what was kept back as the possible start of a secret included)."""
 
-    def __init__(self, read_fd: int, log: RotatingLog) -> None:
+    def __init__(self, read_fd: int, log: RotatingLog, secrets: Iterable[str] = ()) -> None:
         self._read_fd, self._log = read_fd, log
+        self._redactor = Redactor(secrets)
         self._wake_read, wake_write = os.pipe()
         self._wake_write: int | None = wake_write
         self._caught_up = threading.Event()
@@ -88,15 +95,21 @@ class PipeCopier:
                     chunk = os.read(self._read_fd, CHUNK_BYTES)
                     if not chunk:
                         break  # every writer is gone
-                    with contextlib.suppress(OSError):  # a full disk: the rank's output is lost, not the rank
-                        self._log.write(chunk)  # (a pipe nobody reads would stop it, a closed one end it)
-                elif asked:
+                    self._write(self._redactor.feed(chunk))
+                elif asked and not self._caught_up.is_set():
+                    self._write(self._redactor.flush())  # the rank has ended: its last words, whole
                     self._caught_up.set()  # the pipe read empty after the question: all it held is copied
         finally:
+            self._write(self._redactor.flush())
             self._caught_up.set()
             for fd in (self._read_fd, self._wake_read):
                 os.close(fd)
             self._log.close()
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            with contextlib.suppress(OSError):  # a full disk: the rank's output is lost, not the rank
+                self._log.write(data)  # (a pipe nobody reads would stop it, a closed one end it)
 
     def caught_up(self, timeout: float) -> bool:
         """Once the rank has exited: whether what it wrote is all in the log, within `timeout`."""

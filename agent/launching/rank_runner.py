@@ -1,7 +1,7 @@
 """Runs one rank under torchrun and records how it ended, which torchrun itself does not tell.
 
     torchrun --no-python python -m agent.launching.rank_runner --ranks-file F --control-dir D
-        [--log-dir L --log-max-bytes N] -- ARGV...
+        [--log-dir L --log-max-bytes N [--secret-env NAME,...]] -- ARGV...
 
 Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts, `{"rank", "exit_code"}` or
 `{"rank", "signal"}` when it ends, and `{"rank", "output_in_log": true}` once what the rank wrote is
@@ -9,7 +9,9 @@ in its log. Stop signals are passed on to the rank (with SIGCONT, so a
 stopped rank can act on them). SIGUSR1 is the agent's "exit" fault: the runner kills the rank and
 exits with the code written in D/rank-R.exit, so torchrun and the agent see a real non-zero exit.
 The rank lives in its own process group, so torchrun's signals reach it once, through here.
-With --log-dir, the rank's stdout and stderr go to L/rank-R.log, rotated at N bytes (agent.launching.rank_log).
+With --log-dir, the rank's stdout and stderr go to L/rank-R.log, rotated at N bytes (agent.launching.rank_log),
+the values of the variables --secret-env names (the job's `env`, read from this runner's own
+environment: never on a command line) blanked.
 With $ETT_WARM_SOCKET set, a rank the agent's warm server can start is forked from there, its
 imports already done (agent.warm.server); otherwise, or when the server cannot, it is a fresh process.
 """
@@ -43,6 +45,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--control-dir", type=Path, required=True)
     parser.add_argument("--log-dir", type=Path, default=None)
     parser.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES)
+    parser.add_argument("--secret-env", default="", help="names of variables whose values the log blanks, by commas")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     rank_argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
@@ -59,7 +62,8 @@ def main(argv: list[str]) -> int:
         log_write = None
         if args.log_dir is not None:  # the rank's output, in its own bounded file (agent.launching.rank_log)
             log_read, log_write = os.pipe()
-            copying = PipeCopier(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes))
+            secrets = [os.environ.get(name, "") for name in args.secret_env.split(",")]
+            copying = PipeCopier(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes), secrets)
         try:
             # Not the rank's business: it is forked warm or started fresh here.
             child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), log_write, process_group=0)

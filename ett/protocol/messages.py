@@ -112,6 +112,26 @@ Command = Annotated[LaunchCommand | StopCommand | IntervalCommand, Field(discrim
 command_adapter: TypeAdapter[LaunchCommand | StopCommand | IntervalCommand] = TypeAdapter(Command)
 
 
+# What the agent itself read in the kernel's log (/dev/kmsg) while an attempt ran: records the kernel
+# wrote (a job, even one run as root, can write none: the kernel marks a written line as the user's),
+# of a kind that tells of the node, never of the job (agent/node/kernel_log.py). The service counts
+# them against the node (docs/reliability.md, "Draining a node").
+KERNEL_READINGS = ("xid", "ecc", "oom_kill")
+KERNEL_READING_CHARS = 240
+KERNEL_READINGS_PER_REPORT = 8
+
+
+class KernelReading(BaseModel):
+    """One record of the kernel's log, as the agent read it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: Literal[KERNEL_READINGS]
+    # `kmsg:SEQUENCE:MICROSECONDS`: the record's own, so the same record told by two attempts is one.
+    key: Annotated[str, StringConstraints(min_length=1, max_length=48)]
+    text: Annotated[str, StringConstraints(max_length=KERNEL_READING_CHARS)]
+
+
 class AttemptReport(BaseModel):
     """One attempt on one node, as a heartbeat reports it."""
 
@@ -125,6 +145,8 @@ class AttemptReport(BaseModel):
     cause: Literal["exit", "signal", "hang", "time_limit", "preempted", "terminated"] | None = None
     detail: Annotated[str, StringConstraints(max_length=REPORT_DETAIL_CHARS)] | None = None
     exit_code: int | None = None
+    # Node evidence the agent read from the kernel while the attempt ran (in its ending report).
+    kernel: Annotated[list[KernelReading], Field(max_length=KERNEL_READINGS_PER_REPORT)] = []
 
     @property
     def key(self) -> tuple[str, int]:

@@ -7,28 +7,36 @@ from datetime import datetime, timedelta
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
+from service.agents import node_evidence
 from service.agents.commands import WAITING_FOR_NODE
-from service.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Node, NodeState, StragglerFlag, Token, utcnow
+from service.models import (ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, Node, NodeEvidence, NodeState, StragglerFlag,
+                            Token, utcnow)
 from service.outcomes import Forbidden, NotFound, Refused
 from service.security import Caller, unauthorized
 
 
 def register_node(session: Session, name: str, address: str, slots: int, token: Token,
-                  health: str | None = None) -> Node:
+                  health: str | None = None, drain_rule: tuple[int, float] | None = None) -> Node:
     """The node, made or updated; a node registered with another token stays that token's (403).
     A lost or leaving node that registers again is back. A token made for one job's Slurm
-    allocation binds its nodes to that job. The caller commits."""
+    allocation binds its nodes to that job. A failing health check is node evidence, which drains
+    the node by `drain_rule` (node_failure_limit, its window; service/agents/node_evidence.py).
+    The caller commits."""
     node = session.scalar(select(Node).where(Node.name == name))
     if node is None:
         node = Node(name=name, address=address, slots=slots, token_id=token.id, job_id=token.job_id)
         session.add(node)
+        session.flush()  # its id, for its evidence
     elif node.token_id != token.id:
         raise Forbidden(f"agent {name} was registered with another token")
     else:
         node.address, node.slots = address, slots
         if node.state in (NodeState.lost, NodeState.leaving):
             node.state = NodeState.idle
-    node.last_heartbeat_at, node.health = utcnow(), health
+    now = utcnow()
+    if node_evidence.record_health(session, node, node.health, health, now) and drain_rule is not None:
+        node_evidence.drain_on_evidence(session, node, *drain_rule, now)
+    node.last_heartbeat_at, node.health = now, health
     return node
 
 
@@ -89,8 +97,10 @@ class NodeView:
 
     node: Node
     jobs: list[str]  # the jobs of its active attempts
-    failures: int  # failures its reports told within the window, of any kind
-    flags: int = 0  # times a rank on it was flagged as a straggler within the window
+    failures: int  # failures its reports told within the window, of any kind (the jobs' as much as its own)
+    flags: int = 0  # times a rank on it was flagged as a straggler within the window (never drains it)
+    evidence: tuple[NodeEvidence, ...] = ()  # within the window or counted in its drain, newest first
+    evidence_count: int = 0  # within the window
 
 
 def node_views(session: Session, failure_window_seconds: float, now: datetime) -> list[NodeView]:
@@ -107,8 +117,10 @@ def node_views(session: Session, failure_window_seconds: float, now: datetime) -
     ).all())  # fmt: skip
     flags = dict(session.execute(select(StragglerFlag.node, func.count()).where(StragglerFlag.flagged_at >= since)
                                  .group_by(StragglerFlag.node)).all())  # fmt: skip
+    evidence, counts = node_evidence.evidence_of(session, since), node_evidence.counts_within(session, since)
     return [NodeView(node, [job for node_id, job in running if node_id == node.id], failures.get(node.id, 0),
-                     flags.get(node.name, 0)) for node in nodes]
+                     flags.get(node.name, 0), tuple(evidence.get(node.id, ())), counts.get(node.id, 0))
+            for node in nodes]  # fmt: skip
 
 
 def drain_node(session: Session, name: str, reason: str | None, admin: str) -> Node:
@@ -119,9 +131,11 @@ def drain_node(session: Session, name: str, reason: str | None, admin: str) -> N
 
 
 def return_node(session: Session, name: str) -> Node:
-    """Gives a drained node back to the scheduler (a failing health check still keeps it out)."""
+    """Gives a drained node back to the scheduler (a failing health check still keeps it out); its
+    evidence so far, which the admin has judged, counts no more."""
     node = _named(session, name)
     node.drained = None
+    node_evidence.forget(session, node)
     return node
 
 

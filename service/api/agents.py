@@ -20,8 +20,9 @@ def node_out(node: Node) -> NodeOut:
 
 
 @router.post("/register")
-def register(body: AgentRegister, session: SessionDep, caller: AgentDep) -> NodeOut:
-    node = register_node(session, body.name, body.address, body.slots, caller, body.health)
+def register(body: AgentRegister, session: SessionDep, caller: AgentDep, context: ContextDep) -> NodeOut:
+    rule = (context.settings.node_failure_limit, context.settings.node_failure_window_seconds)
+    node = register_node(session, body.name, body.address, body.slots, caller, body.health, rule)
     session.commit()
     return node_out(node)
 

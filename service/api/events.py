@@ -8,6 +8,7 @@ from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
 from service.ingest.batches import unprocessable
 from service.ingest.store import EventRejected, ingest
+from service.jobs.event_limit import stop_over_bound
 from service.models import Job
 from service.outcomes import NotFound
 from service.schemas.events import AgentEventBatch, EventBatch, EventIn, IngestOut
@@ -23,7 +24,8 @@ def _store(session: Session, batch: list[tuple[str, EventIn]], settings: Setting
     except EventRejected as rejected:
         session.rollback()  # nothing of the batch is kept
         raise unprocessable(rejected) from None
-    return IngestOut(accepted=result.accepted, duplicates=result.duplicates)
+    stop_over_bound(session, result.over_bound, settings)  # an admin's replay is bounded as an agent's batch
+    return IngestOut(accepted=result.accepted, duplicates=result.duplicates, refused=len(result.refused))
 
 
 @router.post("/agents/{name}/events")

@@ -1,4 +1,4 @@
-"""Nodes for operators: list them with their health, drain and failures; drain one, return it."""
+"""Nodes for operators: list them with their health, drain, node evidence and failures; drain one, return it."""
 
 from datetime import UTC, datetime
 
@@ -8,14 +8,16 @@ from service.agents.nodes import NodeView, drain_node, node_views, return_node
 from service.api.deps import AdminDep
 from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
-from service.schemas.agents import DrainRequest, NodeDetail, NodeOut
+from service.schemas.agents import DrainRequest, NodeDetail, NodeEvidenceOut, NodeOut
 
 router = APIRouter(prefix="/nodes", tags=["nodes"], route_class=SessionRoute)
 
 
 def detail(view: NodeView) -> NodeDetail:
     node = NodeOut.model_validate(view.node, from_attributes=True)
-    return NodeDetail(**node.model_dump(), jobs=view.jobs, failures=view.failures, flags=view.flags)
+    evidence = [NodeEvidenceOut.model_validate(e, from_attributes=True) for e in view.evidence]
+    return NodeDetail(**node.model_dump(), jobs=view.jobs, failures=view.failures, flags=view.flags,
+                      evidence_count=view.evidence_count, evidence=evidence)
 
 
 @router.get("")

@@ -12,7 +12,6 @@ from fastapi.concurrency import run_in_threadpool
 
 from service.context import ServiceContext
 from service.jobs import notifications, scheduler, stragglers
-from service.jobs.diagnosis import FailurePolicy
 from service.slurm.allocations import SlurmBridge
 
 log = logging.getLogger("ett.service")
@@ -27,7 +26,6 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
     # written (the agents retry; a node is not lost for the service's own outage).
     up_since = time.time()
     failed = False
-    policy = FailurePolicy.of(settings)
 
     def tick_once() -> None:
         nonlocal up_since, failed
@@ -35,7 +33,7 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
             up_since = time.time()
         with context.sessions() as session:
             scheduler.tick(session, settings, up_since=up_since)
-            stragglers.watch(session, policy, time.time())
+            stragglers.watch(session, time.time())
             session.commit()
         failed = False
 

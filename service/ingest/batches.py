@@ -1,7 +1,8 @@
 """The agents' event batches, written in groups: all batches that arrive while one group is
 written go together in the next (group commit, as heartbeats are: service/jobs/heartbeats.py), in one
 transaction of a fixed number of statements: the nodes, the attempts given to them, and one
-ingestion (service/ingest/store.py) of all their events.
+ingestion (service/ingest/store.py) of all their events. A job that went past its bound on events
+(service/ingest/bound.py) is stopped after that transaction, in one of its own (`over_bound`).
 
 Under load a batch's time went to waiting for its fifteen or so database round trips (each a
 wake-up of PostgreSQL and of a worker thread on a busy machine) and for a thread, not to
@@ -12,6 +13,7 @@ nothing-stored of a rejected batch, stay with the batch that caused them.
 
 import asyncio
 import logging
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import anyio
@@ -21,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.ingest.store import EventRejected, ingest
-from service.models import Attempt, AttemptNode, Job, Node, Token
+from service.models import JOB_WORLD_SIZE, Attempt, AttemptNode, Job, Node, Token
 from service.outcomes import Forbidden, Refused, Unprocessable
 from service.schemas.events import AgentEventIn, IngestOut
 from service.security import Caller
@@ -61,9 +63,14 @@ class EventBatchWriter:
     queue behind other requests for one)."""
 
     def __init__(
-        self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256, pace: float = 0.025
+        self, sessions: sessionmaker[Session], settings: Settings, max_batches: int = 256, pace: float = 0.025,
+        over_bound: Callable[[Collection[str]], None] = lambda jobs: None,
     ) -> None:
         self.sessions, self.settings = sessions, settings
+        # Stops the jobs past their bound (main.py: service/jobs/event_limit.py, which ingestion,
+        # below the jobs' wing, cannot import). Not in the ingestion's transaction: stopping locks
+        # the job's attempts and nodes, which the heartbeats lock before the accounting rows.
+        self.over_bound = over_bound
         # In a checkpoint burst a batch waits about one pace for its group to start: in the load
         # bench, batch p99 was 67 to 105 ms at 35 ms and 54 to 99 ms at 25 ms, with the same CPU
         # between bursts (BENCHMARKS.md, "Load"). The heartbeats' pace is the same.
@@ -83,6 +90,7 @@ class EventBatchWriter:
     def _write_group(self, group: list[Posted]) -> list[Outcome]:
         """Checks each batch, then ingests those that pass in one transaction; raises
         EventRejected if an event of one of them is unacceptable (nothing is then stored)."""
+        over_bound: frozenset[str] = frozenset()
         with self.sessions() as session:
             outcomes: list[Outcome | None] = [None] * len(group)
             nodes = self._own_nodes(session, group, outcomes)
@@ -104,9 +112,20 @@ class EventBatchWriter:
                 result = ingest(session, batch, clock_offsets=offsets, settings=self.settings)
                 session.commit()
                 for i, span in spans.items():
-                    accepted = sum(k in result.stored for k in span)
-                    outcomes[i] = IngestOut(accepted=accepted, duplicates=len(span) - accepted)
-            return outcomes  # type: ignore[return-value]  # every entry set above
+                    accepted, past = sum(k in result.stored for k in span), sum(k in result.refused for k in span)
+                    outcomes[i] = IngestOut(accepted=accepted, duplicates=len(span) - accepted - past, refused=past)
+                over_bound = result.over_bound
+        if over_bound:  # with the group's connection given back
+            self._stop(over_bound)
+        return outcomes  # type: ignore[return-value]  # every entry set above
+
+    def _stop(self, jobs: Collection[str]) -> None:
+        # The batches are stored and answered whatever becomes of this: the job's next batch, refused
+        # too, tries again.
+        try:
+            self.over_bound(jobs)
+        except Exception:
+            log.exception("jobs %s past their bound on events not stopped", sorted(jobs))
 
     @staticmethod
     def _own_nodes(session: Session, group: list[Posted], outcomes: list[Outcome | None]) -> dict[int, NodeLike]:
@@ -158,8 +177,7 @@ _NODES = (
 )  # fmt: skip
 _KNOWN_JOBS = select(Job.id).where(Job.id.in_(bindparam("jobs", expanding=True)))
 _GIVEN = (
-    select(AttemptNode.node_id, Attempt.job_id, Attempt.number,  # and the job's JobSpec.world_size, read in SQL
-           (Job.spec["nodes"].as_integer() * Job.spec["procs_per_node"].as_integer()).label("world"))
+    select(AttemptNode.node_id, Attempt.job_id, Attempt.number, JOB_WORLD_SIZE)
     .join(AttemptNode).join(Job, Attempt.job_id == Job.id)
     .where(AttemptNode.node_id.in_(bindparam("nodes", expanding=True)),
            Attempt.job_id.in_(bindparam("jobs", expanding=True)))

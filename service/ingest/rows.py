@@ -1,13 +1,18 @@
-"""An event on its way into the `events` table: its row, and the statements that store a batch of
-rows whole (COPY on PostgreSQL, staging and INSERT ... ON CONFLICT elsewhere or for repeats)."""
+"""An event on its way into the `events` table: its row, the statements that store a batch of
+rows whole (COPY on PostgreSQL, staging and INSERT ... ON CONFLICT elsewhere or for repeats), and
+the lookup of those stored already."""
 
 import json
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import orjson
+from sqlalchemy import select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+
+from service.models import JobEvent
 
 
 class EventRow(NamedTuple):
@@ -81,6 +86,21 @@ def encode_data(data: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         return data, json.dumps(data, separators=(",", ":")).encode()
     # orjson writes NaN and infinities as null: where the JSON has a null, read the stored form back.
     return (orjson.loads(encoded) if b"null" in encoded else data), encoded
+
+
+def chunks(keys: list, size: int = 500) -> Iterator[list]:
+    """Keys a few hundred at a time: one IN (...) per chunk keeps each statement's parameters bounded."""
+    return (keys[start : start + size] for start in range(0, len(keys), size))
+
+
+def stored_events(session: Session, job_id: str, keys: list[tuple[int, str, int]]) -> dict[tuple, JobEvent]:
+    """The job's stored events of these keys (attempt, source, seq), by key."""
+    found: dict[tuple, JobEvent] = {}
+    for chunk in chunks(keys):
+        where = tuple_(JobEvent.attempt, JobEvent.source, JobEvent.seq).in_(chunk)
+        for row in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, where)):
+            found[(row.attempt, row.source, row.seq)] = row
+    return found
 
 
 def dialect_insert(session: Session):

@@ -10,13 +10,14 @@ moved into `events` by one INSERT ... SELECT ... ON CONFLICT DO NOTHING on (job,
 seq) that returns the keys it stored. A repeat with the same content is ignored and one with
 other content rejects the batch; only the new events are folded into their job's `JobAccount`
 (service/accounting/engine.py), rank 0's steps one attempt at a time, and their checkpoint events into
-the job's checkpoint records.
+the job's checkpoint records. A job's new events past its bound are left out and answered `refused`
+(service/ingest/bound.py).
 """
 
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +26,17 @@ from sqlalchemy.orm import Session
 
 from service.accounting.engine import CheckpointRecord, Event, JobAccount
 from service.accounting.fold import fold, is_checkpoint
+from service.ingest.bound import take_past_bound
 from service.ingest.rows import (
     EventRow,
     Pending,
+    chunks,
     dialect_insert,
     encode_data,
     store_new,
+    stored_events,
 )
-from service.models import RANK0_STEPS, Checkpoint, Job, JobAccountRow, JobEvent
+from service.models import JOB_WORLD_SIZE, RANK0_STEPS, Checkpoint, Job, JobAccountRow, JobEvent
 from service.schemas.events import EventIn
 from service.settings import Settings
 
@@ -49,7 +53,9 @@ class EventRejected(Exception):
 class IngestResult:
     accepted: int
     duplicates: int
-    stored: frozenset[int]  # the indexes in the batch of the events stored by it (the others were repeats)
+    stored: frozenset[int]  # the indexes in the batch of the events stored by it
+    refused: frozenset[int] = frozenset()  # ... of those past their job's bound, not stored (the rest: repeats)
+    over_bound: frozenset[str] = frozenset()  # the jobs they belong to, to be stopped (service/jobs/event_limit.py)
 
 
 class _SqlSteps:
@@ -77,7 +83,8 @@ def ingest(
 ) -> IngestResult:
     """Stores and accounts a batch of (job id, event); raises EventRejected, leaving the caller
     to roll back. `clock_offsets`: each event's node's clock offset (None: all 0). `settings`
-    brings the limits on data size and future times (None: the service's own events, trusted).
+    brings the limits on data size, future times and events per job (None: the service's own
+    events, trusted).
     `copy_in_savepoint`: False for a caller that ingests event by event in one transaction (the
     savepoint is a subtransaction, and past 64 in one transaction PostgreSQL slows every other
     session's snapshots). The caller commits."""
@@ -102,8 +109,10 @@ def ingest(
         if earlier is not pending:
             if _content(earlier.row, earlier.data) != _content(row, data):
                 raise EventRejected(i, "seq", _conflict_message(row, "sent"))
-    _check_jobs_exist(session, by_job)
+    worlds = _check_jobs_exist(session, by_job)
     accounts = _lock_accounts(session, sorted(by_job))
+    past = {} if settings is None else take_past_bound(
+        session, by_job, {job_id: row.events for job_id, row in accounts.items()}, worlds, settings)
     stored = store_new(session, [p.row for events in by_job.values() for p in events.values()], copy_in_savepoint)
     fresh: dict[str, list[Pending]] = {}
     for job_id, events in by_job.items():
@@ -116,7 +125,9 @@ def ingest(
         session.execute(update(JobAccountRow), updates)  # by primary key, one executemany
     records.write(session)
     new = frozenset(p.index for events in fresh.values() for p in events)
-    return IngestResult(len(new), len(batch) - len(new), new)
+    refused = frozenset(i for i, (job_id, e) in enumerate(batch)
+                        if (e.attempt, e.source, e.seq) in past.get(job_id, ())) if past else frozenset()  # fmt: skip
+    return IngestResult(len(new), len(batch) - len(new) - len(refused), new, refused, frozenset(past))
 
 
 def _content(row: EventRow | JobEvent, data: dict[str, Any]) -> tuple:
@@ -128,22 +139,19 @@ def _conflict_message(row: EventRow, where: str) -> str:
     return f"seq {row.seq} of {row.source} in attempt {row.attempt} was already {where} with other content"
 
 
-def _chunks(keys: list, size: int = 500) -> Iterator[list]:
-    """Keys a few hundred at a time: one IN (...) per chunk keeps each statement's parameters bounded."""
-    return (keys[start : start + size] for start in range(0, len(keys), size))
-
-
-def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, Pending]]) -> None:
+def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, Pending]]) -> dict[str, int]:
+    """Each job's number of ranks, by id; EventRejected naming the first event of a job that does not exist."""
     # FOR KEY SHARE (PostgreSQL): the job before its accounting row, in the order the scheduler
     # takes them (it locks jobs, then emits events), so the two never wait on each other in a circle.
     query = (
-        select(Job.id).where(Job.id.in_(list(by_job))).order_by(Job.id)
+        select(Job.id, JOB_WORLD_SIZE).where(Job.id.in_(list(by_job))).order_by(Job.id)
         .with_for_update(read=True, key_share=True)
     )  # fmt: skip
-    known = set(session.scalars(query))
+    worlds = {job_id: world for job_id, world in session.execute(query)}
     for job_id, events in by_job.items():
-        if job_id not in known:
+        if job_id not in worlds:
             raise EventRejected(min(p.index for p in events.values()), "job_id", f"no job {job_id}")
+    return worlds
 
 
 def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, Row]:
@@ -178,12 +186,7 @@ def _account(session: Session, account_row: Row, new: list[Pending], records: "_
 
 def _check_repeats(session: Session, job_id: str, repeats: list[Pending]) -> None:
     """Each repeat must have the stored event's content."""
-    keys = [p.key for p in repeats]
-    existing: dict[tuple[int, str, int], JobEvent] = {}
-    for chunk in _chunks(keys):
-        found = tuple_(JobEvent.attempt, JobEvent.source, JobEvent.seq).in_(chunk)
-        for row in session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, found)):
-            existing[(row.attempt, row.source, row.seq)] = row
+    existing = stored_events(session, job_id, [p.key for p in repeats])
     for p in repeats:
         stored = existing[p.key]
         if _content(stored, stored.data) != _content(p.row, p.data):
@@ -200,7 +203,7 @@ class _Records:
         self.found: dict[tuple[str, int, int], tuple[int, CheckpointRecord]] = {}  # with the row's id
         self.made: dict[tuple[str, int, int], CheckpointRecord] = {}
         self.changed: set[tuple[str, int, int]] = set()
-        for chunk in _chunks(keys):
+        for chunk in chunks(keys):
             found = tuple_(Checkpoint.job_id, Checkpoint.attempt, Checkpoint.step).in_(chunk)
             for row in session.execute(select(Checkpoint.id, Checkpoint.job_id, *_RECORD_COLUMNS).where(found)):
                 record = CheckpointRecord(*row[2:])

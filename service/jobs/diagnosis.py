@@ -11,7 +11,6 @@ no line explains is told by its cause (a hang, a lost node, Slurm's end) or its 
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session, sessionmaker
@@ -28,7 +27,7 @@ from service.jobs.failure_text import (
     read_lines,
 )
 from service.jobs.logs import rank_named
-from service.models import Attempt, Job, Node, RankLog
+from service.models import Attempt, Job, RankLog
 from service.settings import Settings
 
 # Failures no restart can fix: the job ends at once.
@@ -36,15 +35,14 @@ NEVER_RETRIED = frozenset({"import_error", "configuration"})
 # Told by the failure's cause alone.
 CAUSE_DIAGNOSES = {"hang": "hang", "node_lost": "node_lost", "time_limit": "time_limit", "preempted": "preempted",
                    "terminated": "terminated", "straggler": "straggler"}
-# Diagnoses of the job's own making: they do not count against the node that reported them.
-JOBS_OWN = frozenset({"exception", "import_error", "configuration"})
 LogKey = tuple[str, int, int]  # (job id, attempt, rank)
 
 
 @dataclass(frozen=True)
 class FailurePolicy:
-    """The operator's settings for failures (service/settings.py): the extra patterns, and how many
-    failures a node may report within a window before it is drained."""
+    """The operator's settings for failures (service/settings.py): the extra patterns, and how much
+    node evidence a node may have within a window before it is drained. A diagnosis never counts
+    against the node: it is read from what the job printed (service/agents/node_evidence.py)."""
 
     patterns: Sequence[tuple[str, re.Pattern[str]]] = tuple(DEFAULT_COMPILED)
     node_failure_limit: int = 3
@@ -54,18 +52,6 @@ class FailurePolicy:
     def of(cls, settings: Settings) -> "FailurePolicy":
         return cls(compile_patterns(settings.failure_patterns), settings.node_failure_limit,
                    settings.node_failure_window_seconds)
-
-
-def drain_if_failing(session: Session, node: Node, policy: FailurePolicy, now: float) -> None:
-    """Drains the node when its reports told `node_failure_limit` failures within the window
-    that are not of the jobs' own making (an exception, an import error, a configuration)."""
-    since = datetime.fromtimestamp(now - policy.node_failure_window_seconds, UTC)
-    failures = session.scalars(select(Attempt.diagnosis).where(
-        Attempt.failed_node_id == node.id, Attempt.ended_at >= since)).all()  # fmt: skip
-    counted = [d for d in failures if d not in JOBS_OWN]
-    if len(counted) >= policy.node_failure_limit and node.drained is None:
-        node.drained = (f"{len(counted)} failures within {policy.node_failure_window_seconds:g} s "
-                        f"({', '.join(sorted(set(map(str, counted))))}): drained until an admin returns it")
 
 
 def without_logs(cause: str, detail: str, exit_code: int | None) -> Diagnosis:

@@ -20,7 +20,7 @@ from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session, joinedload, sessionmaker
 
 from ett.protocol.messages import AttemptReport
-from service.agents import commands
+from service.agents import commands, node_evidence
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import scheduler
@@ -78,7 +78,7 @@ def node_state_after(state: NodeState, leaving: bool) -> NodeState:
 # scheduler's order (no deadlock with it); two statements built once (built per batch, each
 # left cyclic garbage for the collector).
 _NODES = (
-    select(Node.id, Node.name, Node.token_id, Node.state, Node.clock_offset_seconds, Token.revoked,
+    select(Node.id, Node.name, Node.token_id, Node.state, Node.clock_offset_seconds, Node.health, Token.revoked,
            commands.WAITING_FOR_NODE.label("pending"))
     .join(Token, Node.token_id == Token.id)
     .where(Node.name.in_(bindparam("names", expanding=True)))
@@ -151,6 +151,7 @@ class HeartbeatWriter:
             changing: list[tuple[int, Beat, AttemptReport]] = []  # (share id, heartbeat, report)
             recorded: dict[int, int] = {}  # batch index -> node id
             to_take: dict[int, int] = {}  # node id -> batch index of its first heartbeat with commands waiting
+            evidence: list[tuple[int, str | None, Beat]] = []  # (node id, its health before, heartbeat)
             outcomes: list[Outcome | None] = [None] * len(batch)
             for i, item in enumerate(batch):
                 node = claimed_node(session, nodes.get(item.name), item.name, item.caller)
@@ -159,9 +160,12 @@ class HeartbeatWriter:
                     continue
                 if isinstance(node, Node):  # its row is held (skip_locked): the held lane writes it
                     continue
-                # Two heartbeats of a node in one batch: the second goes on from the first's offset.
-                offset = updates[node.id]["clock_offset_seconds"] if node.id in updates else node.clock_offset_seconds
-                updates[node.id] = node_update(node, offset, item.beat, item.received, now, self.settings)
+                # Two heartbeats of a node in one batch: the second goes on from the first's offset and health.
+                before = updates[node.id] if node.id in updates else node._mapping
+                updates[node.id] = node_update(node, before["clock_offset_seconds"], item.beat, item.received, now,
+                                               self.settings)  # fmt: skip
+                if (item.beat.health and not before["health"]) or any(r.kernel for r in item.beat.attempts):
+                    evidence.append((node.id, before["health"], item))
                 for report in item.beat.attempts:
                     share = shares.get((node.id, report.job_id, report.attempt))
                     # None: an ended attempt reported again, or none of this node's: nothing to do
@@ -174,6 +178,8 @@ class HeartbeatWriter:
                     to_take.setdefault(node.id, i)
             if updates:
                 session.execute(update(Node), list(updates.values()))
+            if evidence:
+                self._record_evidence(session, evidence, now)
             if changing:
                 self._apply_reports(session, changing)
             taken = commands.take_pending_of(session, to_take) if to_take else {}
@@ -194,6 +200,18 @@ class HeartbeatWriter:
             if item.diagnoses is None:
                 item.diagnoses = {report.key: diagnosis for (of, report), diagnosis in zip(failed, found, strict=True)
                                   if of is item}  # fmt: skip
+
+    def _record_evidence(self, session: Session, evidence: list[tuple[int, str | None, Beat]], now: datetime) -> None:
+        """What tells of the nodes themselves (rare): a health check that starts failing, the kernel
+        records their agents read while an attempt ran; then the drain they may call for."""
+        policy = self.failure_policy
+        for node_id, health_before, item in evidence:
+            node = session.get_one(Node, node_id)
+            node_evidence.record_health(session, node, health_before, item.beat.health, now)
+            for report in item.beat.attempts:
+                node_evidence.record_readings(session, node, report.kernel, report.job_id, report.attempt, now)
+            node_evidence.drain_on_evidence(session, node, policy.node_failure_limit,
+                                            policy.node_failure_window_seconds, now)
 
     @staticmethod
     def _active_shares(session: Session, batch: list[Beat], node_ids: list[int]) -> dict[tuple[int, str, int], Row]:

@@ -1,7 +1,8 @@
 """The ranks' output as their agents ship it: kept per rank and attempt, its last LOG_KEEP_CHARS
 characters (docs/architecture.md, "Logs"), the values of the job's `env` blanked before it is stored
-(a secret printed by a job is never served back), and read by the job's owner through the API,
-`ett logs` and the job page."""
+(a secret printed by a job is never served back: blanked on the node already, across the pieces it
+ships, and here again within each piece, ett/protocol/redaction.py), and read by the job's owner
+through the API, `ett logs` and the job page."""
 
 import re
 from collections.abc import Sequence
@@ -10,12 +11,11 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ett.protocol.redaction import redact
 from service.models import Attempt, AttemptNode, Job, Node, RankLog
 from service.outcomes import Forbidden, NotFound, Unprocessable
 
 LOG_KEEP_CHARS = 256 << 10
-REDACTED = "[redacted]"
-SECRET_MIN_CHARS = 4  # shorter values ("1", "true") are not secrets, and blanking them would garble the text
 FAILED_RANK = re.compile(r"\brank (\d+)\b")
 
 
@@ -53,18 +53,11 @@ def store_pieces(session: Session, node: Node, pieces: Sequence[Piece]) -> None:
         if row is None:
             row = rows[key] = RankLog(job_id=piece.job_id, attempt=piece.attempt, rank=piece.rank, text="", end=0)
             session.add(row)
-        text = redact(piece.text, jobs[piece.job_id])
+        text = redact(piece.text, jobs[piece.job_id].spec.env.values())
         if piece.skipped:
             text = f"[... {piece.skipped} bytes not shipped ...]\n{text}"
         row.node, row.end = node.name, row.end + len(text)
         row.text = (row.text + text)[-LOG_KEEP_CHARS:]
-
-
-def redact(text: str, job: Job) -> str:
-    for value in job.spec.env.values():
-        if len(value) >= SECRET_MIN_CHARS:
-            text = text.replace(value, REDACTED)
-    return text
 
 
 @dataclass(frozen=True)

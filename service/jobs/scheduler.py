@@ -14,11 +14,11 @@ from sqlalchemy.orm import Session, contains_eager, selectinload
 
 from ett.protocol.event_fields import AttemptAllocatedData, AttemptFailedData, AttemptStoppedData, JobFinishedData
 from ett.protocol.messages import AttemptReport, StopCommand
-from service.agents import commands
+from service.agents import commands, node_evidence
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
-from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, drain_if_failing, no_restart_reason,
-                                    reported_failure, without_logs)
+from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_restart_reason, reported_failure,
+                                    without_logs)
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
@@ -39,8 +39,6 @@ from service.models import (
     SlurmState,
 )
 from service.settings import Settings
-
-# The trainer's exit code for a bad configuration: retrying cannot help (trainer/config.py).
 
 
 def _at(ts: float) -> datetime:
@@ -70,8 +68,9 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
                  policy: FailurePolicy = FailurePolicy(), diagnosis: Diagnosis | None = None) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt; the
     heartbeats' batches load theirs at once). A failure is diagnosed from its rank's output, unless
-    `diagnosis` was made before the transaction, and counted against the node, by `policy`
-    (service/jobs/diagnosis.py)."""
+    `diagnosis` was made before the transaction, with `policy`'s patterns (service/jobs/diagnosis.py);
+    it never counts against the node: what the job printed and how it ended are the job's
+    (service/agents/node_evidence.py)."""
     if share.state not in ACTIVE:
         return
     share.state = AttemptState(report.state)
@@ -82,7 +81,6 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
         cause, detail = reported_failure(report, node.name)
         diagnosis = diagnosis or diagnose(session, attempt, cause, detail, report.exit_code, policy.patterns)
         fail_attempt(session, attempt, cause, detail, now, report.exit_code, diagnosis, node)
-        drain_if_failing(session, node, policy, now)
     elif share.state == AttemptState.stopped and attempt.state in ACTIVE:
         # The agent stopped it without being told to (an agent restart): the attempt is lost.
         fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
@@ -187,10 +185,11 @@ def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> Non
     ).all()  # fmt: skip
     for node in silent:
         node.state = NodeState.lost
+        detail = f"agent {node.name} sent no heartbeat for {settings.heartbeat_timeout_seconds:g} s"
         shares = session.scalars(select(AttemptNode).where(AttemptNode.node_id == node.id,
                                                            AttemptNode.state.in_(ACTIVE))).all()
+        node_evidence.node_lost(session, node, shares, detail, settings, _at(now))  # unless a job's drill
         for share in shares:
-            detail = f"agent {node.name} sent no heartbeat for {settings.heartbeat_timeout_seconds:g} s"
             # The lost node is told to stop too: a slow agent that comes back must not run stale ranks.
             fail_attempt(session, share.attempt, "node_lost", detail, now)
             share.state = AttemptState.failed  # not waited for: the next attempt may start without it

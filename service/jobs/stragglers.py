@@ -14,8 +14,10 @@ With `stragglers = "replace"` the flag also weighs what the slowdown will cost o
 remaining steps against what a restart costs (the attempt's measured start-up; the stop saves a
 final checkpoint, so no step is lost), and when the slowdown costs more, ends the attempt as a
 failure of cause `straggler` (its ranks get SIGTERM: a save, then a clean exit) and the next
-attempt starts without that node. A node flagged `node_failure_limit` times within the window of
-the failure settings is drained until an admin returns it.
+attempt starts without that node. A flag never drains the node: the step times are the job's own
+words (its ranks write them, and a rank that sleeps is slow), so one job alone could flag a healthy
+node again and again; the flags show in `ett nodes` for an admin to judge, and only node evidence
+drains (service/agents/node_evidence.py).
 """
 
 import statistics
@@ -29,9 +31,8 @@ from sqlalchemy.orm import Session, selectinload
 
 from service.accounting.accounts import job_account
 from service.jobs import notifications
-from service.jobs.diagnosis import FailurePolicy
 from service.jobs.scheduler import fail_attempt
-from service.models import STEP_TIMINGS, Attempt, AttemptNode, AttemptState, JobEvent, Node, StragglerFlag
+from service.models import STEP_TIMINGS, Attempt, AttemptNode, AttemptState, JobEvent, StragglerFlag
 
 RELATIVE_LIMIT = 1.5
 STEP_SHARE = 0.15
@@ -131,7 +132,7 @@ def _timings(session: Session, attempt: Attempt, since_step: int | None = None, 
     return found
 
 
-def watch(session: Session, policy: FailurePolicy, now: float) -> None:
+def watch(session: Session, now: float) -> None:
     """One pass over the running attempts of more than one rank: new stragglers are recorded (and,
     by the job's policy, replaced)."""
     running = session.scalars(select(Attempt).where(Attempt.state == AttemptState.running)
@@ -150,13 +151,12 @@ def watch(session: Session, policy: FailurePolicy, now: float) -> None:
             StragglerFlag.job_id == attempt.job_id, StragglerFlag.attempt == attempt.number)))
         for straggler in find_stragglers(timings, world):
             if straggler.rank not in flagged:
-                _flag(session, attempt, straggler, timings, policy, now)
+                _flag(session, attempt, straggler, timings, now)
                 if attempt.state != AttemptState.running:
                     break  # replaced: its other ranks are no longer compared
 
 
-def _flag(session: Session, attempt: Attempt, s: Straggler, timings: list[Timing], policy: FailurePolicy,
-          now: float) -> None:
+def _flag(session: Session, attempt: Attempt, s: Straggler, timings: list[Timing], now: float) -> None:
     node = attempt.nodes[s.rank // attempt.job.spec.procs_per_node].node
     early = [t.value for t in _timings(session, attempt, rank=s.rank)[1 : 1 + EARLY_WINDOWS]]
     individual = s.work_seconds / statistics.median(early) if early and statistics.median(early) > 0 else None
@@ -177,7 +177,6 @@ def _flag(session: Session, attempt: Attempt, s: Straggler, timings: list[Timing
         detail = (f"rank {s.rank} on {node.name} straggled: {s.relative:.1f}x its peers' work since step "
                   f"{s.since_step}; the slowdown would cost {slow_cost:.1f} s, a restart {restart_cost:.1f} s")
         fail_attempt(session, attempt, "straggler", detail, now, node=node)
-    _drain_if_flagged_often(session, node, policy, now)
 
 
 def replacement_costs(session: Session, attempt: Attempt, s: Straggler, timings: list[Timing]) -> tuple[float, float]:
@@ -195,13 +194,3 @@ def replacement_costs(session: Session, attempt: Attempt, s: Straggler, timings:
     checkpoints = summary.committed > 0 or summary.blocking_count > 0
     lost = 0.0 if checkpoints else (s.flagged_step - (summary.restored_step or 0)) * s.step_seconds
     return slow_cost, startup + lost
-
-
-def _drain_if_flagged_often(session: Session, node: Node, policy: FailurePolicy, now: float) -> None:
-    since = datetime.fromtimestamp(now - policy.node_failure_window_seconds, UTC)
-    session.flush()
-    flags = session.scalar(select(func.count()).where(StragglerFlag.node == node.name,
-                                                      StragglerFlag.flagged_at >= since))
-    if flags >= policy.node_failure_limit and node.drained is None:
-        node.drained = (f"flagged as a straggler {flags} times within {policy.node_failure_window_seconds:g} s: "
-                        "drained until an admin returns it")

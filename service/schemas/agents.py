@@ -39,15 +39,33 @@ class NodeOut(BaseModel):
     clock_skew_flagged: bool
     job_id: str | None  # the one job it serves (a Slurm allocation's agent); None: any
     health: str | None = None  # why its health check fails
-    drained: str | None = None  # why an admin, or its failures, took it out of the scheduler's choice
+    drained: str | None = None  # why an admin, or its node evidence, took it out of the scheduler's choice
+
+
+class NodeEvidenceOut(BaseModel):
+    """A piece of node evidence (service/agents/node_evidence.py)."""
+
+    kind: str = Field(description="health_check, xid, ecc, oom_kill or node_lost")
+    source: str = Field(description="who read it: the agent's health check, its reading of the kernel log, ...")
+    detail: str
+    seen_at: datetime
+    job_id: str | None = Field(None, description="the attempt its agent reported it with, if any")
+    attempt: int | None = None
+    drained: bool = Field(description="counted in the node's standing drain")
 
 
 class NodeDetail(NodeOut):
     """A node as an operator sees it (GET /api/v1/nodes, `ett nodes`)."""
 
     jobs: list[str] = Field(description="the jobs of its active attempts")
-    failures: int = Field(description="failures its reports told within ETT_NODE_FAILURE_WINDOW_SECONDS")
-    flags: int = Field(0, description="straggler flags of its ranks within ETT_NODE_FAILURE_WINDOW_SECONDS")
+    failures: int = Field(description="failures its reports told within ETT_NODE_FAILURE_WINDOW_SECONDS, of any "
+                                      "kind: the jobs' own too, which never drain it")
+    flags: int = Field(0, description="straggler flags of its ranks within ETT_NODE_FAILURE_WINDOW_SECONDS "
+                                      "(never drain it)")
+    evidence_count: int = Field(0, description="node evidence within ETT_NODE_FAILURE_WINDOW_SECONDS: "
+                                               "ETT_NODE_FAILURE_LIMIT of it drains the node")
+    evidence: list[NodeEvidenceOut] = Field([], description="its node evidence within the window or counted in "
+                                                            "its drain, newest first (10 at most)")
 
 
 class DrainRequest(Strict):

@@ -107,6 +107,8 @@ class AgentEventBatch(Strict):
 class IngestOut(BaseModel):
     accepted: int
     duplicates: int
+    refused: int = Field(0, description="events past their job's bound (ETT_MAX_EVENTS_PER_RANK), not stored and "
+                         "not to be sent again: the job is stopped")
 
 
 Seconds = dict[Literal[CATEGORIES], float]  # type: ignore[valid-type]

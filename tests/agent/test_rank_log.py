@@ -1,8 +1,10 @@
-"""A rank's output on its node: rotated at its bound whatever the rank prints, and shipped to the
-service piece by piece, a rotation's rest included, nothing lost across an agent restart."""
+"""A rank's output on its node: rotated at its bound whatever the rank prints, its job's secrets
+blanked however they are printed, and shipped to the service piece by piece, a rotation's rest
+included, nothing lost across an agent restart."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import pytest
 from agent.forwarding.log_shipper import PIECE_BYTES, LogShipper
 from agent.launching.rank_log import PipeCopier, RotatingLog
 from ett.protocol import LOGS_DIR, rank_log
+from ett.protocol.redaction import REDACTED, Redactor, redact
 from tests.support.waiting import wait_for
 
 
@@ -150,3 +153,50 @@ def test_a_refused_jobs_output_never_takes_another_jobs_with_it_and_a_429_keeps_
     assert shipper.ship_once()
     assert [(p["job_id"], p["text"]) for p in service.pieces] == [("good", "good says hello\n")]
     assert shipper.shipped(tmp_path / "spool" / "good" / "0")
+
+
+# A rank prints its secret in two writes with a flush and a pause between them (the shipper ships
+# meanwhile), then once more whole. A variable too short to be a secret is left alone.
+SPLIT_SECRET = """
+import os, sys, time
+key = os.environ["WANDB_API_KEY"]
+sys.stdout.write("starting\\nkey " + key[:7]); sys.stdout.flush()
+sys.stdin.readline()  # the shipper has shipped what came so far
+sys.stdout.write(key[7:] + " in two writes\\nkey " + key + " whole, gpu " + os.environ["GPU"] + "\\n")
+"""
+
+
+def test_a_secret_printed_in_two_writes_is_blanked_on_the_node_across_the_pieces_shipped(tmp_path):
+    logs = tmp_path / "spool" / "job" / "0" / LOGS_DIR
+    logs.mkdir(parents=True)
+    env = {"WANDB_API_KEY": "s3cr3t-key-123", "GPU": "a10"}
+    read_fd, write_fd = os.pipe()
+    copying = PipeCopier(read_fd, RotatingLog(str(logs / rank_log(0))), env.values())
+    rank = subprocess.Popen([sys.executable, "-c", SPLIT_SECRET], stdin=subprocess.PIPE, stdout=write_fd,
+                            env=os.environ | env)  # fmt: skip
+    os.close(write_fd)
+    service = Service()
+    shipper = LogShipper(tmp_path / "spool", tmp_path, service)
+    wait_for(lambda: shipper.ship_once() and "".join(p["text"] for p in service.pieces) == "starting\nkey ", 30,
+             "the rank's first write to be shipped, the secret's start kept back")  # fmt: skip
+    rank.communicate(b"go on\n", timeout=30)
+    copying.join(30)
+    assert shipper.ship_once() and len(service.pieces) == 2
+    assert service.pieces[1]["text"] == "[redacted] in two writes\nkey [redacted] whole, gpu a10\n"
+    shipped = "".join(p["text"] for p in service.pieces) + (logs / rank_log(0)).read_text()
+    assert "s3cr3t-" not in shipped and "key-123" not in shipped  # nor on the node
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_blanking_output_read_in_pieces_gives_what_blanking_it_whole_gives(seed):
+    """However the reads cut the output (inside a secret, inside a character), the node blanks what
+    the service's rule blanks in the whole text: secrets that begin alike, or one inside another."""
+    values = ["hunter22", "hunter22-and-more", "clé-sécrète", "abcabd", "no"]
+    whole = "x hunter22 y hunter22-and-more z clé-sécrète abcabcabd hunter2 abcab\n" * 3
+    data = whole.encode()
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(data)), 12))
+    redactor = Redactor(values)
+    out = b"".join(redactor.feed(data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)])) + redactor.flush()
+    assert out.decode() == redact(whole, values)
+    assert "hunter22" not in out.decode() and out.decode().count(REDACTED) == 12

@@ -15,7 +15,8 @@ def test_an_end_is_sent_only_once_released_and_kept_until_acknowledged():
     assert book.held() == [("j", 0)] and not book.overdue()
     sent = book.to_send()
     assert [r.model_dump() for r in sent] == [
-        {"job_id": "j", "attempt": 0, "state": "running", "cause": None, "detail": "", "exit_code": None}]
+        {"job_id": "j", "attempt": 0, "state": "running", "cause": None, "detail": "", "exit_code": None,
+         "kernel": []}]
     book.acknowledge(sent)
     assert book.snapshot()[0].state == "failed"  # a `running` answered 200 does not retire the end
 

@@ -37,8 +37,10 @@ def test_success_reports_every_rank_and_the_spool_env(supervisor):
     supervisor.launch(command)
     report = run_to_end(supervisor)
 
-    assert report == {"job_id": command.job_id, "attempt": 2, "state": "succeeded", "cause": None, "detail": "",
-                      "exit_code": None}
+    # Its `kernel` readings are the node's (agent/node/kernel_log.py): another test's real
+    # out-of-memory kill on this machine may be among them, so they are not this test's to check.
+    assert {k: v for k, v in report.items() if k != "kernel"} == {
+        "job_id": command.job_id, "attempt": 2, "state": "succeeded", "cause": None, "detail": "", "exit_code": None}
     node_events = spool_events(supervisor, command, "node:node-a")
     assert [e["kind"] for e in node_events] == ["workers_launched", "worker_exited", "worker_exited"]
     assert [e["seq"] for e in node_events] == [0, 1, 2]

@@ -104,7 +104,8 @@ OOM_HOG = "h = []\nwhile True:\n    h.append(bytearray(16 << 20)); h[-1][::4096]
 
 @pytest.mark.skipif(os.geteuid() != 0 or not MEMORY_CGROUP.is_dir(), reason="a v1 memory cgroup to cap a rank")
 def test_a_rank_the_kernels_out_of_memory_killer_ends_is_diagnosed_so(tmp_path):
-    """No traceback, only SIGKILL: the agent reads the kernel's log for the kill of that rank."""
+    """No traceback, only SIGKILL: the agent reads the kernel's log for the kill of that rank, and, the
+    limit being the operator's, counts the kill as node evidence."""
     cap = MEMORY_CGROUP / f"ett-test-{os.getpid()}"
     cap.mkdir()
     try:
@@ -116,6 +117,11 @@ def test_a_rank_the_kernels_out_of_memory_killer_ends_is_diagnosed_so(tmp_path):
             c.wait_registered("node-a")
             killed = c.wait_job(c.submit(**job("oom", OOM_HOG, max_restarts=0)))
             [failure] = c.report(killed["id"])["failures"]
+            [node] = c.admin.get("/api/v1/nodes").json()
+        # The cap is the operator's, over the agent, not the job's own: the kernel's record of the kill is
+        # node evidence, read by the agent (service/agents/node_evidence.py).
+        assert any(e["kind"] == "oom_kill" and e["job_id"] == killed["id"] and f"oom_memcg=/{cap.name}," in e["detail"]
+                   for e in node["evidence"]), node
         assert failure["cause"] == "signal" and failure["diagnosis"] == "out_of_memory", failure
         assert "killed by SIGKILL: the kernel's out-of-memory killer (Memory cgroup out of memory: Killed process" in (
             failure["summary"]), failure

@@ -79,3 +79,41 @@ def test_ett_logs_shows_the_failed_ranks_traceback_and_follows_a_running_rank(tm
         assert c.job(chatty)["state"] == "succeeded"
         # The first line came while the rank still printed (12 lines, 0.5 s apart), not at the end.
         assert time.monotonic() - seen_at > 2.0
+
+
+# The rank prints its secret in two writes, flushing the first and waiting (for the test's word)
+# before the second: the agent ships the first meanwhile.
+SPLIT_SECRET = """
+import os, sys, time
+key, go_on = os.environ["WANDB_API_KEY"], os.environ["GO_ON_FILE"]
+sys.stdout.write("starting\\nkey " + key[:7]); sys.stdout.flush()
+deadline = time.monotonic() + 60
+while not os.path.exists(go_on) and time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.stdout.write(key[7:] + " in two writes\\n"); sys.stdout.flush()
+"""
+
+
+def test_a_secret_a_rank_prints_in_two_writes_is_blanked_on_its_node_before_shipping(tmp_path):
+    """The service blanks a secret within each piece it is shipped; one split between two pieces is
+    blanked on the node, where the rank's output is read: its start is kept back until the rest comes."""
+    go_on = tmp_path / "go-on"
+    with cluster(tmp_path) as c:
+        c.start_agent("node-a")
+        job_id = c.submit(name="split", nodes=1, procs_per_node=1, max_restarts=0, hang_timeout_seconds=None,
+                          env={"WANDB_API_KEY": "s3cr3t-key-123", "GO_ON_FILE": str(go_on)},
+                          entrypoint=[sys.executable, "-c", SPLIT_SECRET])  # fmt: skip
+
+        def shipped() -> str | None:
+            return c.user.get(f"/api/v1/jobs/{job_id}/logs", params={"rank": 0}).json().get("text")
+
+        wait_for(lambda: shipped() == "starting\nkey ", 90, "the rank's first write to be shipped")
+        time.sleep(1.0)  # the agent ships every 0.1 s: the secret's start, had it not been kept back, would be there
+        assert shipped() == "starting\nkey "
+        go_on.touch()
+        assert c.wait_job(job_id)["state"] == "succeeded"
+        wait_for(lambda: shipped() == "starting\nkey [redacted] in two writes\n", 30, "the rest to be shipped")
+        out, err = ett_logs(c, job_id).communicate(timeout=60)
+        assert out == "starting\nkey [redacted] in two writes\n", (out, err)
+        on_node = b"".join(p.read_bytes() for p in (tmp_path / "node-a").rglob("rank-0.log*"))
+        assert b"key [redacted] in two writes" in on_node and b"s3cr3t-" not in on_node

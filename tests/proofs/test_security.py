@@ -78,7 +78,7 @@ def test_agent_reports_only_for_attempts_on_its_own_node(service):
     mixed = [_event(job["id"], seq=1), _event(other["id"])]
     assert post(node_a, "node-a", mixed).status_code == 403
     answer = post(node_a, "node-a", [_event(job["id"], seq=1)])
-    assert answer.status_code == 200 and answer.json() == {"accepted": 1, "duplicates": 0}
+    assert answer.status_code == 200 and answer.json() == {"accepted": 1, "duplicates": 0, "refused": 0}
 
 
 def test_roles_keep_to_their_endpoints(service):

@@ -52,7 +52,7 @@ def test_log_pieces_and_events_of_a_rank_beyond_the_attempts_world_are_refused_a
     with service.context.sessions() as session:
         assert session.scalar(select(func.count()).select_from(JobEvent).where(JobEvent.job_id == job_id)) == 0
     accepted = agent.post("/api/v1/agents/node-a/events", json={"events": [event | {"source": "rank:15"}]})
-    assert accepted.json() == {"accepted": 1, "duplicates": 0}
+    assert accepted.json() == {"accepted": 1, "duplicates": 0, "refused": 0}
 
 
 @SQLITE_ONLY
