@@ -28,6 +28,7 @@ from ett.protocol import LOGS_DIR
 log = logging.getLogger(__name__)
 PIECE_BYTES = 64 << 10
 RANK_LOG_NAME = re.compile(r"^rank-(\d+)\.log$")
+REFUSED_PIECE = re.compile(r"\blogs\.(\d+)\.")  # a 422 names the piece it refused
 Send = Callable[[list[dict[str, Any]]], httpx.Response]
 
 
@@ -64,21 +65,36 @@ class LogShipper:
         shipped, taken = True, {}
         for attempt, (pieces, moved) in batches.items():
             try:
-                response = self.send(pieces)
+                done = self._send_attempt(attempt, pieces)
             except httpx.HTTPError as exc:
                 log.warning("shipping %d rank logs failed: %s", len(pieces), exc)
                 shipped = False
                 break
-            if response.status_code >= 500 or response.status_code == 429:
+            if not done:
                 shipped = False  # kept for the next round
                 continue
-            if response.status_code != 200:  # refused for good: not resent
-                log.warning("rank logs of %s refused: %d %s", attempt, response.status_code, response.text[:200])
             taken |= moved
         if taken:
             self.positions |= taken
             self._save()
         return shipped
+
+    def _send_attempt(self, attempt: str, pieces: list[dict[str, Any]]) -> bool:
+        """Sends one attempt's pieces; False when the service could not take them now (a 5xx, a
+        429: kept for later). A piece the service refuses by name (`logs.N...`: a rank the job does
+        not have) is dropped and the rest sent again; any other refusal is for good, not resent."""
+        while pieces:
+            response = self.send(pieces)
+            if response.status_code >= 500 or response.status_code == 429:
+                return False
+            if response.status_code == 200:
+                return True
+            named = {int(n) for n in REFUSED_PIECE.findall(response.text)}
+            log.warning("rank logs of %s refused: %d %s", attempt, response.status_code, response.text[:200])
+            if response.status_code != 422 or not named & set(range(len(pieces))):
+                return True
+            pieces = [piece for i, piece in enumerate(pieces) if i not in named]
+        return True
 
     def _new_part(self, path: Path, known: list[int] | None) -> tuple[str, int, list[int]]:
         """The text after the known position (the rotated-away rest first), the bytes skipped, and

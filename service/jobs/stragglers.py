@@ -39,6 +39,10 @@ STEP_SHARE = 0.15
 WINDOWS_IN_A_ROW = 3  # two flagged a healthy rank under CI's load once; three: by step S + 17 at the latest
 LOOKBACK_STEPS = 60  # the windows read each pass: enough for WINDOWS_IN_A_ROW complete ones
 EARLY_WINDOWS = 3  # a rank's own baseline: its median over the attempt's first complete windows but one
+# A slowdown shorter than this is the machine's scheduling noise, not a straggler: a healthy rank of
+# a job of 50 ms steps, starved of its core for 0.8 s on a shared 2-core machine, was flagged (CI,
+# 2026-11-27). Steps of a real job last far longer: three windows of them pass this at once.
+MIN_SLOW_SECONDS = 1.5
 
 
 @dataclass(frozen=True)
@@ -106,11 +110,17 @@ def find_stragglers(timings: Sequence[Timing], world: int) -> list[Straggler]:
             if slow is None:
                 break
             run.append(slow)
-        if len(run) >= WINDOWS_IN_A_ROW:
+        if len(run) >= WINDOWS_IN_A_ROW and _lasted(run) >= MIN_SLOW_SECONDS:
             newest, first = run[0], run[-1]
             found.append(Straggler(rank, first.since_step, newest.flagged_step, newest.relative, newest.work_seconds,
                                    newest.peer_seconds, newest.step_seconds))
     return found
+
+
+def _lasted(run: list[Straggler]) -> float:
+    """About how long a run of slow windows (newest first) lasted: its steps times their step time."""
+    steps_per_window = (run[0].flagged_step - run[-1].since_step) / (len(run) - 1)
+    return steps_per_window * sum(s.step_seconds for s in run)
 
 
 def _timings(session: Session, attempt: Attempt, since_step: int | None = None, rank: int | None = None

@@ -29,6 +29,20 @@ for step in range(1, 100):
         raise RuntimeError("NaN loss at step 12")
 """
 MISSING_MODULE = "import no_such_module_anywhere"
+# A script as users write one: its process group up, then a bad batch at step 5 on rank 0. torch
+# then prints the traceback as `[rank0]: ValueError: bad batch`, which the diagnosis sees through.
+IN_A_PROCESS_GROUP = """
+import time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(1, 11):
+    dist.all_reduce(torch.ones(1))
+    if step == 5 and dist.get_rank() == 0:
+        raise ValueError("bad batch")
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
 
 
 def job(name: str, code: str, **spec):
@@ -46,6 +60,14 @@ def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop
             [failure] = c.report(done["id"])["failures"]
             assert (failure["diagnosis"], failure["summary"]) == (kind, summary), failure
 
+        grouped = c.wait_job(c.submit(**job("grouped", IN_A_PROCESS_GROUP, max_restarts=0, procs_per_node=2)))
+        [attempt] = grouped["attempts"]
+        assert (attempt["diagnosis"], attempt["summary"]) == ("exception", "ValueError: bad batch"), attempt
+        env = os.environ | {"ETT_SERVICE_URL": c.service.url, "ETT_TOKEN": c.service.token("user", "alice")}
+        told = subprocess.run([sys.executable, "-m", "ett_cli.main", "report", grouped["id"]], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert told.returncode == 0 and "exception" in told.stdout and "ValueError: bad batch" in told.stdout, told
+
         missing = c.wait_job(c.submit(**job("missing", MISSING_MODULE, max_restarts=5)))
         assert missing["state"] == "failed" and len(missing["attempts"]) == 1
         assert missing["reason"] == ("import_error, not retried: ModuleNotFoundError: No module named "
@@ -58,7 +80,7 @@ def test_failures_are_diagnosed_from_the_ranks_output_and_hopeless_restarts_stop
                                         "(max_same_failures)")
 
         fleet = c.user.get("/api/v1/ett").json()
-        assert fleet["failure_diagnoses"] == {"exception": 4, "import_error": 1, "out_of_memory": 1}
+        assert fleet["failure_diagnoses"] == {"exception": 5, "import_error": 1, "out_of_memory": 1}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small file system")

@@ -93,3 +93,10 @@ def test_an_account_keeps_its_slow_time_through_its_stored_form():
     account = account_of([0.1] * 20 + [0.3] * 10)
     again = JobAccount.from_dict(account.to_dict())
     assert again.attempts[0].slow_seconds == pytest.approx(account.attempts[0].slow_seconds)
+
+
+def test_a_slowdown_shorter_than_the_machines_noise_is_no_straggler():
+    # A healthy rank of a job of 50 ms steps starved of its core for 0.75 s (three windows of five
+    # steps) on a shared machine: not flagged. The same for 1.5 s (six windows) is a straggler.
+    assert find_stragglers(windows(2, {1: [0.05] * 3}, duration=0.05), 2) == []
+    assert [s.rank for s in find_stragglers(windows(2, {1: [0.05] * 6}, duration=0.05), 2)] == [1]
