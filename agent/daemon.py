@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from agent.client import ServiceClient
 from agent.confinement.cgroups import NodeCgroups, agent_cgroup_name
-from agent.confinement.job_user import make_passable, resolve_job_users
+from agent.confinement.job_user import JobUserError, make_passable, resolve_job_users
 from agent.forwarding.forward import ForwardConfig, Forwarder
 from agent.forwarding.log_shipper import LogShipper
 from agent.groups.supervisor import Supervisor
@@ -31,8 +31,9 @@ from agent.groups.wakeup import Wakeup
 from agent.node.health import HealthCheck
 from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
-from agent.slurm import slurm_job_id, termination
+from agent.slurm import allocation_problem, slurm_job_id, termination
 from agent.warm.servers import WarmServers
+from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
 from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,11 @@ class Agent:
         # JobUserError (a ValueError naming the setting) when the settings name no usable user.
         self.job_users = resolve_job_users(settings.job_python, settings.job_user, settings.allow_root_jobs,
                                            settings.job_uid_base, settings.job_uid_count, settings.data_dir / "homes")
-        self.cgroups = NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir)) if os.geteuid() == 0 else None
+        if slurm_job_id() is not None and (problem := allocation_problem(settings.token_file, self.job_users)):
+            raise JobUserError(problem)  # before it makes anything on the node; said in the allocation's output
+        # Its placer (agent.confinement.placement) listens beside the warm servers' sockets, in a folder of root's.
+        self.cgroups = (NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir), settings.data_dir / "warm")
+                        if os.geteuid() == 0 else None)
         self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
         self.health = HealthCheck(settings.health_check, settings.health_check_interval_seconds)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
@@ -115,6 +120,8 @@ class Agent:
             self.forwarder.wake()  # out of a backoff: one last try
             threads[2].join(timeout=self.settings.request_timeout_seconds + 1)
             self.client.close()
+            if self.cgroups is not None:
+                self.cgroups.close()
             log.info("agent %s stopped", self.settings.name)
 
     def terminate(self) -> None:
@@ -218,7 +225,7 @@ class Agent:
         except httpx.HTTPError as exc:
             self.stats.heartbeat_failures += 1
             log.warning("heartbeat failed: %s", exc)
-            self._heartbeats_done.wait(min(self._backoff(self.stats.heartbeat_failures), 5.0))
+            self._heartbeats_done.wait(min(self._backoff(self.stats.heartbeat_failures), HEARTBEAT_RETRY_MAX_SECONDS))
             return 0
         self.stats.last_heartbeat = time.time()
         self.supervisor.reports.acknowledge(attempts)

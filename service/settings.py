@@ -8,6 +8,16 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Agent settings a Slurm allocation's agents may not be given (docs/slurm.md, "Who runs what"):
+# the service sets the token's file itself, and the secret would be in the batch script, which
+# Slurm keeps and shows; one user for every job would put every owner's jobs in one account.
+SLURM_AGENT_ENV_REFUSED = {
+    "ETT_AGENT_TOKEN": "the service hands each allocation its own token, in a file",
+    "ETT_AGENT_TOKEN_FILE": "the service hands each allocation its own token, in a file",
+    "ETT_AGENT_JOB_USER": "an allocation's agents run each owner's jobs as a uid of that owner's",
+    "ETT_AGENT_ALLOW_ROOT_JOBS": "an allocation's agents run each owner's jobs as a uid of that owner's",
+}
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ETT_", extra="ignore")
@@ -23,8 +33,18 @@ class Settings(BaseSettings):
     # rate_limit_burst; over it: 429 with Retry-After. 0 turns it off. An agent needs under 1/s.
     rate_limit_per_second: float = Field(50.0, ge=0)
     rate_limit_burst: int = Field(200, ge=1)
-    # Agents whose heartbeats stop for this long are declared lost.
+    # Agents whose heartbeats stop for this long are declared lost: the deadline for a node that goes
+    # quiet with nothing to tell on it (a node whose peers saw it go is lost sooner, below).
     heartbeat_timeout_seconds: float = Field(30.0, gt=0)
+    # A node lost to its peers (docs/reliability.md, "Node loss"): once a node's ranks failed because
+    # they lost their connection to a peer (or to the rendezvous store), the attempt's nodes still
+    # running are sent its stop. A live agent has it at once (its heartbeat long-polls, answered as the
+    # stop is queued, and it heartbeats again as soon as a command came: a round trip, where its
+    # heartbeat period is ETT_AGENT_HEARTBEAT_WAIT_SECONDS, 3 s), so a node that sends no heartbeat
+    # for this long after is lost for that job, fenced and replaced, not waited for until the deadline.
+    # Raise it for agents that do not long-poll (ETT_AGENT_HEARTBEAT_WAIT_SECONDS=0) or a service
+    # whose heartbeat writes lag behind by more.
+    peer_loss_silence_seconds: float = Field(0.5, gt=0)
     # Longest a heartbeat may wait for a command (long-poll).
     max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
     # An agent clock further off than this is flagged in the node's state.
@@ -78,8 +98,8 @@ class Settings(BaseSettings):
     # The command that starts an agent on a Slurm node, split like a shell's. Default: this
     # service's interpreter running `ett agent`.
     slurm_agent_command: str | None = None
-    # Settings given to those agents (ETT_AGENT_JOB_USER, ETT_AGENT_STOP_GRACE_SECONDS, ...):
-    # a JSON object of names and values.
+    # Settings given to those agents (ETT_AGENT_JOB_PYTHON, ETT_AGENT_STOP_GRACE_SECONDS, ...):
+    # a JSON object of names and values, none of SLURM_AGENT_ENV_REFUSED.
     slurm_agent_env: dict[str, str] = {}
     # Job notifications (docs/jobspec.md, "notify"): the longest a webhook may take to answer one
     # delivery, and the hosts webhooks may be on (empty: any host, but never a link-local address).
@@ -119,6 +139,8 @@ class Settings(BaseSettings):
         for name in env:
             if not name.startswith("ETT_AGENT_") or not name.replace("_", "").isalnum():
                 raise ValueError(f"ETT_SLURM_AGENT_ENV: {name!r} is not an agent setting (ETT_AGENT_...)")
+            if name in SLURM_AGENT_ENV_REFUSED:
+                raise ValueError(f"ETT_SLURM_AGENT_ENV: {name}: {SLURM_AGENT_ENV_REFUSED[name]}")
         return env
 
     @field_validator("failure_patterns")

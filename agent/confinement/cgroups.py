@@ -8,36 +8,40 @@ pure v2 machine, /sys/fs/cgroup/unified beside v1 controllers):
     ett-NODE-DATA/              the agent's: its node name and a digest of its data folder (a
                                 restarted agent finds its predecessor's; two agents on one
                                 machine, as in the tests, never share one)
-        owner-UID/              one per job user; only its cgroup.procs is the user's
-            warm/               that user's warm server, its keepers, and nothing else for long
+        owner-UID/              one per job user, root's
+            warm/               that user's warm server and its keepers, root's
             JOB.ATTEMPT.HEX/    an attempt: torchrun's guard and everything under it
 
-Only cgroup.procs files (and an attempt's cgroup.kill, for its guard) are given to the job's user:
-a warm-forked process moves itself into its attempt's cgroup (the kernel lets a user move its
-processes between cgroups whose common ancestor's cgroup.procs it may write: owner-UID), and
-nothing of the user's can leave owner-UID. At the end the attempt's cgroup is killed (`cgroup.kill`: every process in it, atomically) and removed, and
-owner-UID and warm/ are swept of whatever moved there. Without a writable cgroup v2 (no v2 mount,
-an agent that is not root, a read-only cgroupfs) the agent falls back to the marker scan and says
-so once (docs/agent.md, "Clean-up").
+Nothing of it is the job user's to write but an attempt's `cgroup.kill` (its guard empties it when
+the agent dies, agent.launching.guard): moving a process needs write access to `cgroup.procs` of
+the common ancestor of where it is and where it goes, so the user's processes cannot move at all,
+out of their attempt or into one. Root places them: the guard before it starts anything, a warm
+server before it imports, a process the warm server forks at its request, before a line of the
+job runs (agent.confinement.placement, `place`). At the end of an attempt its cgroup is frozen,
+killed and waited for until empty (agent.confinement.cgroup_end); when it was its owner's last
+attempt on the node, every process of the owner's uid is swept (agent.confinement.uid_sweep) but
+the warm servers and their keepers. Without a writable cgroup v2 (no v2 mount, an agent that is
+not root, a read-only cgroupfs) the agent falls back to the marker scan and the uid sweep, and
+says so once (docs/agent.md, "Clean-up").
 """
 
 import contextlib
-import errno
 import hashlib
 import logging
 import os
 import signal
-import time
+import threading
 from pathlib import Path
 
+from agent.confinement.cgroup_end import KILL, PROCS, end_cgroup, pids_in
+from agent.confinement.job_user import JobUser, make_passable
+from agent.confinement.placement import Placer, PlacementRefused
+from agent.confinement.uid_sweep import cgroup_of, parent_pid, sweep_uid, uids_of
+
 log = logging.getLogger(__name__)
-PROCS = "cgroup.procs"
-KILL = "cgroup.kill"
-KILL_WAIT_SECONDS = 5.0
-# The folders a job's user passes through to move a process of its own between its cgroups: open to
-# all whatever the agent's umask (the README's `umask 077` made them 0700, and a warm-forked process
-# of the job's user could not enter its attempt's cgroup).
+# Folders the job's user passes through to see its own cgroups (the README's `umask 077` would make them 0700).
 FOLDER_MODE = 0o755
+PLACER_SOCKET = "place.sock"
 
 
 def agent_cgroup_name(node_name: str, data_dir: Path) -> str:
@@ -66,63 +70,32 @@ def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
     return None
 
 
-def pids_in(cgroup: Path) -> list[int]:
-    try:
-        return [int(pid) for pid in (cgroup / PROCS).read_text().split()]
-    except OSError:
-        return []
-
-
-def kill_all(cgroup: Path) -> None:
-    """SIGKILLs every process in `cgroup` (not below it), until none is left or KILL_WAIT_SECONDS."""
-    deadline = time.monotonic() + KILL_WAIT_SECONDS
-    while (pids := pids_in(cgroup)) and time.monotonic() < deadline:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
-
-
-def kill_cgroup(cgroup: Path) -> None:
-    """Every process in `cgroup` and below it SIGKILLed at once, by the kernel (5.14 and later)."""
+def agents_realm(cgroup: Path) -> bool:
+    """Whether `cgroup` is some agent's: in a tree of one (a root-owned `ett-*` folder on the way) or
+    where one starts its processes before it places them (it holds such a folder). A job's user can
+    make neither: what it may make (its service manager's delegated tree) is its own uid's."""
+    def roots(folder: Path) -> bool:
+        with contextlib.suppress(OSError):
+            return folder.name.startswith("ett-") and folder.stat().st_uid == 0
+        return False
     with contextlib.suppress(OSError):
-        (cgroup / KILL).write_text("1")
-
-
-def remove_when_released(cgroup: Path, wait: float = KILL_WAIT_SECONDS) -> bool:
-    """Removes an emptied cgroup; whether it is gone. A process killed a moment ago has left
-    cgroup.procs but may still hold the cgroup (EBUSY) until the kernel has released it: tried
-    again for up to `wait` seconds (a loaded machine left cgroups behind otherwise)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            cgroup.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError as exc:
-            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
-                log.warning("cgroup %s not removed: %s", cgroup, exc.strerror)
-                return False
-        time.sleep(0.01)
-
-
-def parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            return int(stat_file.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+        return any(roots(folder) for folder in (cgroup, *cgroup.parents)) or any(map(roots, cgroup.glob("ett-*")))
+    return False
 
 
 class NodeCgroups:
-    """This agent's cgroups; `root` None when the machine gives it none (see above)."""
+    """This agent's cgroups; `root` None when the machine gives it none (see above). `placer_dir`: a
+    folder of the agent's (no job's) where its placer listens; None: no placer (a warm-forked
+    process then moves itself, which only root's may)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, placer_dir: Path | None = None) -> None:
         self.root: Path | None = None
+        self.placer: Placer | None = None
+        self._lock = threading.Lock()  # the live attempts, read by the placer's thread
+        self._live: dict[str, tuple[JobUser, Path | None]] = {}  # each live attempt's user and cgroup, by name
         mount, own = v2_mount(), own_cgroup()
         if mount is None or own is None:
-            log.warning("no cgroup v2 on this machine: a job's processes are found by their marker only")
+            log.warning("no cgroup v2 on this machine: a job's processes are found by their marker and uid only")
             return
         root = mount / own.lstrip("/") / f"ett-{name}"
         try:
@@ -130,46 +103,113 @@ class NodeCgroups:
             root.chmod(FOLDER_MODE)
             (root / PROCS).stat()
         except OSError as exc:
-            log.warning("no cgroup of its own under %s (%s): a job's processes are found by their marker only",
-                        root.parent, exc.strerror)
+            log.warning("no cgroup of its own under %s (%s): a job's processes are found by their marker and uid "
+                        "only", root.parent, exc.strerror)
             return
-        self.root = root
+        self.mount, self.root = mount, root
+        if placer_dir is not None:
+            try:
+                make_passable(placer_dir)
+                self.placer = Placer(placer_dir / PLACER_SOCKET, self.place)
+            except OSError as exc:  # a socket path past 107 bytes, say: warm-forked processes then start fresh
+                log.warning("no cgroup placer in %s (%s): a job user's warm server forks nothing", placer_dir, exc)
 
-    def owner(self, uid: int, gid: int) -> Path | None:
-        """owner-UID, with its cgroup.procs the user's, and its warm/ folder."""
+    @property
+    def placer_socket(self) -> Path | None:
+        return self.placer.socket_path if self.placer is not None else None
+
+    def close(self) -> None:
+        if self.placer is not None:
+            self.placer.close()
+
+    def owner(self, uid: int) -> Path | None:
+        """owner-UID and its warm/ folder, root's to write (an older agent gave the user their
+        cgroup.procs: taken back)."""
         if self.root is None:
             return None
         folder = self.root / f"owner-{uid}"
         (folder / "warm").mkdir(parents=True, exist_ok=True)
         for cgroup in (folder, folder / "warm"):
             cgroup.chmod(FOLDER_MODE)
-            os.chown(cgroup / PROCS, uid, gid)
+            os.chown(cgroup / PROCS, 0, 0)
         return folder
 
-    def attempt(self, uid: int, gid: int, name: str) -> Path | None:
-        """A fresh cgroup for an attempt of this user (None: none on this machine)."""
-        owner = self.owner(uid, gid)
-        if owner is None:
-            return None
-        folder = owner / name
-        folder.mkdir()
-        folder.chmod(FOLDER_MODE)
-        os.chown(folder / PROCS, uid, gid)  # a warm-forked rank moves itself in (agent.warm.server)
-        with contextlib.suppress(FileNotFoundError):  # its guard empties it when the agent dies (agent.launching.guard)
-            os.chown(folder / KILL, uid, gid)
+    def attempt(self, user: JobUser, name: str) -> Path | None:
+        """A fresh cgroup for an attempt of this user (None: none on this machine), live until `end`."""
+        owner = self.owner(user.uid)
+        folder = None
+        if owner is not None:
+            folder = owner / name
+            folder.mkdir()
+            folder.chmod(FOLDER_MODE)
+            with contextlib.suppress(FileNotFoundError):  # its guard empties it if the agent dies (launching.guard)
+                os.chown(folder / KILL, user.uid, user.gid)
+        with self._lock:
+            self._live[name] = (user, folder)
         return folder
 
-    def empty(self, attempt: Path, warm_servers: set[int] = frozenset()) -> None:
-        """Kills every process of the attempt and removes its cgroup; then sweeps its owner's
-        cgroup and warm/ of anything but the warm servers and their keepers (their children)."""
-        kill_cgroup(attempt)
-        kill_all(attempt)  # a kernel before 5.14 has no cgroup.kill
-        remove_when_released(attempt)
-        for swept in (attempt.parent, attempt.parent / "warm"):
-            for pid in pids_in(swept):
-                if pid not in warm_servers and parent_pid(pid) not in warm_servers:
+    def place(self, pid: int, uid: int, cgroup: str) -> None:
+        """Moves `pid`, a process of `uid` in that user's warm/ (one its warm server forked), into
+        `cgroup`, a live attempt of that user; PlacementRefused: why not. Under the lock: an
+        attempt being ended (`end`) takes no process in after its kill."""
+        if self.root is None:
+            raise PlacementRefused("no cgroups on this node")
+        warm = self.root / f"owner-{uid}" / "warm"
+        with self._lock:
+            if not any(user.uid == uid and folder == Path(cgroup) for user, folder in self._live.values()):
+                raise PlacementRefused("not a live attempt of the caller's user")
+            if self.mount / (cgroup_of(pid) or "/").lstrip("/") != warm:  # its cgroup, by the kernel's word
+                raise PlacementRefused("only a process its warm server forked is moved")
+            if set(uids_of(pid) or (-1,)) != {uid}:
+                raise PlacementRefused("not a process of the caller's user alone")
+            try:  # pid: the caller's, alive and waiting for this answer, so not one the kernel gave anew
+                (Path(cgroup) / PROCS).write_text(str(pid))
+            except OSError as exc:
+                raise PlacementRefused(exc.strerror or str(exc)) from None
+
+    def end(self, name: str, spare: set[int] = frozenset()) -> None:
+        """Ends a live attempt: its cgroup frozen, killed, waited for until empty and removed; when it
+        was its user's last live attempt here, every other process of that user swept (`sweep`)."""
+        with self._lock:
+            user, folder = self._live.pop(name, (None, None))
+            last = user is not None and not any(u.uid == user.uid for u, _ in self._live.values())
+        if folder is not None:
+            end_cgroup(folder)
+        if user is not None and last:
+            self.sweep(user, spare)
+
+    def sweep(self, user: JobUser, spare: set[int] = frozenset()) -> None:
+        """After a user's last attempt here: its owner-UID and warm/ of anything but the warm servers
+        (`spare`) and their keepers (their children); then, for a uid of one owner's alone, every
+        process of that uid, wherever it runs, but those and another agent's."""
+        def keep(pid: int) -> bool:
+            return pid in spare or parent_pid(pid) in spare or self._elsewhere(pid)
+
+        owner = self.owner(user.uid)
+        for cgroup in (owner, owner / "warm") if owner is not None else ():
+            for pid in pids_in(cgroup):
+                if not keep(pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
+        if user.owners_alone and user.uid not in (0, os.geteuid()):
+            if killed := sweep_uid(user.uid, keep):
+                log.warning("killed %d processes of uid %d that outlived its last attempt here: %s", len(killed),
+                            user.uid, sorted(killed)[:20])
+
+    def _elsewhere(self, pid: int) -> bool:
+        """Whether a process is not this agent's to sweep: in a live attempt of its own, or in another
+        agent's realm (the suite runs two agents on one machine; none of this agent's processes can
+        get there, as moving needs write access to root's cgroup.procs)."""
+        if self.root is None:
+            return False
+        where = cgroup_of(pid)
+        if where is None:
+            return True  # gone
+        cgroup = self.mount / where.lstrip("/")
+        if cgroup == self.root or self.root in cgroup.parents:
+            with self._lock:
+                return any(folder == cgroup for _, folder in self._live.values())
+        return agents_realm(cgroup)
 
     def empty_leftovers(self) -> int:
         """Empties what a previous run of this agent left (it was killed: nothing ended its
@@ -178,5 +218,9 @@ class NodeCgroups:
             return 0
         attempts = [p for p in self.root.glob("owner-*/*") if p.is_dir() and p.name != "warm"]
         for attempt in attempts:
-            self.empty(attempt)
+            end_cgroup(attempt)
+        for cgroup in self.root.glob("owner-*/warm"):
+            for pid in pids_in(cgroup) + pids_in(cgroup.parent):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         return len(attempts)

@@ -90,6 +90,10 @@ class JobUser:
     uid: int
     gid: int
     home: str
+    # A uid of one owner's alone (the agent's range): once that owner's last attempt on the node has
+    # ended, no process of it lives on (agent.confinement.cgroups). Not a user the operator named,
+    # whose other processes are none of the agent's business.
+    owners_alone: bool = False
 
     @classmethod
     def of(cls, entry: pwd.struct_passwd) -> "JobUser":
@@ -252,7 +256,7 @@ class JobUsers:
             name = pwd.getpwuid(uid).pw_name  # an operator may have named the range's users
         except KeyError:
             name = f"ett-{uid}"
-        return JobUser(name, uid, uid, str(self.homes / str(uid)))
+        return JobUser(name, uid, uid, str(self.homes / str(uid)), owners_alone=True)
 
 
 def resolve_job_users(python: str, name: str | None, allow_root: bool, uid_base: int, uid_count: int,

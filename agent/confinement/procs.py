@@ -11,8 +11,10 @@ import signal
 
 # Every process of a worker group carries this variable; a /proc scan for it finds stragglers.
 GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
-# The attempt's cgroup (agent.confinement.cgroups), where a process the warm server forks moves itself.
+# The attempt's cgroup (agent.confinement.cgroups), where the agent moves a process the warm server
+# forks, asked at its placer's socket (agent.confinement.placement), before the process runs a line.
 GROUP_CGROUP_ENV = "ETT_WORKER_CGROUP"
+GROUP_PLACER_ENV = "ETT_CGROUP_PLACER"
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -4,17 +4,16 @@
         |                                     |
         +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
 
-A rank that fails makes torchrun tear the others down; the first failure a rank runner records is
-the attempt's cause, reported as soon as that rank's last output is in its log (the service
-diagnoses from those lines), before the group is gone. A success is reported once every local rank
-exited cleanly, before torchrun's own wind-down, which is not waited for after a failure or a stop
-either. A hang is torn down at once with SIGKILL; a stop gets SIGTERM, then SIGKILL after a grace.
-At the end every process carrying the group's marker is SIGKILLed and the attempt's cgroup emptied
-(agent.confinement.cgroups). A pid in the ranks' records (the job's to write) is signalled only
-while the kernel says the group owns it. What the job wrote that the agent cannot handle fails the
-attempt, never the agent. The group's parts: its states (agent.groups.states), its runners'
-records (agent.groups.rank_records), its ranks' progress and hangs (agent.groups.progress), its
-watched processes (agent.groups.wakeup); the group decides how it ends and acts on it.
+A rank that fails makes torchrun tear the others down; the first failure a rank runner records is the attempt's
+cause, reported as soon as that rank's last output is in its log (the service diagnoses from those lines), before
+the group is gone. A success is reported once every local rank exited cleanly, before torchrun's own wind-down,
+which is not waited for after a failure or a stop either. A hang is torn down at once with SIGKILL; a stop gets
+SIGTERM, then SIGKILL after a grace. At the end every process carrying the group's marker is SIGKILLed and the
+attempt's cgroup frozen, killed and waited for (agent.confinement.cgroups). A pid in the ranks' records (the job's)
+is signalled only while the kernel says the group owns it. What the job wrote that the agent cannot handle fails the
+attempt, never the agent. The group's parts: its states (agent.groups.states), its runners' records
+(agent.groups.rank_records), its ranks' progress and hangs (agent.groups.progress), its watched processes
+(agent.groups.wakeup); the group decides how it ends and acts on it.
 """
 import logging
 import os
@@ -26,7 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
 
-from agent.confinement.cgroups import PROCS, NodeCgroups, kill_cgroup, pids_in
+from agent.confinement.cgroup_end import PROCS, kill_cgroup, pids_in
+from agent.confinement.cgroups import NodeCgroups
 from agent.confinement.job_user import RunAs, make_passable
 from agent.confinement.procs import GROUP_MARKER_ENV, process_uid, signal_group, signal_marked
 from agent.files.spool import AttemptPaths, NodeEventLog, write_private
@@ -108,20 +108,23 @@ class WorkerGroup:
     def start(self) -> None:
         """Starts torchrun's guard, puts it into the attempt's cgroup, then lets it go on."""
         if self.cgroups is not None and self.run_as.user is not None:
-            user = self.run_as.user
-            self.cgroup = self.cgroups.attempt(user.uid, user.gid, self.marker)
+            self.cgroup = self.cgroups.attempt(self.run_as.user, self.marker)
         go_read, go_write = os.pipe()
         try:
             with open(os.open(self.paths.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as log_file:
                 self._proc = subprocess.Popen(
                     torchrun_argv(self.command, self.paths, self.run_as.python, go_read, self.rank_log_max_bytes),
-                    env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as, self.cgroup),
+                    env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as, self.cgroup,
+                                   self.cgroups.placer_socket if self.cgroups is not None else None),
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(go_read,),
                     start_new_session=True, **self.run_as.popen(),
                 )  # fmt: skip
             if self.cgroup is not None:
                 (self.cgroup / PROCS).write_text(str(self._proc.pid))
             os.write(go_write, b"1")
+        except BaseException:
+            self._end_cgroup()  # nothing runs: its user's last attempt here may have ended
+            raise
         finally:
             os.close(go_read)
             os.close(go_write)  # unwritten: the guard starts nothing and exits
@@ -183,10 +186,9 @@ class WorkerGroup:
             kill_cgroup(self.cgroup)
 
     def lose_node(self) -> None:
-        """The `lose_node` drill: this node goes as a dead machine would. Every process of the group,
-        the job's node-local checkpoints (its snapshots and the copies it kept for peers), then the
-        agent itself, SIGKILLed: no report, no goodbye; its guard empties its cgroups, and the
-        service learns of it from its peers' failure and the missing heartbeats."""
+        """The `lose_node` drill: this node goes as a dead machine would. Every process of the group, the
+        job's node-local checkpoints (snapshots, copies kept for peers), then the agent, SIGKILLed: no report;
+        its guard empties its cgroups, the service learns of it from the peers' failure and missing heartbeats."""
         log.warning("fault injection: losing this node (the ranks, the local checkpoints, the agent)")
         self.kill()
         self.remove_local_checkpoints()
@@ -266,6 +268,10 @@ class WorkerGroup:
         self.state = WorkerState.STOPPING
         self.kill()
 
+    def _end_cgroup(self) -> None:  # frozen, killed, emptied; its user swept after their last attempt here
+        if self.cgroups is not None and self.run_as.user is not None:
+            self.cgroups.end(self.marker, self.spare())
+
     def _finish(self) -> None:
         assert self._proc is not None
         self._read_rank_records(self.clock())
@@ -273,10 +279,8 @@ class WorkerGroup:
             self.events.emit("worker_exited", record)
         leftovers = signal_marked(GROUP_MARKER_ENV, self.marker, SIGKILL)
         if leftovers:
-            log.warning("attempt %s/%d: killed %d leftover processes", self.command.job_id, self.command.attempt,
-                        leftovers)
-        if self.cgroup is not None and self.cgroups is not None:
-            self.cgroups.empty(self.cgroup, self.spare())
+            log.warning("attempt %s/%d: killed %d leftover processes", *self.command.key, leftovers)
+        self._end_cgroup()
         self.records.close()
         code = self._proc.returncode
         if self._ending is not None:

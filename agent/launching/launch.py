@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.confinement.job_user import RunAs
-from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV
+from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV, GROUP_PLACER_ENV
 from agent.files.spool import AttemptPaths
 from agent.launching.rank_log import DEFAULT_MAX_BYTES
 from agent.warm.client import WARM_SOCKET_ENV, python_module, runs_script
@@ -97,13 +97,17 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
 
 
 def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_socket: Path | None = None,
-               run_as: RunAs = RunAs(), cgroup: Path | None = None) -> dict[str, str]:
+               run_as: RunAs = RunAs(), cgroup: Path | None = None, placer: Path | None = None) -> dict[str, str]:
+    """`cgroup` and `placer`: where a process the warm server forks is moved, and who moves it
+    (agent.confinement.placement)."""
     env = run_as.base_env()
     env.update(command.env)
     env.update(job_env(command, paths))
     env.update({GROUP_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1"})
     if cgroup is not None:
         env[GROUP_CGROUP_ENV] = str(cgroup)
+    if cgroup is not None and placer is not None:
+        env[GROUP_PLACER_ENV] = str(placer)
     if warm_socket is not None and starts_warm(command):
         env[WARM_SOCKET_ENV] = str(warm_socket)
     return env

@@ -16,8 +16,10 @@ stands in for would.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
 - the rank: a process group of its own, the runner's stdin/stdout/stderr (passed over the
-  socket), the request's environment, cwd and argv; runs MODULE as `__main__`.
-- the keeper answers the rank's pid, then how it ended (`returncode`, negative for a signal), as
+  socket), the request's environment, cwd and argv; moved by the agent into its attempt's cgroup
+  (agent.confinement.placement), then runs MODULE as `__main__`.
+- the keeper answers the rank's pid once it is placed (else nothing: the asker starts it fresh),
+  then how it ended (`returncode`, negative for a signal), as
   a parent does. When the runner goes (its end of the socket closes), the keeper SIGKILLs the
   rank's process group. Parent-death signals chain agent -> server -> keeper -> rank.
 
@@ -44,7 +46,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from agent.confinement.procs import GROUP_CGROUP_ENV, set_parent_death_signal
+from agent.confinement.placement import ask_to_be_placed
+from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_PLACER_ENV, set_parent_death_signal
 from agent.warm.client import python_module, runs_script
 from agent.warm.fresh import Fingerprint, shadowed
 
@@ -146,14 +149,24 @@ def _keep(conn: socket.socket, fds: list[int], request: dict) -> None:
         set_parent_death_signal()
         if os.getppid() != server:
             return  # the server died before the request above took hold
+        placed_read, placed_write = os.pipe()
         pid = os.fork()
         if pid == 0:
             conn.close()
-            _run_rank(fds, request, keeper)
+            os.close(placed_read)
+            _run_rank(fds, request, keeper, placed_write)
+        os.close(placed_write)
         with contextlib.suppress(OSError):  # here too, so the group exists before the rank runs a line
             os.setpgid(pid, pid)
         for fd in fds:
             os.close(fd)
+        # Its pid goes to the asker only once it is in its attempt's cgroup; a rank that could not be
+        # placed has run nothing and exits, and the asker, answered nothing, starts a fresh process.
+        placed = os.read(placed_read, 1) == b"1"
+        os.close(placed_read)
+        if not placed:
+            os.waitpid(pid, 0)
+            return
         conn.sendall(json.dumps({"pid": pid}).encode())
         pidfd = os.pidfd_open(pid)
         ready, _, _ = select.select([conn, pidfd], [], [])
@@ -167,8 +180,9 @@ def _keep(conn: socket.socket, fds: list[int], request: dict) -> None:
         os._exit(0)
 
 
-def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
-    """The rank, in the keeper's child: becomes what `python -m MODULE ARGS` would be. Never returns."""
+def _run_rank(fds: list[int], request: dict, keeper: int, placed: int) -> None:
+    """The rank, in the keeper's child: becomes what `python -m MODULE ARGS` would be, once in its
+    attempt's cgroup (then it writes a byte to `placed`, for its keeper). Never returns."""
     code = 1
     try:
         os.setpgid(0, 0)
@@ -181,10 +195,9 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
-        cgroup = os.environ.get(GROUP_CGROUP_ENV)
-        if cgroup:  # into the attempt's cgroup before a line of it runs: it is emptied at the end
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
-                procs.write("0")
+        _enter_cgroup()
+        os.write(placed, b"1")
+        os.close(placed)
         os.chdir(request["cwd"])
         if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
             threads = os.environ.get("OMP_NUM_THREADS")
@@ -206,6 +219,26 @@ def _run_rank(fds: list[int], request: dict, keeper: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _enter_cgroup() -> None:
+    """Into the attempt's cgroup (the request's), which is emptied at its end, before a line of it
+    runs: the agent moves it (agent.confinement.placement); an agent without a placer has it move
+    itself, which only root may (a job user writes no cgroup.procs)."""
+    cgroup = os.environ.get(GROUP_CGROUP_ENV)
+    if not cgroup:
+        return
+    placer = os.environ.get(GROUP_PLACER_ENV)
+    try:
+        if placer:
+            ask_to_be_placed(placer, cgroup)
+        else:
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
+                procs.write("0")
+    except OSError as exc:
+        print(f"agent.warm: not in the attempt's cgroup ({exc}); a fresh process starts instead", file=sys.stderr,
+              flush=True)
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from agent.confinement.cgroups import PROCS, NodeCgroups
+from agent.confinement.cgroup_end import PROCS
+from agent.confinement.cgroups import NodeCgroups
 from agent.confinement.job_user import RunAs
 from agent.warm.client import python_module
 from agent.warm.server import STALE_EXIT
@@ -109,7 +110,11 @@ class WarmServer:
                 stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
             )  # fmt: skip
         if self.cgroup is not None:  # long before its imports are done and it forks anything
-            (self.cgroup / PROCS).write_text(str(self._proc.pid))
+            try:
+                (self.cgroup / PROCS).write_text(str(self._proc.pid))
+            except OSError:  # outside its cgroup, what it forked could be placed nowhere: none of it
+                self.stop()
+                raise
         self._next_start, self._trouble = time.monotonic() + RESTART_PAUSE_SECONDS, None
 
     def stop(self) -> None:
@@ -149,7 +154,7 @@ class WarmServers:
         if server is None:
             cgroup = None
             if self.cgroups is not None and run_as.user is not None:
-                owner = self.cgroups.owner(run_as.user.uid, run_as.user.gid)
+                owner = self.cgroups.owner(run_as.user.uid)
                 cgroup = owner / "warm" if owner is not None else None
             sock = socket_path(self.data_dir, uid)
             if imports:  # torchrun, and the job's imports

@@ -78,6 +78,12 @@ PULSE_SECONDS = 0.1
 FROZEN_SECONDS = 1.0
 
 
+# -- heartbeats (docs/reliability.md, "Node loss") --------------------------------------------------
+# The longest an agent waits before it retries a failed heartbeat: the service counts no silence
+# until this long after it (or its database) came back (service/jobs/peer_loss.py).
+HEARTBEAT_RETRY_MAX_SECONDS = 5.0
+
+
 # -- injected faults (docs/jobspec.md, "faults") -------------------------------------------------
 # The agent sets these off (agent/groups/faults.py); lose_node only where its settings allow the drill.
 AGENT_FAULT_ACTIONS = ("kill", "hang", "exit", "lose_node")

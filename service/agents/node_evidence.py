@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from ett.protocol import NODE_LOSS_FAULT
 from ett.protocol.messages import KernelReading
 from service.models import AttemptNode, Node, NodeEvidence
 from service.settings import Settings
@@ -55,10 +56,13 @@ def record_health(session: Session, node: Node, before: str | None, now_failing:
 def node_lost(session: Session, node: Node, shares: Sequence[AttemptNode], detail: str, settings: Settings,
               now: datetime) -> None:
     """A node whose heartbeats stopped, with its active shares: node evidence, unless one of its
-    attempts asked for it (the `lose_node` drill, a fault of the job's spec, on a rank of this node)."""
+    attempts asked for it (the `lose_node` drill, a fault of the job's spec, on a rank of this node).
+    Lost by the deadline or to its peers (silent after their ranks lost their connection to it:
+    service/jobs/peer_loss.py), alike: a job can end its own ranks, and its peers then say so, but
+    not silence its node's agent, which answers its stop at once while it lives."""
     for share in shares:
         spec = share.attempt.job.spec
-        if any(f.action == "lose_node" and f.attempt == share.attempt.number
+        if any(f.action == NODE_LOSS_FAULT and f.attempt == share.attempt.number
                and f.rank // spec.procs_per_node == share.node_rank for f in spec.faults):  # fmt: skip
             return
     record(session, node, "node_lost", HEARTBEATS, detail, now)

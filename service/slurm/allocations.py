@@ -48,6 +48,12 @@ class SlurmBridge:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, slurm: Slurm | None = None) -> None:
         self.sessions, self.settings = sessions, settings
         self.slurm = slurm or Slurm(settings.slurm_command_timeout_seconds)
+        if os.geteuid() != 0 and not settings.slurm_agent_command:
+            # sbatch starts the allocation as this service's user: its agents, not root, would
+            # refuse to run the jobs (agent/slurm.py), and every job would fail at its start.
+            log.error("ETT_SLURM: this service runs as uid %d, so its allocations' agents would too; they must "
+                      "be root to run each owner's jobs as a uid of its own: run the service as root, or "
+                      "set ETT_SLURM_AGENT_COMMAND to start the agent as root (docs/slurm.md)", os.geteuid())
 
     def sync(self, now: float | None = None) -> None:
         """One pass: follow the live allocations, then submit the ones jobs need."""
@@ -209,7 +215,8 @@ class SlurmBridge:
     def _submit(self, session: Session, job: Job, now: float) -> None:
         number = len(job.slurm_allocations)
         folder = self._folder(job, number)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for made in (folder.parent.parent, folder.parent, folder):  # 0700 each: no one else lists the jobs either
+            made.mkdir(mode=0o700, parents=True, exist_ok=True)
         secret = create_token(session, Role.agent, f"slurm:{job.id}:{number}", job_id=job.id)
         token = find_token(session, secret)
         token_file = folder / TOKEN_FILE

@@ -2,9 +2,12 @@
 to the ETT job by the token it registers with.
 
 The script and the token live in the allocation's folder (ETT_SLURM_DIR/<job id>/<number>/),
-which the nodes must see at the same path; the token file is readable by the service's user
-only. Each agent's node-local folder is named after the Slurm job and node, so two allocations
-on one machine never share one.
+which the nodes must see at the same path; the token file is the service's user's alone, mode
+600. That user is root: sbatch starts the allocation as the user who submits it, and its agents
+must be root to run each owner's jobs as a uid of its own (docs/slurm.md, "Who runs what"). The
+secret is in no script, argument or environment, which Slurm keeps and shows (`scontrol show
+job`). Each agent's node-local folder is made by mktemp: no one can lay it, or a link in its
+place, beforehand.
 """
 
 import shlex
@@ -37,11 +40,14 @@ def render_script(settings: Settings, folder: Path, procs_per_node: int) -> str:
         "ETT_AGENT_SLOTS": str(procs_per_node),
     } | settings.slurm_agent_env  # fmt: skip
     exports = "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items())
+    # The data folder: a name no one could guess to lay first (mktemp, made 0700), then 0711 like
+    # every agent's (docs/agent.md): each owner's uid passes through to its own 0700 folders in
+    # it, and no one else lists it or reads the agent's files (0600) there.
     per_node = (
         'node="$SLURMD_NODENAME"; '
         'addr=$(scontrol show node -o "$node" | tr " " "\\n" | sed -n "s/^NodeAddr=//p"); '
-        'exec "$@" --name "slurm-$SLURM_JOB_ID-$node" --address "${addr:-$node}" '
-        '--data-dir "${TMPDIR:-/tmp}/ett-slurm-$SLURM_JOB_ID-$node"'
+        'data=$(mktemp -d "${TMPDIR:-/tmp}/ett-slurm-$SLURM_JOB_ID-$node.XXXXXXXXXX") && chmod 711 "$data" || exit 1; '
+        'exec "$@" --name "slurm-$SLURM_JOB_ID-$node" --address "${addr:-$node}" --data-dir "$data"'
     )
     agent = shlex.join(agent_command(settings))
     return f"""#!/bin/bash

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.confinement.cgroups import remove_when_released
+from agent.confinement.cgroup_end import remove_when_released
 from agent.files.spool import AttemptPaths
 from agent.groups.supervisor import Supervisor
 from ett.protocol import FROZEN_SECONDS, INTERVAL_FILE, PROGRESS_GLOB, progress_file, rank_log, rank_spool

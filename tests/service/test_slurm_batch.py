@@ -26,15 +26,24 @@ def test_sbatch_options_carry_the_slurm_section_and_leave_out_bad_nodes(tmp_path
 def test_the_batch_script_is_valid_bash_with_the_agents_settings(tmp_path):
     settings = Settings(data_dir=tmp_path, slurm_service_url="http://ett.internal:8000",
                         slurm_agent_command="/opt/ett/bin/ett agent",
-                        slurm_agent_env={"ETT_AGENT_JOB_USER": "trainer's user"})  # fmt: skip
+                        slurm_agent_env={"ETT_AGENT_HEALTH_CHECK": "check 'gpu's"})  # fmt: skip
     script = render_script(settings, tmp_path, procs_per_node=8)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "export ETT_AGENT_SERVICE_URL=http://ett.internal:8000" in script
     assert "export ETT_AGENT_SLOTS=8" in script and f"ETT_AGENT_TOKEN_FILE={tmp_path / 'agent.token'}" in script
-    assert "export ETT_AGENT_JOB_USER='trainer'\"'\"'s user'" in script  # quoted for the shell
+    assert "export ETT_AGENT_HEALTH_CHECK='check '\"'\"'gpu'\"'\"'s'" in script  # quoted for the shell
     assert "ett-agent /opt/ett/bin/ett agent" in script
 
 
 def test_slurm_agent_env_takes_agent_settings_only():
     with pytest.raises(ValidationError, match="ETT_SLURM_AGENT_ENV"):
         Settings(slurm_agent_env={"LD_PRELOAD": "/tmp/x.so"})
+
+
+@pytest.mark.parametrize("name", ["ETT_AGENT_TOKEN", "ETT_AGENT_TOKEN_FILE", "ETT_AGENT_JOB_USER",
+                                  "ETT_AGENT_ALLOW_ROOT_JOBS"])
+def test_slurm_agent_env_cannot_hand_the_agents_a_token_or_one_user_for_every_owner(name):
+    """A token there would be in the batch script, which Slurm keeps and shows; one job user would
+    put every owner's jobs in one account (docs/slurm.md, "Who runs what")."""
+    with pytest.raises(ValidationError, match=f"ETT_SLURM_AGENT_ENV: {name}: "):
+        Settings(slurm_agent_env={name: "x"})

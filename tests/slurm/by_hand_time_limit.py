@@ -7,7 +7,6 @@ Expected: attempt 0 failed with cause time_limit, its last step committed as the
 checkpoint, attempt 1 resuming from it in a new allocation, 0 lost steps.
 """
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -15,18 +14,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.proofs.cluster import cluster  # noqa: E402
-from tests.slurm.test_slurm_jobs import PLAIN_DDP, SLURM_AGENT_ENV  # noqa: E402
+from tests.slurm.conftest import service_env  # noqa: E402
+from tests.slurm.test_slurm_jobs import PLAIN_DDP  # noqa: E402
+from tests.support.job_user import job_python, open_folder  # noqa: E402
 from tests.support.slurm import slurm_cluster  # noqa: E402
 
 
 def main(root: Path) -> None:
-    with slurm_cluster(root / "slurm") as slurm:
-        env = {"ETT_SLURM": "true", "ETT_SLURM_POLL_SECONDS": "0.5",
-               "ETT_SLURM_AGENT_ENV": json.dumps(SLURM_AGENT_ENV)} | slurm.env  # fmt: skip
-        (root / "ett").mkdir(parents=True, exist_ok=True)
-        with cluster(root / "ett", **env) as ett:
+    # The jobs run as their owner's uid: their interpreter and folders where that uid may enter.
+    with slurm_cluster(root / "slurm") as slurm, open_folder("ett-time-limit-") as shared:
+        python = job_python(shared / "job-python")
+        (shared / "ett").mkdir()
+        with cluster(shared / "ett", **service_env(slurm, python)) as ett:
             spec = {"name": "time-limited", "nodes": 2, "procs_per_node": 1,
-                    "entrypoint": [sys.executable, str(PLAIN_DDP), "--steps", "500", "--step-seconds", "0.2"],
+                    "entrypoint": [str(python), str(PLAIN_DDP), "--steps", "500", "--step-seconds", "0.2"],
                     "checkpoint": {"interval_steps": 1000}, "slurm": {"partition": "batch", "time_limit": "1"}}  # fmt: skip
             started = time.time()
             job_id = ett.submit(spec)

@@ -4,7 +4,6 @@ own, restarted inside it, released at its end, moved off a lost node, stopped cl
 import json
 import os
 import signal
-import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -13,34 +12,11 @@ import pytest
 from sqlalchemy import select
 
 from service.models import Node, NodeState, SlurmAllocation, Token
-from tests.proofs.cluster import AGENT_ENV, cluster, fake_rank_job
-from tests.support.job_user import SUITE_USER_JOBS
-from tests.support.slurm import KILL_WAIT_SECONDS, slurm_cluster
+from tests.slurm.conftest import slurm_job
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 PLAIN_DDP = Path(__file__).parents[2] / "examples" / "plain_ddp.py"
-# The agents Slurm starts: fast heartbeats, and a stop grace inside Slurm's KillWait, so a rank's
-# final checkpoint is not cut short by the agent before Slurm's SIGKILL would.
-SLURM_AGENT_ENV = AGENT_ENV | SUITE_USER_JOBS | {"ETT_AGENT_STOP_GRACE_SECONDS": str(KILL_WAIT_SECONDS - 5)}
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def ett(slurm, tmp_path_factory):
-    env = {"ETT_SLURM": "true", "ETT_SLURM_POLL_SECONDS": "0.5", "ETT_SLURM_AGENT_ENV": json.dumps(SLURM_AGENT_ENV),
-           "ETT_SLURM_AGENT_START_SECONDS": "60"} | slurm.env  # fmt: skip
-    with cluster(tmp_path_factory.mktemp("ett"), **env) as running:
-        yield running
-
-
-def slurm_job(name: str, **spec) -> dict:
-    return fake_rank_job(name, **{"slurm": {"partition": "batch", "time_limit": "10"}} | spec)
 
 
 def running_attempt(ett, job_id: str) -> dict:
@@ -54,9 +30,9 @@ def slurm_time(value: str) -> float:
     return datetime.fromisoformat(value).timestamp()  # scontrol prints the local time
 
 
-def test_a_job_runs_in_its_own_allocation_restarts_there_and_releases_it(ett, slurm):
+def test_a_job_runs_in_its_own_allocation_restarts_there_and_releases_it(ett, slurm, python):
     kill = {"attempt": 0, "rank": 1, "at_step": 5, "action": "kill"}
-    job_id = ett.submit(slurm_job("on-slurm", nodes=2, steps=20, faults=[kill]))
+    job_id = ett.submit(slurm_job(python, "on-slurm", nodes=2, steps=20, faults=[kill]))
     job = ett.wait_job(job_id, 180)
     assert job["state"] == "succeeded", (job, ett.logs())
     assert [a["cause"] for a in job["attempts"]] == ["signal", None]
@@ -88,12 +64,12 @@ def test_a_job_runs_in_its_own_allocation_restarts_there_and_releases_it(ett, sl
     assert ett.report(job_id)["queued_seconds"] >= in_slurm_queue - 1.0
 
 
-def test_a_job_waits_in_slurms_queue_with_slurms_reason_and_cancelling_it_releases_it(ett, slurm):
+def test_a_job_waits_in_slurms_queue_with_slurms_reason_and_cancelling_it_releases_it(ett, slurm, python):
     # Both nodes held by a job outside ETT: the ETT job waits in Slurm's queue, and says why.
     blocker = slurm.run("sbatch", "--parsable", "--partition=batch", "--nodes=2", "--output=/dev/null",
                         "--wrap=sleep 600").strip()  # fmt: skip
     wait_for(lambda: slurm.job(blocker)["JobState"] == "RUNNING", 60, "the blocking job to run")
-    job_id = ett.submit(slurm_job("cancel-me", nodes=1, steps=100000))
+    job_id = ett.submit(slurm_job(python, "cancel-me", nodes=1, steps=100000))
     waiting = wait_for(lambda: "waiting in Slurm's queue" in ((j := ett.job(job_id))["reason"] or "") and j, 30,
                        "the job to wait in Slurm's queue")  # fmt: skip
     assert waiting["state"] == "queued" and waiting["slurm"]["state"] == "PENDING", waiting
@@ -105,8 +81,8 @@ def test_a_job_waits_in_slurms_queue_with_slurms_reason_and_cancelling_it_releas
     wait_for(lambda: slurm.job(slurm_id)["JobState"] == "CANCELLED", 30, "the allocation to be cancelled")
 
 
-def test_an_agent_that_vanishes_costs_its_node_and_the_job_goes_on_without_it(ett, slurm):
-    job_id = ett.submit(slurm_job("lose-node", nodes=1, steps=60, step_seconds=0.1))
+def test_an_agent_that_vanishes_costs_its_node_and_the_job_goes_on_without_it(ett, slurm, python):
+    job_id = ett.submit(slurm_job(python, "lose-node", nodes=1, steps=60, step_seconds=0.1))
     job = running_attempt(ett, job_id)
     first, node = job["slurm"]["job_id"], job["slurm"]["nodes"][0]
     agent = next(pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).count(f"slurm-{first}-{node}"))
@@ -119,8 +95,9 @@ def test_an_agent_that_vanishes_costs_its_node_and_the_job_goes_on_without_it(et
     assert slurm.job(job["slurm"]["job_id"])["ExcNodeList"] == node  # asked Slurm for a node but that one
 
 
-def test_a_silent_agent_is_lost_its_allocation_replaced_and_without_a_spare_node_slurm_takes_any(ett, slurm):
-    job_id = ett.submit(slurm_job("silent-node", nodes=2, steps=80, step_seconds=0.1))
+def test_a_silent_agent_is_lost_its_allocation_replaced_and_without_a_spare_node_slurm_takes_any(ett, slurm,
+                                                                                              python):
+    job_id = ett.submit(slurm_job(python, "silent-node", nodes=2, steps=80, step_seconds=0.1))
     job = running_attempt(ett, job_id)
     first = job["slurm"]["job_id"]
     agent = next(pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).count(f"slurm-{first}-n2"))
@@ -138,9 +115,9 @@ def test_a_silent_agent_is_lost_its_allocation_replaced_and_without_a_spare_node
 
 
 @pytest.mark.over_budget("a real Slurm preemption and a second allocation")
-def test_a_preempted_job_saves_a_final_checkpoint_in_the_grace_and_goes_on_in_a_new_allocation(ett, slurm):
+def test_a_preempted_job_saves_a_final_checkpoint_in_the_grace_and_goes_on_in_a_new_allocation(ett, slurm, python):
     spec = {"name": "preempted", "nodes": 2, "procs_per_node": 1, "max_restarts": 2,
-            "entrypoint": [sys.executable, str(PLAIN_DDP), "--steps", "40", "--step-seconds", "0.2"],
+            "entrypoint": [str(python), str(PLAIN_DDP), "--steps", "40", "--step-seconds", "0.2"],
             "checkpoint": {"interval_steps": 1000}, "slurm": {"partition": "batch"}}  # fmt: skip
     job_id = ett.submit(spec)
     wait_for(lambda: len(ett.events(job_id, kind="step", attempt=0)) >= 5, 120, "five steps")
@@ -167,15 +144,14 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
-def test_the_services_environment_does_not_reach_the_ranks(ett, tmp_path):
+def test_the_services_environment_does_not_reach_the_ranks(ett, python):
     """The allocation is submitted with --export=NONE: the service's environment (its database
     URL, which may hold a password, among it) is not the agents' nor the ranks'."""
-    out = tmp_path / "env.json"
-    dump = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
+    dump = "import json, os; json.dump(dict(os.environ), open(os.environ['ETT_CHECKPOINT_DIR'] + '/env.json', 'w'))"
     spec = {"name": "env", "nodes": 1, "procs_per_node": 1, "max_restarts": 0,
-            "entrypoint": [sys.executable, "-c", dump, str(out)], "slurm": {"partition": "batch", "time_limit": "10"}}
+            "entrypoint": [str(python), "-c", dump], "slurm": {"partition": "batch", "time_limit": "10"}}
     job = ett.wait_job(ett.submit(spec), 180)
     assert job["state"] == "succeeded", (job, ett.logs())
-    env = json.loads(out.read_text())
+    env = json.loads((ett.checkpoint_area() / job["id"] / "env.json").read_text())
     assert env["ETT_JOB_ID"] == job["id"]  # the job's own, from the agent
     assert not {"ETT_DATABASE_URL", "ETT_CHECKPOINT_ROOT", "ETT_DATA_DIR"} & env.keys(), sorted(env)
