@@ -67,6 +67,9 @@ class Node(Base):
     drained: Mapped[str | None] = mapped_column(String(512), default=None)
     # The one job this node serves (an agent of that job's Slurm allocation); None: any job.
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True)
+    # Why it takes no new work until its agent shows it runs nothing of the attempt it was declared
+    # lost for (service/jobs/peer_loss.py, "fencing"); None: not fenced.
+    fenced: Mapped[str | None] = mapped_column(String(512), default=None)
 
 
 class Owner(Base):
@@ -151,6 +154,9 @@ class AttemptNode(Base):
     node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id"), index=True)
     node_rank: Mapped[int]
     state: Mapped[AttemptState] = mapped_column(enum_column(AttemptState), default=AttemptState.allocated)
+    # When its node was declared lost for this attempt by its peers' evidence (service/jobs/peer_loss.py):
+    # what the node sends of this attempt from then on is refused.
+    fenced_at: Mapped[datetime | None] = mapped_column(default=None)
 
     attempt: Mapped[Attempt] = relationship(back_populates="nodes")
     node: Mapped[Node] = relationship()

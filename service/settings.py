@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     # for this long after is lost for that job, fenced and replaced, not waited for until the deadline.
     # Raise it for agents that do not long-poll (ETT_AGENT_HEARTBEAT_WAIT_SECONDS=0) or a service
     # whose heartbeat writes lag behind by more.
-    peer_loss_silence_seconds: float = Field(0.5, gt=0)
+    peer_loss_silence_seconds: float = Field(1.0, gt=0)
     # Longest a heartbeat may wait for a command (long-poll).
     max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
     # An agent clock further off than this is flagged in the node's state.

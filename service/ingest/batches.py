@@ -94,8 +94,9 @@ class EventBatchWriter:
         with self.sessions() as session:
             outcomes: list[Outcome | None] = [None] * len(group)
             nodes = self._own_nodes(session, group, outcomes)
-            strangers, worlds = self._not_given(session, group, nodes)
+            strangers, worlds, fenced = self._not_given(session, group, nodes)
             batch, offsets, spans = [], [], {}  # spans: group index -> its events' range in `batch`
+            dropped: dict[int, int] = {}  # group index -> its events of attempts its node was fenced from
             for i, item in enumerate(group):
                 if outcomes[i] is not None:
                     continue
@@ -105,16 +106,24 @@ class EventBatchWriter:
                 if refused is not None:
                     outcomes[i] = refused
                     continue
-                spans[i] = range(len(batch), len(batch) + len(item.events))
-                batch += [(e.job_id, e) for e in item.events]
-                offsets += [node.clock_offset_seconds] * len(item.events)
-            if batch:
-                result = ingest(session, batch, clock_offsets=offsets, settings=self.settings)
+                # A node declared lost for an attempt (service/jobs/peer_loss.py) has its say on it no
+                # more: what it sends of it late (a step, a checkpoint's commit) is refused, answered as
+                # such so its forwarder goes on, and never a resume point.
+                kept = item.events if not fenced else [e for e in item.events
+                                                       if (node.id, e.job_id, e.attempt) not in fenced]
+                dropped[i] = len(item.events) - len(kept)
+                spans[i] = range(len(batch), len(batch) + len(kept))
+                batch += [(e.job_id, e) for e in kept]
+                offsets += [node.clock_offset_seconds] * len(kept)
+            result = ingest(session, batch, clock_offsets=offsets, settings=self.settings) if batch else None
+            if result is not None:
                 session.commit()
-                for i, span in spans.items():
-                    accepted, past = sum(k in result.stored for k in span), sum(k in result.refused for k in span)
-                    outcomes[i] = IngestOut(accepted=accepted, duplicates=len(span) - accepted - past, refused=past)
-                over_bound = result.over_bound
+            for i, span in spans.items():
+                accepted = sum(k in result.stored for k in span) if result else 0
+                past = sum(k in result.refused for k in span) if result else 0
+                outcomes[i] = IngestOut(accepted=accepted, duplicates=len(span) - accepted - past,
+                                        refused=past + dropped[i])
+            over_bound = result.over_bound if result else frozenset()
         if over_bound:  # with the group's connection given back
             self._stop(over_bound)
         return outcomes  # type: ignore[return-value]  # every entry set above
@@ -144,15 +153,16 @@ class EventBatchWriter:
     @staticmethod
     def _not_given(
         session: Session, group: list[Posted], nodes: dict[int, NodeLike]
-    ) -> tuple[dict[int, Refused], dict[Given, int]]:
-        """The 403 of each batch with an event of an attempt the scheduler did not give its node, and
-        the number of ranks of each attempt given. Events of unknown jobs are left to ingestion,
-        which refuses them with 422 naming the field."""
+    ) -> tuple[dict[int, Refused], dict[Given, int], set[Given]]:
+        """The 403 of each batch with an event of an attempt the scheduler did not give its node, the
+        number of ranks of each attempt given, and those its node was fenced from. Events of unknown
+        jobs are left to ingestion, which refuses them with 422 naming the field."""
         jobs = list({e.job_id for i in nodes for e in group[i].events})
         if not jobs:
-            return {}, {}
-        rows = session.execute(_GIVEN, {"nodes": list({n.id for n in nodes.values()}), "jobs": jobs})
+            return {}, {}, set()
+        rows = session.execute(_GIVEN, {"nodes": list({n.id for n in nodes.values()}), "jobs": jobs}).all()
         given = {(row.node_id, row.job_id, row.number): row.world for row in rows}
+        fenced = {(row.node_id, row.job_id, row.number) for row in rows if row.fenced_at is not None}
         known: set[str] | None = None  # read only when some attempt was not given: rarely
         refused = {}
         for i, node in nodes.items():
@@ -167,7 +177,7 @@ class EventBatchWriter:
                     refused[i] = Forbidden(f"events.{k}: attempt {e.attempt} of job {e.job_id} was not given to "
                                            f"agent {node.name}; it may report only its own attempts")
                     break
-        return refused, given
+        return refused, given, fenced
 
 
 # A group's statements, built once (built per group, each left cyclic garbage for the collector).
@@ -177,7 +187,7 @@ _NODES = (
 )  # fmt: skip
 _KNOWN_JOBS = select(Job.id).where(Job.id.in_(bindparam("jobs", expanding=True)))
 _GIVEN = (
-    select(AttemptNode.node_id, Attempt.job_id, Attempt.number, JOB_WORLD_SIZE)
+    select(AttemptNode.node_id, Attempt.job_id, Attempt.number, JOB_WORLD_SIZE, AttemptNode.fenced_at)
     .join(AttemptNode).join(Job, Attempt.job_id == Job.id)
     .where(AttemptNode.node_id.in_(bindparam("nodes", expanding=True)),
            Attempt.job_id.in_(bindparam("jobs", expanding=True)))

@@ -26,6 +26,9 @@ def _then(first: str, later: str) -> str:
     return rf"\A(?>.*?(?:{first})).*?(?:{later})"
 
 
+PEER_ADDRESS = r"\[[\w.:-]{1,64}\]:\d"  # the other end of a connection, as gloo and c10d write it
+PEER_ERRORS = "Connection reset by peer|Broken pipe|Connection refused"
+
 # (diagnosis, pattern): the first diagnosis whose pattern matches a line of the rank's last
 # output wins (so the specific before the general: a CUDA out-of-memory is also an exception);
 # the summary is the last line it matched.
@@ -38,6 +41,13 @@ DEFAULT_PATTERNS: tuple[tuple[str, str], ...] = (
     ("hardware_error",
      r"\bXid\b|uncorrectable ECC|CUDA error: (?:an illegal memory access|unspecified launch failure)"),
     ("disk_full", r"No space left on device|Disk quota exceeded"),
+    # A survivor's end when a peer went away (its node lost, service/jobs/peer_loss.py): gloo's closed or
+    # reset connection, NCCL's remote error, the rendezvous store gone. A reset, a broken pipe or a
+    # refusal counts only beside an [address]:port as gloo and c10d name the other end (a job's own
+    # downloads see resets too).
+    ("peer_lost", "Connection closed by peer|ncclRemoteError|remote process exited|DistNetworkError|DistStoreError|"
+                  "RendezvousConnectionError|failed to recv, got 0 bytes|"
+                  f"{_then(PEER_ADDRESS, PEER_ERRORS)}|{_then(PEER_ERRORS, PEER_ADDRESS)}"),
     # `module.path.` (each part taken whole), then a class name holding Error, Exception or
     # Interrupt (its first such word held), then the end or `: message`.
     ("exception", r"^(?:[A-Za-z_]\w*+\.)*+(?>[A-Z]\w*?(?:Error|Exception|Interrupt))\w*+(?::.*)?$"),

@@ -23,7 +23,7 @@ from ett.protocol.messages import AttemptReport
 from service.agents import commands, node_evidence
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
-from service.jobs import scheduler
+from service.jobs import peer_loss, scheduler
 from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose_reports
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.outcomes import Refused
@@ -74,12 +74,12 @@ def node_state_after(state: NodeState, leaving: bool) -> NodeState:
     return NodeState.idle if state == NodeState.lost else state
 
 
-# The nodes of a batch with their token's revocation and whether commands wait for them, in the
-# scheduler's order (no deadlock with it); two statements built once (built per batch, each
-# left cyclic garbage for the collector).
+# The nodes of a batch with their token's revocation, whether commands wait for them and whether
+# they are fenced (service/jobs/peer_loss.py), in the scheduler's order (no deadlock with it); two
+# statements built once (built per batch, each left cyclic garbage for the collector).
 _NODES = (
-    select(Node.id, Node.name, Node.token_id, Node.state, Node.clock_offset_seconds, Node.health, Token.revoked,
-           commands.WAITING_FOR_NODE.label("pending"))
+    select(Node.id, Node.name, Node.token_id, Node.state, Node.clock_offset_seconds, Node.health, Node.fenced,
+           Token.revoked, commands.WAITING_FOR_NODE.label("pending"))
     .join(Token, Node.token_id == Token.id)
     .where(Node.name.in_(bindparam("names", expanding=True)))
     .order_by(Node.name)
@@ -152,6 +152,7 @@ class HeartbeatWriter:
             recorded: dict[int, int] = {}  # batch index -> node id
             to_take: dict[int, int] = {}  # node id -> batch index of its first heartbeat with commands waiting
             evidence: list[tuple[int, str | None, Beat]] = []  # (node id, its health before, heartbeat)
+            fenced: list[tuple[int, int, bool, Beat]] = []  # (batch index, node id, commands waiting, heartbeat)
             outcomes: list[Outcome | None] = [None] * len(batch)
             for i, item in enumerate(batch):
                 node = claimed_node(session, nodes.get(item.name), item.name, item.caller)
@@ -174,6 +175,8 @@ class HeartbeatWriter:
                     ):
                         changing.append((share.id, item, report))
                 recorded[i] = node.id
+                if node.fenced is not None:
+                    fenced.append((i, node.id, node.pending, item))
                 if node.pending:
                     to_take.setdefault(node.id, i)
             if updates:
@@ -182,6 +185,10 @@ class HeartbeatWriter:
                 self._record_evidence(session, evidence, now)
             if changing:
                 self._apply_reports(session, changing)
+            for i, node_id, pending, item in fenced:  # rare: a node declared lost by its peers, back
+                if peer_loss.answer_fenced(session, session.get_one(Node, node_id), item.beat.attempts, pending):
+                    session.flush()
+                    to_take.setdefault(node_id, i)  # its stop goes with this very answer
             taken = commands.take_pending_of(session, to_take) if to_take else {}
             for i, node_id in recorded.items():
                 outcomes[i] = (node_id, taken.get(node_id, []) if to_take.get(node_id) == i else [])

@@ -22,15 +22,16 @@ from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_resta
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command
 from service.jobs.owners import number_owner
+from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers
 from service.jobs.placement import rank_order
 from service.jobs.rendezvous import free_master_port
+from service.jobs.restarts import needs_attempt
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
 from service.models import (
     Attempt,
     AttemptNode,
     AttemptState,
-    Checkpoint,
     Job,
     JobEvent,
     JobState,
@@ -113,7 +114,7 @@ def fail_attempt(
     its budget spent, a failure no restart fixes, or the same failure again and again."""
     diagnosis = diagnosis or without_logs(cause, detail, exit_code)
     data = AttemptFailedData(cause=cause, detail=detail, diagnosis=diagnosis.kind, summary=diagnosis.summary)
-    if attempt.state == AttemptState.failed and _names_the_root_cause(cause, attempt.cause):
+    if attempt.state == AttemptState.failed and _names_the_root_cause(cause, attempt.cause, diagnosis, attempt):
         # A killed rank's peers see their collectives break and exit too; whichever node reports
         # first ends the attempt, and the root cause corrects the record when it arrives.
         attempt.cause, attempt.detail = cause, detail
@@ -137,8 +138,11 @@ def fail_attempt(
         finish_job(session, job, JobState.failed, refusal, now)
 
 
-def _names_the_root_cause(cause: str, recorded: str | None) -> bool:
-    """A signal, a hang or a lost node (known once its heartbeats are overdue) explains a peer's plain exit."""
+def _names_the_root_cause(cause: str, recorded: str | None, diagnosis: Diagnosis, attempt: Attempt) -> bool:
+    """A signal, a hang or a lost node (known once its heartbeats are overdue, or its peers saw it go)
+    explains a peer's plain exit; so does any failure of its own told after a survivor's lost connection."""
+    if attempt.diagnosis == PEER_LOST and cause == "exit" and diagnosis.kind not in (PEER_LOST, "unknown"):
+        return True
     return recorded == "exit" and cause in ("signal", "hang", "node_lost")
 
 
@@ -172,6 +176,9 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
     now = time.time() if now is None else now
     if up_since is None or now - up_since >= settings.heartbeat_timeout_seconds:
         _declare_lost_nodes(session, settings, now)
+    for share, detail in lost_to_their_peers(session, settings, now, up_since):  # service/jobs/peer_loss.py
+        fence(share.node, share, now)
+        _lose(session, share.node, [share], detail, settings, now)
     _give_up_unconfirmed_stops(session, settings, now)
     _allocate(session, settings, now)
     retune_auto_intervals(session, settings, now)
@@ -184,15 +191,21 @@ def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> Non
         .with_for_update(skip_locked=True)
     ).all()  # fmt: skip
     for node in silent:
-        node.state = NodeState.lost
         detail = f"agent {node.name} sent no heartbeat for {settings.heartbeat_timeout_seconds:g} s"
         shares = session.scalars(select(AttemptNode).where(AttemptNode.node_id == node.id,
                                                            AttemptNode.state.in_(ACTIVE))).all()
-        node_evidence.node_lost(session, node, shares, detail, settings, _at(now))  # unless a job's drill
-        for share in shares:
-            # The lost node is told to stop too: a slow agent that comes back must not run stale ranks.
-            fail_attempt(session, share.attempt, "node_lost", detail, now)
-            share.state = AttemptState.failed  # not waited for: the next attempt may start without it
+        _lose(session, node, shares, detail, settings, now)
+
+
+def _lose(session: Session, node: Node, shares: Sequence[AttemptNode], detail: str, settings: Settings,
+          now: float) -> None:
+    """Declares the node lost with its active shares: node evidence either way it was found."""
+    node.state = NodeState.lost
+    node_evidence.node_lost(session, node, shares, detail, settings, _at(now))  # unless a job's drill
+    for share in shares:
+        # The lost node is told to stop too: a slow agent that comes back must not run stale ranks.
+        fail_attempt(session, share.attempt, "node_lost", detail, now)
+        share.state = AttemptState.failed  # not waited for: the next attempt may start without it
 
 
 def _give_up_unconfirmed_stops(session: Session, settings: Settings, now: float) -> None:
@@ -205,26 +218,6 @@ def _give_up_unconfirmed_stops(session: Session, settings: Settings, now: float)
     for share in unconfirmed:
         share.state = AttemptState.stopped
         _release(share.node)
-
-
-def _needs_attempt(session: Session, job: Job, settings: Settings, now: float) -> bool:
-    if job.state == JobState.queued:
-        return True
-    if job.state != JobState.running or not job.attempts:
-        return False
-    last = job.attempts[-1]
-    if last.state in ACTIVE or last.ended_at is None:
-        return False
-    backoff_over = _made_progress(session, last) or now >= last.ended_at.timestamp() + settings.restart_backoff_seconds
-    # Wait for the survivors to stop, so they can be reused and hold no stale ranks.
-    return backoff_over and all(s.state not in ACTIVE for s in last.nodes)
-
-
-def _made_progress(session: Session, attempt: Attempt) -> bool:
-    """An attempt that committed a checkpoint is no crash loop: the next one needs no backoff."""
-    query = select(Checkpoint.id).where(Checkpoint.job_id == attempt.job_id, Checkpoint.attempt == attempt.number,
-                                        Checkpoint.committed_at.is_not(None))
-    return session.scalar(query.limit(1)) is not None
 
 
 def _allocate(session: Session, settings: Settings, now: float) -> None:
@@ -242,12 +235,12 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
     idle: list[Node] | None = None  # read (and locked) once per tick, by the first job that needs nodes
     capacity: dict[int, tuple[int, int]] = {}  # slots per node -> the fleet's nodes, and those with that many
     for job in candidates:
-        if not _needs_attempt(session, job, settings, now):
+        if not needs_attempt(session, job, settings, now):
             continue
         if idle is None:
             idle = list(session.scalars(
                 select(Node).where(Node.state == NodeState.idle, Node.last_heartbeat_at >= fresh,
-                                   Node.health.is_(None), Node.drained.is_(None))
+                                   Node.health.is_(None), Node.drained.is_(None), Node.fenced.is_(None))
                 .order_by(Node.name).with_for_update(skip_locked=True)
             ))  # fmt: skip
         spec = job.spec

@@ -40,6 +40,7 @@ class NodeOut(BaseModel):
     job_id: str | None  # the one job it serves (a Slurm allocation's agent); None: any
     health: str | None = None  # why its health check fails
     drained: str | None = None  # why an admin, or its node evidence, took it out of the scheduler's choice
+    fenced: str | None = None  # declared lost for an attempt by its peers: no work until its agent stops it
 
 
 class NodeEvidenceOut(BaseModel):

@@ -107,8 +107,9 @@ class AgentEventBatch(Strict):
 class IngestOut(BaseModel):
     accepted: int
     duplicates: int
-    refused: int = Field(0, description="events past their job's bound (ETT_MAX_EVENTS_PER_RANK), not stored and "
-                         "not to be sent again: the job is stopped")
+    refused: int = Field(0, description="events past their job's bound (ETT_MAX_EVENTS_PER_RANK), the job then "
+                         "stopped, or of an attempt this node was fenced from (declared lost for it): not stored "
+                         "and not to be sent again")
 
 
 Seconds = dict[Literal[CATEGORIES], float]  # type: ignore[valid-type]

@@ -1,0 +1,32 @@
+"""When a job's next attempt may start (the scheduler's allocation asks, service/jobs/scheduler.py)."""
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
+from service.models import Attempt, Checkpoint, Job, JobState
+from service.settings import Settings
+
+
+def needs_attempt(session: Session, job: Job, settings: Settings, now: float) -> bool:
+    """Whether the job wants its next attempt now: queued, or its last attempt over, its backoff
+    past and every share of it stopped."""
+    if job.state == JobState.queued:
+        return True
+    if job.state != JobState.running or not job.attempts:
+        return False
+    last = job.attempts[-1]
+    if last.state in ACTIVE or last.ended_at is None:
+        return False
+    # A lost node is no crash loop of the job's: the next attempt runs without it, at once.
+    backoff_over = (last.cause == "node_lost" or made_progress(session, last)
+                    or now >= last.ended_at.timestamp() + settings.restart_backoff_seconds)
+    # Wait for the survivors to stop, so they can be reused and hold no stale ranks.
+    return backoff_over and all(s.state not in ACTIVE for s in last.nodes)
+
+
+def made_progress(session: Session, attempt: Attempt) -> bool:
+    """An attempt that committed a checkpoint is no crash loop: the next one needs no backoff."""
+    query = select(Checkpoint.id).where(Checkpoint.job_id == attempt.job_id, Checkpoint.attempt == attempt.number,
+                                        Checkpoint.committed_at.is_not(None))
+    return session.scalar(query.limit(1)) is not None
