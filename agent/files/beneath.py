@@ -4,6 +4,7 @@ file of the machine where the agent expects its own (docs/reliability.md, "Secur
 
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 MODE = 0o644  # what the agent writes there is for the ranks to read
@@ -49,3 +50,12 @@ def replace_beneath(folder_fd: int, name: str, data: bytes) -> None:
     with open(fd, "wb") as f:
         f.write(data)
     os.replace(staging, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
+
+
+def remove_tree(path: Path | str) -> None:
+    """Removes a folder a job filled, whatever its depth or contents. GNU rm walks it by descriptors
+    (fts), follows no link in it and stays on its file system; shutil.rmtree recurses in Python, and
+    a tree of 1,100 folders a job made ended the agent with RecursionError (found by review). What
+    cannot be removed stays: the caller looks."""
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], stdin=subprocess.DEVNULL,
+                   capture_output=True, check=False)

@@ -24,6 +24,7 @@ moves to DATA_DIR/finished/JOB_ID/ATTEMPT/ (agent.forwarding.forward).
 import ctypes
 import errno
 import json
+import math
 import os
 import stat
 import time
@@ -216,11 +217,24 @@ class NodeEventLog:
         self.seq += 1
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: no JSON the service can be sent
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_event(raw: bytes) -> dict[str, Any] | None:
     """The event on a spool line, or None when the line is not a JSON object (or was released).
-    A job's line may nest deeper than the parser recurses: that is no event either."""
+    A job's line may nest deeper than the parser recurses, or hold NaN or a number past a float's
+    range (which Python reads and no JSON encoder writes: one such event stopped forwarding for
+    every job of the node, found by review): no event either."""
     try:
-        event = json.loads(raw)
+        event = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return None
     return event if isinstance(event, dict) else None

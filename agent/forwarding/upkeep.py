@@ -8,9 +8,9 @@ warning is logged while it is above its bound (events are never dropped to get u
 import contextlib
 import logging
 import os
-import shutil
 from pathlib import Path
 
+from agent.files.beneath import remove_tree
 from agent.files.spool import AttemptPaths, disk_bytes
 from agent.forwarding.log_shipper import LogShipper
 from agent.forwarding.spool_files import SpoolFiles
@@ -59,9 +59,13 @@ class SpoolUpkeep:
 
     def _retire(self, attempt_dir: Path) -> None:
         """An ended attempt, all forwarded: its events go, the rest (logs) moves out of the spool."""
-        shutil.rmtree(AttemptPaths(attempt_dir).events_dir)
+        events_dir = AttemptPaths(attempt_dir).events_dir
+        remove_tree(events_dir)  # the job's folder: any depth, no link followed
+        if events_dir.exists():
+            log.warning("%s could not be removed; the attempt stays in the spool", events_dir)
+            return
         finished = self.finished_root / attempt_dir.relative_to(self.spool_root)
-        shutil.rmtree(finished, ignore_errors=True)
+        remove_tree(finished)
         finished.parent.mkdir(parents=True, exist_ok=True)
         os.replace(attempt_dir, finished)
         with contextlib.suppress(OSError):

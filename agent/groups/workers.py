@@ -17,7 +17,6 @@ attempt, never the agent. The group's parts: its states (agent.groups.states), i
 """
 import logging
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -29,6 +28,7 @@ from agent.confinement.cgroup_end import PROCS, kill_cgroup, pids_in
 from agent.confinement.cgroups import NodeCgroups
 from agent.confinement.job_user import RunAs, make_passable
 from agent.confinement.procs import GROUP_MARKER_ENV, process_uid, signal_group, signal_marked
+from agent.files.beneath import remove_tree
 from agent.files.spool import AttemptPaths, NodeEventLog, write_private
 from agent.groups.faults import FaultInjector
 from agent.groups.progress import Progress
@@ -196,10 +196,9 @@ class WorkerGroup:
 
     def remove_local_checkpoints(self) -> None:
         """Removes the job's node-local checkpoint folder (the agent names it, in its own root). The
-        job writes inside it: shutil.rmtree walks it by descriptors and follows no link in it
-        (`shutil.rmtree.avoids_symlink_attacks` on Linux)."""
+        job writes inside it, any depth: removed without following a link (agent.files.beneath)."""
         if self.command.checkpoint.local_dir is not None:
-            shutil.rmtree(self.command.checkpoint.local_dir, ignore_errors=True)
+            remove_tree(self.command.checkpoint.local_dir)
 
     def owns(self, pid: int) -> bool:
         """Whether `pid` is a process of this group, by the kernel's word (not the job's records):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from agent.client import ServiceClient
+from agent.files.beneath import remove_tree
 from agent.files.spool import AttemptPaths, disk_bytes
 from agent.forwarding.delivery import rejected_indices
 from agent.forwarding.forward import ForwardConfig, Forwarder
@@ -321,3 +322,39 @@ def test_a_forged_commit_is_no_resume_point(tmp_path):
         assert first["cause"] == "exit" and second["resume_from"] is None, job
         [commit] = [e for e in c.events(job_id) if e.kind == "ckpt_committed" and e.attempt == 0]
         assert commit.step == 5 and commit.data["verified"] is False
+
+
+def test_a_tree_deeper_than_python_recurses_is_removed_and_no_link_in_it_followed(tmp_path):
+    """Root removes the job's folders (its events, its node-local checkpoints) whatever the job put
+    there: 1,100 nested folders (shutil.rmtree's recursion ended the agent) and a link to outside."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept").write_text("root's")
+    job = tmp_path / "job"
+    job.mkdir()
+    fd = os.open(job, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1_100):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.symlink(outside, "out", dir_fd=fd)
+    os.close(fd)
+    remove_tree(job)
+    assert not job.exists() and (outside / "kept").read_text() == "root's"
+
+
+def test_a_number_no_json_can_carry_is_set_aside_and_the_rest_forwarded(fake_service, tmp_path):
+    # Python reads NaN, Infinity and 1e400, and no JSON encoder writes them: sent, such an event
+    # failed every batch of the node for good (found by review).
+    spool = tmp_path / "spool" / "job1" / "0" / EVENTS_DIR / rank_spool(0)
+    lines = [json.dumps(spool_event(0))]
+    for seq, number in enumerate(("NaN", "Infinity", "-Infinity", "1e400"), 1):
+        lines.append(json.dumps(spool_event(seq)).replace('"data": {}', f'"data": {{"bad": {number}}}'))
+    write_spool(spool, [*lines, spool_event(5)])
+    forwarder = forwarder_for(fake_service, tmp_path)
+
+    assert forwarder.forward_once(flush=True)
+
+    assert sorted(key[3] for key in fake_service.events) == [0, 5]
+    assert forwarder.stats.dead_letters == 4
