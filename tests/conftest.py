@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
+from service.db import make_engine, make_session_factory
 from service.migrate import upgrade
 from service.models import Base
 from service.settings import Settings
@@ -102,6 +104,15 @@ def database_url(request, tmp_path_factory, _migrated_urls: dict[str, str]) -> I
 @pytest.fixture
 def settings(database_url: str, tmp_path: Path) -> Settings:
     return Settings(database_url=database_url, data_dir=tmp_path / "data")
+
+
+@pytest.fixture
+def session(settings: Settings) -> Iterator[Session]:
+    """A session on the parametrized database, for tests of the domain without HTTP."""
+    engine = make_engine(settings.resolved_database_url)
+    with make_session_factory(engine)() as session:
+        yield session
+    engine.dispose()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ the node's own, or while the service has just come back. A fenced node's late ev
 commit among them, are refused through the agents' batch writer: never a resume point."""
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -15,7 +14,6 @@ from sqlalchemy.orm import Session
 
 from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
 from service.agents import commands
-from service.db import make_engine, make_session_factory
 from service.jobs import peer_loss, scheduler
 from service.jobs.checkpoints import newest_checkpoint
 from service.jobs.failure_text import DEFAULT_COMPILED, read_lines
@@ -74,14 +72,6 @@ def test_which_node_a_survivors_text_implicates(summary, addresses, chosen):
 def test_the_masters_store_lost_while_the_master_answered_falls_back_to_the_others():
     shares = shares_on("10.0.0.0", "10.0.0.1", "10.0.0.2")[1:]  # node rank 0 has reported its end
     assert [s.node_rank for s in peer_loss.implicated(STORE, 29517, shares)] == [1, 2]
-
-
-@pytest.fixture
-def session(settings: Settings) -> Iterator[Session]:
-    engine = make_engine(settings.resolved_database_url)
-    with make_session_factory(engine)() as session:
-        yield session
-    engine.dispose()
 
 
 def started(session: Session, settings: Settings, names: str, nodes: int = 2) -> tuple[Job, dict[str, Node]]:

@@ -2,7 +2,6 @@
 
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import select
@@ -10,7 +9,6 @@ from sqlalchemy.orm import Session
 
 from ett.protocol.messages import command_adapter
 from service.agents import commands
-from service.db import make_engine, make_session_factory
 from service.jobs import scheduler
 from service.models import (
     AgentCommand,
@@ -31,14 +29,6 @@ from service.settings import Settings
 from tests.service.factories import job_spec
 
 T0 = 1_700_000_000.0
-
-
-@pytest.fixture
-def session(settings: Settings) -> Iterator[Session]:
-    engine = make_engine(settings.resolved_database_url)
-    with make_session_factory(engine)() as session:
-        yield session
-    engine.dispose()
 
 
 def add_nodes(session: Session, *names: str, slots: int = 2) -> list[Node]:
