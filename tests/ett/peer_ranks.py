@@ -5,7 +5,8 @@ node's local folder `<base>/node-R`.
     python -m tests.ett.peer_ranks BASE RANK WORLD save STEPS   # snapshots steps 1..STEPS
     python -m tests.ett.peer_ranks BASE RANK WORLD restore     # prints {"step", "source", "value"}
 
-$PEER_COPIES: how many peer nodes keep each snapshot (1 by default).
+$PEER_COPIES: how many peer nodes keep each snapshot (1 by default); $PEER_RENDEZVOUS: the file the
+ranks meet at (a fresh one for each run of the ranks).
 
 With `save`, each rank writes its receiver's address to `<base>/address-R` and waits for
 `<base>/go` before it ends, so a test can try its receiver meanwhile.
@@ -26,7 +27,7 @@ from ett.snapshots.tier import LocalSnapshots
 def main() -> None:
     base, rank, world, mode = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     os.environ["LOCAL_WORLD_SIZE"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{base}/rendezvous-{mode}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['PEER_RENDEZVOUS']}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
     copies = int(os.environ.get("PEER_COPIES", "1"))  # each snapshot's copies, on the next nodes
     snapshots = LocalSnapshots(str(base / f"node-{rank}"), rank, world, every=1, replicate=True, group=group,

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ from tests.trainer.trainer_runs import REPO
 
 def ranks(base: Path, world: int, *args: str, before_end=None, copies: int = 1) -> list[str]:
     """`world` ranks of tests/ett/peer_ranks.py; `before_end` runs once every rank wrote its address."""
-    env = {**os.environ, "PEER_COPIES": str(copies)}
+    # A fresh rendezvous file each call: gloo's FileStore may leave its file behind when a run's
+    # processes end, and a second run on a stale file reads the first run's keys and hangs.
+    env = {**os.environ, "PEER_COPIES": str(copies), "PEER_RENDEZVOUS": str(base / f"rendezvous-{uuid.uuid4().hex}")}
     processes = [subprocess.Popen([sys.executable, "-m", "tests.ett.peer_ranks", str(base), str(rank), str(world),
                                    *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                  for rank in range(world)]  # fmt: skip
