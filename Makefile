@@ -10,7 +10,7 @@ $(BIN)/ett: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# Pinned first: the pre-staged CPU build; an unpinned torch would pull several GB of CUDA wheels.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[postgres,test,huggingface,lightning]'
+	$(BIN)/pip install -q -e '.[postgres,test,huggingface,lightning,accelerate]'
 	touch $@
 
 setup: $(BIN)/ett

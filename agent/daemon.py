@@ -34,7 +34,7 @@ from agent.settings import AgentSettings
 from agent.slurm import allocation_problem, slurm_job_id, termination
 from agent.warm.servers import WarmServers
 from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
-from ett.protocol.messages import IntervalCommand, LaunchCommand, command_adapter
+from ett.protocol.messages import IntervalCommand, LaunchCommand, WarmCommand, command_adapter
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,9 @@ class Agent:
         if slurm_job_id() is not None and (problem := allocation_problem(settings.token_file, self.job_users)):
             raise JobUserError(problem)  # before it makes anything on the node; said in the allocation's output
         # Its placer (agent.confinement.placement) listens beside the warm servers' sockets, in a folder of root's.
-        self.cgroups = (NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir), settings.data_dir / "warm")
+        # What a job's uid owns in its own folders is never swept as leftovers (agent.confinement.uid_files).
+        self.cgroups = (NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir), settings.data_dir / "warm",
+                                    (settings.data_dir, settings.local_checkpoint_root, settings.checkpoint_root))
                         if os.geteuid() == 0 else None)
         self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
         self.health = HealthCheck(settings.health_check, settings.health_check_interval_seconds)
@@ -155,10 +157,14 @@ class Agent:
                 self._report_now.set()
             return
         if isinstance(command, LaunchCommand):
+            self.forwarder.launches.know(command)  # its world and secrets, before its ranks write a byte
             self.supervisor.launch(command)
         elif isinstance(command, IntervalCommand):
             self.supervisor.set_interval(command)
             return  # no attempt state changed
+        elif isinstance(command, WarmCommand):  # from the monitor loop: it alone starts processes
+            self.supervisor.prewarm(command)
+            return
         else:
             self.supervisor.stop(command)
         self._report_now.set()
@@ -201,7 +207,8 @@ class Agent:
             held = reports.held()
             if held:
                 # An end is reported once this node's events are in (ReportBook); else try again.
-                if self.forwarder.flush(timeout=self.settings.flush_before_report_seconds) or reports.overdue():
+                # Those attempts' events only: another job's backlog does not hold their end.
+                if self.forwarder.flush(self.settings.flush_before_report_seconds, held) or reports.overdue():
                     reports.release(held)
                 else:
                     self._heartbeats_done.wait(0.25)

@@ -1,9 +1,11 @@
 """The agent's one validated configuration, read from ETT_AGENT_* environment variables.
 
 The prefix is ETT_AGENT_ rather than ETT_ so an agent and a service can share a machine (and a
-shell) without one reading the other's ETT_DATA_DIR or ETT_PORT.
+shell) without one reading the other's ETT_DATA_DIR. One exception: without a service URL, the agent
+calls the service as the `ett` commands do (ETT_SERVICE_URL, else this machine's at ETT_PORT).
 """
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -11,13 +13,15 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ett.protocol import service_url
 from ett.protocol.messages import NAME_PATTERN
 
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ETT_AGENT_", extra="forbid")
 
-    service_url: str = "http://127.0.0.1:8000"
+    # Unset: the `ett` commands' rule (ett.protocol.service_url): ETT_SERVICE_URL, else this machine's at ETT_PORT.
+    service_url: str = ""
     # The agent token: from ETT_AGENT_TOKEN, or read from the file ETT_AGENT_TOKEN_FILE names (never a
     # command-line flag: `ps` would show it to every user of the node).
     token: str = Field("", repr=False)
@@ -80,6 +84,12 @@ class AgentSettings(BaseSettings):
     clock_offset_seconds: float = 0.0
 
     @model_validator(mode="after")
+    def _service_as_the_commands_find_it(self) -> "AgentSettings":
+        if not self.service_url:  # neither --service nor ETT_AGENT_SERVICE_URL
+            self.service_url = service_url(os.environ)  # ValueError: names ETT_SERVICE_URL or ETT_PORT
+        return self
+
+    @model_validator(mode="after")
     def _token_from_file(self) -> "AgentSettings":
         if self.token_file is not None:
             if self.token:
@@ -102,7 +112,7 @@ class AgentSettings(BaseSettings):
     @field_validator("service_url")
     @classmethod
     def _http_url(cls, url: str) -> str:
-        if not url.startswith(("http://", "https://")):
+        if url and not url.startswith(("http://", "https://")):
             raise ValueError("ETT_AGENT_SERVICE_URL must start with http:// or https://")
         return url.rstrip("/")
 

@@ -62,12 +62,20 @@ def restore(folder: Path, model, optimizer, data: ByteBatchLoader, events: Event
     return state["step"]
 
 
+def attempt() -> int:
+    """torchrun's restart count, plus $BENCH_ATTEMPT_OFFSET: a spare node's torchrun (bench/node_loss.py)
+    counts from 0 where the survivor it joins is at 1."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + int(os.environ.get("BENCH_ATTEMPT_OFFSET", "0"))
+
+
 def init_process_group() -> None:
     """torchrun keeps its store across restarts and gloo's keys in it are not per restart, so a
     restarted group reads the dead one's addresses and fails to connect: prefix them."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    restart = attempt()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # The store is torchrun's own (its agent's), unless that is turned off: then rank 0 hosts it.
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=hosts)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"restart-{restart}", store), rank=rank, world_size=world_size)
 
 
@@ -111,7 +119,7 @@ def train(cfg: JobConfig, events: EventWriter) -> None:
 
 def main() -> None:
     rank = int(os.environ["RANK"])
-    events = EventWriter(os.environ["ETT_EVENT_DIR"], rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    events = EventWriter(os.environ["ETT_EVENT_DIR"], rank, attempt())
     events.emit("init_start", pid=os.getpid())
     try:
         cfg = parse_args(sys.argv[1:])

@@ -12,6 +12,11 @@ rank at given steps, one per attempt) in both runs:
   engine (MemoryJob) builds the report from them and the ranks' spools.
 
     .venv/bin/python bench/recovery.py --preset cpu-demo --steps 60 --interval 10 --kill-steps 25 45
+
+With --lose-node, a whole node is lost instead (bench/node_loss.py: ETT's peer evidence and spare
+against torchrun's c10d rendezvous and --max-restarts), at the first of --kill-steps:
+
+    .venv/bin/python bench/recovery.py --lose-node --procs 1 --steps 60 --interval 10 --kill-steps 25
 """
 
 import argparse
@@ -212,14 +217,21 @@ def main() -> None:
     parser.add_argument("--snapshots", action=argparse.BooleanOptionalAction, default=True,
                         help="ETT's node-local tier (the job's checkpoint.snapshots), as the demo runs; the "
                         "baseline has none (torch.save every --interval steps)")
+    parser.add_argument("--lose-node", action="store_true", help="lose a whole node (bench/node_loss.py)")
     parser.add_argument("--set", nargs="*", default=[], metavar="SECTION.FIELD=VALUE", help="more trainer overrides")
     args = parser.parse_args()
 
     print(f"load average before: {os.getloadavg()}", flush=True)
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    ett_report, ett_events = run_ett(args, root / "ett")
+    if args.lose_node:  # imported here: it builds on this module's parts
+        import node_loss
+
+        ett_run, baseline_run = node_loss.run_ett, node_loss.run_baseline
+    else:
+        ett_run, baseline_run = run_ett, run_baseline
+    ett_report, ett_events = ett_run(args, root / "ett")
     print(f"ETT done; load average {os.getloadavg()}", flush=True)
-    base_report, base_events = run_baseline(args, root / "baseline")
+    base_report, base_events = baseline_run(args, root / "baseline")
     print(f"baseline done; load average {os.getloadavg()}\n", flush=True)
     shutil.rmtree(root)  # kept, with the logs, when a run fails
     ett, base = summary(ett_report, ett_events), summary(base_report, base_events)

@@ -1,13 +1,14 @@
 """A team's own scripts (examples/hf_trainer.py, examples/plain_ddp.py) recovering from a SIGKILL,
-started warm (the job's `warm_imports`: the agents' warm server imports them once and forks each
-rank) against cold (a fresh interpreter per rank), side by side in one run.
+their job naming its `warm_imports` (the agents' warm server imports them once and forks each rank)
+against naming none (the agents learn what the first attempt imported and warm that: issue #49),
+side by side in one run; `--modes cold` adds a run with no warm start at all (a job `env` rules it out).
 
 Each example's job file, as an ETT job on 2 real agents (tests/support/cluster.py), rank 1
-SIGKILLed at step 13; the report gives the failure's time to recover (last step end to the next
-attempt's first step start) and the time to start; bench/recovery.py splits the time to recover
-into its parts.
+SIGKILLed at step 13 (`--kill-step`); the report gives the failure's time to recover (last step end
+to the next attempt's first step start) and the time to start; bench/recovery.py splits the time to
+recover into its parts.
 
-    .venv/bin/python bench/script_recovery.py
+    .venv/bin/python bench/script_recovery.py [--examples hf_trainer plain_ddp] [--modes learned named cold]
 """
 
 import argparse
@@ -21,14 +22,17 @@ from bench.recovery import recovery_parts  # noqa: E402
 from service.accounting.engine import Event  # noqa: E402
 from tests.support.cluster import cluster, events, example_job  # noqa: E402
 
-KILL = {"attempt": 0, "rank": 1, "at_step": 13, "action": "kill"}
 EXAMPLES = {"hf_trainer": "hf_trainer.toml", "plain_ddp": "plain_ddp.toml"}
+MODES = ("learned", "named", "cold")
 
 
-def run(root: Path, job_file: str, warm: bool) -> dict:
-    spec = example_job(job_file, faults=[KILL], max_restarts=1)
-    if not warm:
+def run(root: Path, job_file: str, mode: str, kill_step: int) -> dict:
+    spec = example_job(job_file, faults=[{"attempt": 0, "rank": 1, "at_step": kill_step, "action": "kill"}],
+                       max_restarts=1)
+    if mode != "named":
         spec["warm_imports"] = []
+    if mode == "cold":  # variables read at import could not take effect in a warm server: none is used
+        spec["env"] = {"BENCH_COLD": "1"}
     root.mkdir(parents=True)
     with cluster(root) as c:
         c.start_agents("node-a", "node-b")
@@ -48,16 +52,17 @@ def run(root: Path, job_file: str, warm: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=list(EXAMPLES))
+    parser.add_argument("--modes", nargs="+", default=["learned", "named"], choices=MODES)
+    parser.add_argument("--kill-step", type=int, default=13)
     args = parser.parse_args()
     with TemporaryDirectory() as tmp:
         for name in args.examples:
-            rows = {mode: run(Path(tmp) / f"{name}-{mode}", EXAMPLES[name], warm=mode == "warm")
-                    for mode in ("cold", "warm")}
-            print(f"\n{name}: {'':24} {'cold':>8} {'warm':>8} {'warm/cold':>10}")
-            for key in rows["cold"]:
-                cold, warm = rows["cold"][key], rows["warm"][key]
-                ratio = f"{warm / cold:.2f}x" if cold else "-"
-                print(f"  {key:32} {cold:>8.2f} {warm:>8.2f} {ratio:>10}")
+            rows = {mode: run(Path(tmp) / f"{name}-{mode}", EXAMPLES[name], mode, args.kill_step)
+                    for mode in args.modes}
+            print(f"\n{name} (rank 1 killed at step {args.kill_step}): {'':4}"
+                  + "".join(f"{mode:>9}" for mode in args.modes), flush=True)
+            for key in rows[args.modes[0]]:
+                print(f"  {key:32}" + "".join(f"{rows[mode][key]:>9.2f}" for mode in args.modes), flush=True)
 
 
 if __name__ == "__main__":

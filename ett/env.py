@@ -35,6 +35,7 @@ class JobEnvironment:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    learn_imports: bool = False  # the agent asks what the script imported (ett/imports.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "JobEnvironment":
@@ -50,4 +51,5 @@ class JobEnvironment:
             rank=_int(environ, "RANK", 0, 0),
             local_rank=_int(environ, "LOCAL_RANK", 0, 0),
             world_size=_int(environ, "WORLD_SIZE", 1, 1),
+            learn_imports=environ.get(JobEnv.LEARN_IMPORTS) == "1",
         )  # fmt: skip

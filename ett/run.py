@@ -33,11 +33,13 @@ from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.events import EventWriter
 from ett.faults import faults_of, set_off, slowdown_of
+from ett.imports import write_imports
 from ett.checkpoints.folders import step_of
 from ett.framework import FrameworkHooks
 from ett.paths import inside
 from ett.protocol import EXIT_STOPPED, RANK_KINDS
 from ett.timing import DDPWatch, SyncClock, TimingWindow
+from ett.waits import StepSpan
 
 logger = logging.getLogger("ett")
 
@@ -84,6 +86,7 @@ class Step:
         if fault is not None:  # a drill's: as the step's own code would fail
             set_off(fault, self.run.rank)
         self._start = time.perf_counter()
+        self.run._sync.begin()  # its clock points, its collectives' waits (ett/timing.py)
         slow = self.run._slowdown
         if slow is not None and self.step >= slow[0] and self.run._own_seconds:
             self._slept = (slow[1] - 1.0) * self.run._own_seconds
@@ -92,15 +95,14 @@ class Step:
 
     def synchronizing(self) -> None:
         """Marks that this rank has done its own work of the step and now synchronises with its
-        peers (its gradient all-reduce): the time until here is its work, the rest its wait
-        (ett/timing.py). DDP modules are marked without it."""
+        peers (its gradient all-reduce): the time until here, less its waits on collectives, is
+        its work (ett/timing.py). DDP and FSDP2 scripts are timed without it."""
         self.run._sync.mark()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        span = self.run._sync.end()
         if exc_type is None:  # a step that raised did not happen
-            reached = self.run._sync.reached_at
-            work = reached - self._start if reached is not None and reached > self._start else None
-            self.run._step_done(self, time.perf_counter() - self._start, work)
+            self.run._step_done(self, time.perf_counter() - self._start, span)
 
 
 class Run(FrameworkHooks):
@@ -135,12 +137,15 @@ class Run(FrameworkHooks):
         self._faults = faults_of(self.rank)  # injected ones meant for this rank, by step (ett/faults.py)
         self._slowdown = slowdown_of(self.rank)
         self._own_seconds = 0.0  # the last step's time, an injected slowdown's sleep left out
-        self._sync = SyncClock()
+        self._sync = SyncClock(time_waits=self.in_job and self.world_size > 1)
         self._ddp_watch = DDPWatch(self._sync) if self.in_job and self.world_size > 1 else None
         self._timing = TimingWindow(self._events.emit) if self.in_job else None
         self._steps_done = 0
+        # Where this node's local rank 0 says what the script imported, once its first step is done,
+        # when its agent asks: the job's next attempts start warm with them (ett/imports.py).
+        self._imports_to = env.event_dir if env.learn_imports and env.local_rank == 0 else None
         # The job's planned steps, where the script knows them: the service weighs a straggler's
-        # cost over the steps left (service/jobs/stragglers.py). The trainer and the Trainer set it.
+        # cost over the steps left (service/stragglers/). The trainer and the Trainer set it.
         self.total_steps: int | None = None
         self._checkpointer: Checkpointer | None = None
         self._last_step: int | None = None
@@ -230,7 +235,7 @@ class Run(FrameworkHooks):
             raise UsageError(f"run.step({step}): step numbers must increase; the last step was {self._last_step}")
         return Step(self, step, tokens)
 
-    def _step_done(self, step: Step, duration: float, work: float | None) -> None:
+    def _step_done(self, step: Step, duration: float, span: StepSpan | None) -> None:
         self._last_step = step.step
         self._events.progress(step.step)  # every rank: its agent watches it for hangs and faults
         self._own_seconds = max(0.0, duration - step._slept)
@@ -238,7 +243,7 @@ class Run(FrameworkHooks):
         if self._ddp_watch is not None:
             self._ddp_watch.step_ended(self._steps_done)
         if self._timing is not None:
-            self._timing.add(step.step, duration, work, self.total_steps)
+            self._timing.add(step.step, duration, span, self.total_steps)
         if self.rank == 0:  # the report takes its timings from rank 0
             data: dict[str, Any] = {"duration": duration}
             if step.tokens is not None:
@@ -246,6 +251,8 @@ class Run(FrameworkHooks):
             if step.loss is not None:
                 data["loss"] = float(step.loss.detach() if hasattr(step.loss, "detach") else step.loss)
             self._events.emit("step", step=step.step, **data)
+        if self._steps_done == 1 and self._imports_to is not None:  # after its event: no step is longer for it
+            write_imports(self._imports_to)
 
     def checkpoint(self, step: int, state: dict[str, Any], force: bool = False, stop: bool | None = None,
                    wait_for_staging: bool = True) -> bool:
@@ -345,6 +352,7 @@ class Run(FrameworkHooks):
             self._events.close()
 
     def _stop_watching(self) -> None:
+        self._sync.stop()  # torch's waits as they were
         if self._ddp_watch is not None:
             self._ddp_watch.stop()
         if self._timing is not None:

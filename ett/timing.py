@@ -1,22 +1,25 @@
-"""Per-rank step timing (docs/library.md, "Per-rank timing"): how long each rank worked in a step
-before it reached the step's synchronisation, apart from the time it then waited for its peers.
+"""Per-rank step timing (docs/library.md, "Per-rank timing"): how long each rank worked in a step,
+apart from the time it waited for its peers.
 
 In a synchronous job every rank leaves the gradient synchronisation at the same moment, so the
-step's length says nothing of which rank held the others up; the moment each one *arrived* does.
-A rank marks its arrival with `step.synchronizing()`, or the library marks it itself:
+step's length says nothing of which rank held the others up; the time each one spent waiting
+does. A rank's work in a step is its time up to its synchronisation mark (the step's end where
+nothing marks it), less the time it was blocked in collectives before then (ett/waits.py):
 
-- a script on DistributedDataParallel (the Hugging Face Trainer's too): the first forward of a
-  DDP module hooks the gradient of its first parameters, which backward computes last: the end
-  of this rank's backward, where it starts to wait for the last all-reduce;
-- the built-in trainer marks where its step's collectives begin.
+- FSDP2 and other scripts whose collectives go through torch.distributed's Python API: their
+  waits are timed, the rest of the step is work; nothing to call;
+- a script on DistributedDataParallel (the Hugging Face Trainer's too), whose reducer waits in
+  C++: the first forward of a DDP module hooks the gradient of its first parameters, which
+  backward computes last: the end of this rank's backward, where it waits for the last all-reduce;
+- the built-in trainer marks the end of its backward (trainer/train.py); `step.synchronizing()`
+  marks such a point in any script.
 
 Every `WINDOW` steps each rank writes one `step_timing` event: the window's median step time,
-median work (the time before the mark, where there was one) and second-lowest work. The service compares ranks against
-their peers and their own history (service/jobs/stragglers.py).
+median work and second-lowest work. The service compares ranks against their peers and their own
+history (service/stragglers/).
 """
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,19 +27,44 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
+from ett.waits import CollectiveWaits, StepSpan, clock_for_step
+
 WINDOW = 5  # steps per step_timing event: at 16,384 ranks and a step a second, 3,277 events/s
 LOOKOUT_STEPS = 3  # with no DDP module seen in this many steps, stop looking (the hook costs a call per module)
 FIRST_PARAMETERS = 2  # of a DDP module, whose gradients mark the end of its backward
 
 
 class SyncClock:
-    """When this rank last reached a synchronisation (perf_counter seconds), by any marker."""
+    """This rank's open step (its StepSpan: start, waits, mark), marked by any marker; with
+    `time_waits` its collectives' waits are timed from the first step to `stop`."""
 
-    def __init__(self) -> None:
-        self.reached_at: float | None = None
+    def __init__(self, time_waits: bool = False) -> None:
+        self.span: StepSpan | None = None
+        self._waits = CollectiveWaits() if time_waits else None
+        if self._waits is not None:
+            self._waits.start()
+
+    def begin(self) -> None:
+        self.span = StepSpan(clock_for_step())
+        if self._waits is not None:
+            self.span.waits_timed = True
+            self._waits.span = self.span
 
     def mark(self) -> None:
-        self.reached_at = time.perf_counter()
+        if self.span is not None:  # a hook's mark outside a step (an evaluation's backward) tells nothing
+            self.span.marked()
+
+    def end(self) -> StepSpan | None:
+        span, self.span = self.span, None
+        if self._waits is not None:
+            self._waits.span = None
+        if span is not None:
+            span.end = span.clock.now()
+        return span
+
+    def stop(self) -> None:
+        if self._waits is not None:
+            self._waits.stop()
 
 
 class DDPWatch:
@@ -77,20 +105,27 @@ class TimingWindow:
 
     def __init__(self, emit: Callable[..., None]) -> None:
         self._emit = emit
-        self._steps: list[tuple[int, float, float | None]] = []
+        self._steps: list[tuple[int, float, float | StepSpan | None]] = []
         self._total_steps: int | None = None
+        self._due = False
 
-    def add(self, step: int, duration: float, work: float | None, total_steps: int | None = None) -> None:
-        """One step's time and work; `total_steps`: the job's planned steps, where the script knows them."""
+    def add(self, step: int, duration: float, work: float | StepSpan | None, total_steps: int | None = None) -> None:
+        """One step's time and work (seconds, or its StepSpan to read once its clock has passed
+        it: a CUDA step's, a step or so later); `total_steps`: the job's planned steps, where the
+        script knows them."""
         self._steps.append((step, duration, work))
         self._total_steps = total_steps
-        if step % WINDOW == 0 or len(self._steps) >= 2 * WINDOW:
+        self._due = self._due or step % WINDOW == 0 or len(self._steps) >= 2 * WINDOW
+        if self._due and all(w.ready() for _, _, w in self._steps if isinstance(w, StepSpan)):
             self.flush()
 
     def flush(self) -> None:
+        """Writes the window; a CUDA step's events not passed yet are waited for (at the run's end)."""
+        self._due = False
         if not self._steps:
             return
-        steps, durations, works = zip(*self._steps)
+        steps, durations, spans = zip(*self._steps)
+        works = [w.work() if isinstance(w, StepSpan) else w for w in spans]
         data: dict[str, Any] = {"first_step": steps[0], "steps": len(steps), "duration": statistics.median(durations)}
         if all(w is not None for w in works):
             data["work"] = statistics.median(works)

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from ett.protocol import service_url
 from ett_cli.render import fleet_table, progress_line, report_table, terminal_safe
 from ett_cli.spec_file import SpecFileError, load_spec
 
@@ -22,8 +23,8 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 def register(sub: argparse._SubParsersAction) -> None:
     def client_parser(name: str, help: str) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=help)
-        parser.add_argument("--service", default=os.environ.get("ETT_SERVICE_URL", "http://127.0.0.1:8000"),
-                            help="service URL (ETT_SERVICE_URL)")
+        parser.add_argument("--service", help="service URL (ETT_SERVICE_URL; default: this machine's, "
+                                              "http://127.0.0.1:ETT_PORT, 8000 without ETT_PORT)")
         parser.add_argument("--token", default=os.environ.get("ETT_TOKEN"), help="bearer token (ETT_TOKEN)")
         return parser
 
@@ -69,6 +70,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _client(args: argparse.Namespace) -> httpx.Client:
     if not args.token:
         sys.exit("ett: no token: pass --token or set ETT_TOKEN (an admin creates one with `ett token create`)")
+    if args.service is None:  # read here, not at parsing: a bad ETT_PORT fails only the commands that call
+        try:
+            args.service = service_url(os.environ)
+        except ValueError as exc:
+            sys.exit(f"ett: {exc}")
     return httpx.Client(base_url=args.service, headers={"Authorization": f"Bearer {args.token}"}, timeout=30)
 
 
@@ -186,6 +192,8 @@ def run_nodes(args: argparse.Namespace) -> int:
         print(f"{node['name'][:24]:24}  {node['state']:8}  {node['slots']:>5}  {node['failures']:>8}  "
               f"{node.get('flags', 0):>5}  {node.get('evidence_count', 0):>8}  {','.join(node['jobs'])[:32]:32}  "
               f"{terminal_safe(why)}")
+        if node.get("slow"):  # stragglers of several jobs on it: the node, not one job's data
+            print("    " + terminal_safe(node["slow"]))
         for evidence in node.get("evidence", []):  # what tells of the node itself, and drains it
             print("    " + terminal_safe(evidence_line(evidence)))
     return 0

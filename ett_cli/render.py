@@ -40,7 +40,12 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
     for s in report.get("stragglers", []):
         lines.append(f"straggler: rank {s['rank']} on {s['node']} (attempt {s['attempt']})"
                      f" since step {s['since_step']}:"
-                     f" {s['relative']:.1f}x its peers' work, {s['action']}")
+                     f" {s['relative']:.1f}x its peers' work, {s['action']}"
+                     + (f": {s['reason']}" if s.get("reason") else ""))
+    for s in report.get("slowdowns", []):
+        lines.append(f"slowdown ({'the whole job' if s['cause'] == 'whole_job' else 'a straggler'}, attempt "
+                     f"{s['attempt']}): {s['factor']:.1f}x its ideal step from step {s['since_step']}"
+                     f" {'on' if s['ongoing'] else 'to ' + str(s['last_step'])}, {_seconds(s['slow_seconds'])} slow")
     failures = report["failures"]
     lines += ["", f"failures {len(failures)}  restarts {report['restarts']}  MTBF {_seconds(report['mtbf_seconds'])}"]
     for failure in failures[:max_failures]:

@@ -27,7 +27,7 @@ class RankLog(Base):
 
 
 class StragglerFlag(Base):
-    """A rank its peers waited for, found in an attempt's step timings (service/jobs/stragglers.py)."""
+    """A rank its peers waited for, found in an attempt's step timings (service/stragglers/)."""
 
     __tablename__ = "stragglers"
     __table_args__ = (UniqueConstraint("job_id", "attempt", "rank"),)
@@ -43,8 +43,12 @@ class StragglerFlag(Base):
     individual: Mapped[float | None]  # its work over its own, early in the attempt
     work_seconds: Mapped[float]
     peer_seconds: Mapped[float]
-    # reported, or replaced (the policy stopped the attempt to restart without its node)
+    # reported; replaced (the policy stopped the attempt to restart without its node); kept (the
+    # policy is `replace`, and `reason` says why the attempt went on where it ran)
     action: Mapped[str] = mapped_column(String(16), default="reported")
+    reason: Mapped[str | None] = mapped_column(String(512), default=None)
+    # Flagged on another node of the job before: the slowness follows the rank, not the node.
+    follows_rank: Mapped[bool] = mapped_column(default=False)
     flagged_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
 

@@ -95,6 +95,9 @@ class Job(Base):
     restarts: Mapped[int] = mapped_column(default=0)
     # Why a job ended in failed or cancelled, for people.
     reason: Mapped[str | None] = mapped_column(String(512))
+    # What its script's first attempt imported (AttemptReport.imports), where its spec names no
+    # `warm_imports`: its next launches' warm imports. Thousands of names: loaded only when read.
+    learned_imports: Mapped[list[str] | None] = mapped_column(JSON, deferred=True)
 
     attempts: Mapped[list["Attempt"]] = relationship(
         back_populates="job", order_by="Attempt.number", cascade="all, delete-orphan"
@@ -205,7 +208,7 @@ class AgentCommand(Base):
 # The rows of rank 0's step events (TIMING_SOURCE in service/accounting/engine.py), as a literal SQL
 # condition: a partial index serves only queries that state its condition in the same words.
 RANK0_STEPS = text("kind = 'step' AND source = 'rank:0'")
-STEP_TIMINGS = text("kind = 'step_timing'")  # every rank's windows (service/jobs/stragglers.py)
+STEP_TIMINGS = text("kind = 'step_timing'")  # every rank's windows (service/stragglers/)
 
 
 class JobEvent(Base):

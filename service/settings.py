@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ett.protocol import DEFAULT_SERVICE_PORT
+
 # Agent settings a Slurm allocation's agents may not be given (docs/slurm.md, "Who runs what"):
 # the service sets the token's file itself, and the secret would be in the batch script, which
 # Slurm keeps and shows; one user for every job would put every owner's jobs in one account.
@@ -27,7 +29,7 @@ class Settings(BaseSettings):
     # (postgresql+psycopg://user:pass@host/db).
     database_url: str = ""
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(DEFAULT_SERVICE_PORT, ge=1, le=65535)  # where the commands and agents look for it
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     # Requests a second per bearer token (per client address without one), in bursts of up to
     # rate_limit_burst; over it: 429 with Retry-After. 0 turns it off. An agent needs under 1/s.

@@ -122,13 +122,17 @@ def train(cfg: JobConfig, run: ett.Run, t: Training) -> int:
         for step in range(t.progress.step + 1, cfg.train.steps + 1):
             with run.step(step, tokens=tokens_per_step) as s:
                 inputs_BT, targets_BT = (x.to(t.device) for x in t.data.next_batch())
-                s.synchronizing()  # the forward's first collective: the rank's own work so far (ett/timing.py)
                 lr = cfg.train.lr_at(step)
                 for group in t.optimizer.param_groups:
                     group["lr"] = lr
                 logits_BTV, aux_loss = t.model(inputs_BT)
                 loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
                 (loss + aux_loss).backward()
+                # This rank's forward and backward are done: its work is the step so far less its
+                # waits in their collectives (FSDP2's all-gathers and reduce-scatters, the experts'
+                # all-to-all of token counts), which the library times (ett/waits.py). What follows
+                # waits on collectives it does not see (the gradient norm's DTensor all-reduce).
+                s.synchronizing()
                 grad_norm = clip_grad_norm_(t.model, cfg.train.grad_clip)
                 run.wait_for_staging()  # a save's copy of the parameters overlaps forward and backward
                 t.optimizer.step()

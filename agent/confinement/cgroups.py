@@ -20,7 +20,9 @@ server before it imports, a process the warm server forks at its request, before
 job runs (agent.confinement.placement, `place`). At the end of an attempt its cgroup is frozen,
 killed and waited for until empty (agent.confinement.cgroup_end); when it was its owner's last
 attempt on the node, every process of the owner's uid is swept (agent.confinement.uid_sweep) but
-the warm servers and their keepers. Without a writable cgroup v2 (no v2 mount, an agent that is
+the warm servers and their keepers, then what is not a process: the uid's files in the node's
+shared temporary folders (agent.confinement.uid_files) and its System V IPC objects
+(agent.confinement.uid_ipc). Without a writable cgroup v2 (no v2 mount, an agent that is
 not root, a read-only cgroupfs) the agent falls back to the marker scan and the uid sweep, and
 says so once (docs/agent.md, "Clean-up").
 """
@@ -31,12 +33,16 @@ import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from agent.confinement.cgroup_end import KILL, PROCS, end_cgroup, pids_in
 from agent.confinement.job_user import JobUser, make_passable
 from agent.confinement.placement import Placer, PlacementRefused
-from agent.confinement.uid_sweep import cgroup_of, parent_pid, sweep_uid, uids_of
+from agent.confinement.uid_files import MAX_DEPTH, folders_inodes, held_files, remove_files_of
+from agent.confinement.uid_ipc import remove_ipc_of
+from agent.confinement.uid_sweep import cgroup_of, parent_pid, processes_of, sweep_uid, uids_of
 
 log = logging.getLogger(__name__)
 # Folders the job's user passes through to see its own cgroups (the README's `umask 077` would make them 0700).
@@ -86,10 +92,12 @@ def agents_realm(cgroup: Path) -> bool:
 class NodeCgroups:
     """This agent's cgroups; `root` None when the machine gives it none (see above). `placer_dir`: a
     folder of the agent's (no job's) where its placer listens; None: no placer (a warm-forked
-    process then moves itself, which only root's may)."""
+    process then moves itself, which only root's may). `keep_out`: the agent's folders (its data,
+    the checkpoint areas), whatever a job's uid owns in them kept by the sweep (uid_files)."""
 
-    def __init__(self, name: str, placer_dir: Path | None = None) -> None:
+    def __init__(self, name: str, placer_dir: Path | None = None, keep_out: Iterable[Path | None] = ()) -> None:
         self.root: Path | None = None
+        self.keep_out = tuple(keep_out)
         self.placer: Placer | None = None
         self._lock = threading.Lock()  # the live attempts, read by the placer's thread
         self._live: dict[str, tuple[JobUser, Path | None]] = {}  # each live attempt's user and cgroup, by name
@@ -195,6 +203,29 @@ class NodeCgroups:
             if killed := sweep_uid(user.uid, keep):
                 log.warning("killed %d processes of uid %d that outlived its last attempt here: %s", len(killed),
                             user.uid, sorted(killed)[:20])
+            try:
+                self._remove_leftovers(user.uid, spare)
+            except OSError as exc:  # a file system failing under it ends no attempt and not the agent
+                log.warning("uid %d: its leftover files and IPC objects not removed: %s", user.uid, exc)
+
+    def _remove_leftovers(self, uid: int, spare: set[int]) -> None:
+        """What is not a process, of a uid of one owner's alone whose processes are gone but the
+        warm servers (`spare`) and their keepers: what it owns in the shared temporary folders, but
+        what those hold open or mapped, and its System V IPC objects. Left while a process of the
+        uid runs elsewhere (another agent's on the same machine, as in the tests): they may be its."""
+        since = time.time_ns()  # what changes from now on is not the swept attempt's (uid_files)
+        left = processes_of(uid)
+        if others := [pid for pid in left if pid not in spare and parent_pid(pid) not in spare]:
+            log.info("uid %d: files and IPC objects kept, its processes %s run elsewhere", uid, others[:20])
+            return
+        files = remove_files_of(uid, held_files(left), folders_inodes(self.keep_out), since)
+        ipc = remove_ipc_of(uid)
+        if files.removed or ipc:
+            log.info("removed %d files and %d System V IPC objects of uid %d that outlived its last attempt here",
+                     files.removed, ipc, uid)
+        if files.left:
+            log.warning("uid %d: %d of its folders not looked into (deeper than %d, or out of time): left",
+                        uid, files.left, MAX_DEPTH)
 
     def _elsewhere(self, pid: int) -> bool:
         """Whether a process is not this agent's to sweep: in a live attempt of its own, or in another

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.files.closed_folder import first_closed_folder
 from ett.protocol.messages import LaunchCommand
 
 PREFLIGHT_TIMEOUT_SECONDS = 120.0
@@ -205,7 +206,16 @@ class RunAs:
                                   env=os.environ | self.env(), cwd="/", capture_output=True,
                                   timeout=PREFLIGHT_TIMEOUT_SECONDS)  # fmt: skip
         except OSError as exc:
-            return f"job user {self.user.name} cannot run {self.python}: {exc.strerror}; {advice}"
+            denied = exc.errno == errno.EACCES
+            closed = first_closed_folder(self.python, self.user.uid, self.user.gid) if denied else None
+            if closed is None:
+                return f"job user {self.user.name} cannot run {self.python}: {exc.strerror}; {advice}"
+            # The folder to name is often not the interpreter's own: a venv's bin/python links into /root/.pyenv.
+            real = os.path.realpath(self.python)
+            leads = f" (a link to {real})" if real != os.path.abspath(self.python) else ""
+            return (f"job user {self.user.name} cannot run {self.python}{leads}: {exc.strerror}: it cannot enter "
+                    f"{describe_folder(closed)}; set ETT_AGENT_JOB_PYTHON to an interpreter outside it that user "
+                    "can run, with ett installed (docs/agent.md, \"The job's user\")")
         except subprocess.TimeoutExpired:
             return f"job user {self.user.name}: {self.python} did not start within {PREFLIGHT_TIMEOUT_SECONDS:g}s"
         if done.returncode == CLOSED_FOLDER_EXIT:

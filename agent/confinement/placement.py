@@ -13,7 +13,9 @@ cgroup from /proc) and moves it only out of that uid's `warm/` into a live attem
 A round trip on the node (a millisecond) per forked process: a warm restart keeps its speed.
 The server never blocks on a caller: connections are read when readable, at most
 MAX_CONNECTIONS_PER_UID open per uid and each closed after IDLE_SECONDS, so one job cannot make
-another owner's ranks wait.
+another owner's ranks wait. What it refuses is logged once an interval per uid, then
+counted (agent.files.log_limit): a job that asks in a loop does not fill root's log (4 MB in 15 s, found by
+review).
 """
 
 import contextlib
@@ -27,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from agent.files.log_limit import LogLimit
 
 log = logging.getLogger(__name__)
 PLACED = b"placed"
@@ -66,6 +70,7 @@ class Placer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._open: dict[socket.socket, tuple[int, float]] = {}  # each connection's uid and deadline
+        self._warnings = LogLimit(log)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="cgroup-placer", daemon=True)
         self._thread.start()
@@ -98,6 +103,7 @@ class Placer:
         now = time.monotonic()
         for conn in [c for c, (_, deadline) in self._open.items() if deadline < now]:
             self._drop(conn)
+        self._warnings.flush(now)
 
     def _accept(self) -> None:
         try:
@@ -105,7 +111,7 @@ class Placer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:  # out of descriptors, say: the callers wait, and are told when they time out
-            log.warning("cgroup placer: %s", exc)
+            self._warnings.warn("accepting", "cgroup placer: %s", exc)
             time.sleep(0.1)
             return
         try:
@@ -134,7 +140,8 @@ class Placer:
             except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 answer = f"refused: not a request ({type(exc).__name__})".encode()
             except PlacementRefused as exc:
-                log.warning("process %d (uid %d) not moved into %s: %s", pid, uid, str(cgroup)[:200], exc)
+                self._warnings.warn(f"uid {uid}", "process %d (uid %d) not moved into %s: %s", pid, uid,
+                                    str(cgroup)[:200], exc)
                 answer = f"refused: {exc}".encode()
             conn.send(answer[:MAX_REQUEST_BYTES])
         except OSError:

@@ -16,6 +16,7 @@ GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
 GROUP_CGROUP_ENV = "ETT_WORKER_CGROUP"
 GROUP_PLACER_ENV = "ETT_CGROUP_PLACER"
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -24,6 +25,14 @@ def set_parent_death_signal(signum: int = signal.SIGKILL) -> None:
     if _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def set_dumpable(dumpable: bool) -> None:
+    """Whether processes of our own uid may attach to us (ptrace, /proc/PID/mem) and we dump core.
+    Undumpable, /proc/PID is root's: only root reads our memory, maps, environment or descriptors."""
+    if _libc.prctl(PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_DUMPABLE): {os.strerror(errno)}")
 
 
 def marked_pids(name: str, value: str) -> list[int]:

@@ -92,13 +92,21 @@ class Delivery:
         half = len(rest) // 2
         return self.deliver(rest[:half]) and self.deliver(rest[half:])
 
-    def _dead_letter(self, item: Spooled, error: Any) -> None:
-        log.error("event set aside in %s: %s: %s", self.dead_letter_file, item.file, str(error)[:200])
-        line = item.raw.decode(errors="replace")  # its start: a job's line may be megabytes
+    def note(self, file: str, error: str) -> None:
+        """A dead letter for what was set aside unread (the spools of ranks beyond an attempt's world)."""
+        log.error("set aside in %s: %s: %s", self.dead_letter_file, file, error[:200])
+        self._append({"file": file, "error": error[:RAW_KEEP_BYTES]})
+
+    def _append(self, letter: dict[str, Any]) -> None:
         with contextlib.suppress(FileNotFoundError):
             if self.dead_letter_file.stat().st_size >= DEAD_LETTERS_MAX_BYTES:
                 self.dead_letter_file.replace(self.dead_letter_file.with_name(self.dead_letter_file.name + ".1"))
-        append_json_line(self.dead_letter_file, {"file": item.file, "end_offset": item.end, "line": line,
-                                                 "bytes": item.size, "error": bounded(error)}, mode=0o600)
-        item.done = True
+        append_json_line(self.dead_letter_file, letter, mode=0o600)
         self.stats.dead_letters += 1
+
+    def _dead_letter(self, item: Spooled, error: Any) -> None:
+        log.error("event set aside in %s: %s: %s", self.dead_letter_file, item.file, str(error)[:200])
+        line = item.raw.decode(errors="replace")  # its start: a job's line may be megabytes
+        self._append({"file": item.file, "end_offset": item.end, "line": line, "bytes": item.size,
+                      "error": bounded(error)})
+        item.done = True

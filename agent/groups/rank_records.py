@@ -6,6 +6,7 @@ kernel's word (WorkerGroup.owns), and an out-of-memory kill is the kernel's word
 never the record's. Kept apart from the group, which decides from these records how it ends.
 """
 
+import signal
 from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,13 @@ RECORD_TEXT_CHARS = 512  # a runner's words on an exit are short; a job's forged
 
 def exit_record(record: dict[str, Any]) -> WorkerExitedData:
     """An exit record as a runner writes it: the fields of its type, each of that type (text cut
-    short), whatever else the job's line held left out; `oom` is the kernel's word, never the line's."""
+    short), a signal only by a signal's name, whatever else the job's line held left out; `oom` is
+    the kernel's word, never the line's."""
     kept: dict[str, Any] = {}
     for name, kind in WorkerExitedData.__annotations__.items():
         value = record.get(name)
+        if name == "signal" and not (isinstance(value, str) and value in signal.Signals.__members__):
+            continue  # a job's words in root's log and the job's reason: a name, or nothing
         if name != "oom" and type(value) is kind:  # bool is no exit code
             kept[name] = value[:RECORD_TEXT_CHARS] if isinstance(value, str) else value
     return WorkerExitedData(**kept)  # type: ignore[typeddict-item]
@@ -89,6 +93,8 @@ class RankRecords:
                 self.in_log.add(rank)
                 continue
             record = dict(exit_record(record))
+            if "signal" not in record and "exit_code" not in record:
+                continue  # says nothing of how the rank ended: no exit record
             if record.get("signal") == "SIGKILL" and rank in self.rank_pids:
                 killed = self._oom.killed({self.rank_pids[rank]})  # by the out-of-memory killer? (oom.py)
                 if killed:

@@ -75,6 +75,8 @@ class ReportBook:
                     self._kernel_from.pop(report.key, None)
 
 
-def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None) -> AttemptReport:
+def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None,
+                   imports: list[str] | None = None) -> AttemptReport:
     return AttemptReport(job_id=job_id, attempt=attempt, state=state, cause=end.cause if end else None,
-                         detail=end.detail[:REPORT_DETAIL_CHARS] if end else "", exit_code=end.exit_code if end else None)
+                         detail=end.detail[:REPORT_DETAIL_CHARS] if end else "", exit_code=end.exit_code if end else None,
+                         imports=imports or [])

@@ -15,13 +15,15 @@ from agent.files.beneath import open_folder_beneath, read_beneath, replace_benea
 from agent.files.spool import AttemptPaths, write_private
 from agent.groups.report_book import AttemptKey, ReportBook, attempt_report
 from agent.groups.states import GroupEnd, WorkerState
+from agent.groups.warm_choice import in_use, launch_server, spare_server
 from agent.groups.workers import WorkerGroup
-from agent.launching.launch import starts_warm
+from agent.launching.launch import learns_imports
 from agent.launching.rank_log import DEFAULT_MAX_BYTES
 from agent.node.health import HealthCheck
+from agent.warm.learned import NotImports, read_learned_imports
 from agent.warm.servers import WarmServer, WarmServers
-from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, INTERVAL_FILE
-from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
+from ett.protocol import CONTROL_DIR, EXIT_CONFIG_ERROR, IMPORTS_FILE, INTERVAL_FILE
+from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand, WarmCommand
 
 log = logging.getLogger(__name__)
 INTERVAL_FILE_MAX_BYTES = 1 << 20  # a line per change: far less in any real job
@@ -59,6 +61,9 @@ class Supervisor:
         # reported before its processes are gone), so an attempt never starts beside the last one.
         self.held: dict[AttemptKey, tuple[LaunchCommand, float]] = {}
         self.reports = ReportBook()
+        # What each running script's first step imported (agent/warm/learned.py), once read; [] when
+        # its file was no list: its ending report tells the service, for the job's next launches.
+        self.learned: dict[AttemptKey, list[str]] = {}
 
     @property
     def live_ranks(self) -> int:
@@ -104,12 +109,13 @@ class Supervisor:
         self._start(command)
 
     def _warm_server(self, command: LaunchCommand, run_as: RunAs) -> WarmServer | None:
-        """The warm server this launch forks from (started if it is not), if it may."""
-        if self.warm is None or not starts_warm(command):
-            return None
-        server = self.warm.for_user(run_as, command.warm_imports if command.entrypoint is not None else None)
-        server.ensure_running()
-        return server if server.usable else None
+        """The warm server this launch forks from, if it may (agent.groups.warm_choice)."""
+        return launch_server(self.warm, command, run_as) if self.warm is not None else None
+
+    def prewarm(self, command: WarmCommand) -> None:
+        """A spare starts a job's warm server; a node that runs or holds a launch is none (its CPUs are its ranks')."""
+        if self.warm is not None and not self.groups and not self.held:
+            spare_server(self.warm, command, self.job_users)
 
     def _waits_for_warm(self, command: LaunchCommand) -> bool:
         """Whether its user's warm server is still importing: a trainer launch then waits for it (at
@@ -139,6 +145,8 @@ class Supervisor:
         command = self._with_local_checkpoints(command)
         server = self._warm_server(command, run_as)
         warm_socket = server.socket_path if server is not None and not server.starting else None
+        if warm_socket is not None and command.entrypoint is not None:  # the base server, or its imports' own
+            log.info("attempt %s/%d forks from warm server %s", *command.key, warm_socket.name)
         try:  # its folders made: a disk full or a folder the job left in the way stays this launch's
             group = WorkerGroup(command, paths, self.node_name, self.stop_grace_seconds, warm_socket=warm_socket,
                                 run_as=run_as, cgroups=self.cgroups,
@@ -218,13 +226,15 @@ class Supervisor:
         """Polls every group once; True when an attempt's reported state changed."""
         changed = False
         for key, group in list(self.groups.items()):
-            before = group.reported_state, group.outcome  # a failure's cause may be corrected (its root cause)
             self._guarded(group, group.poll)
-            if (group.reported_state, group.outcome) != before:
+            if learns_imports(group.command) and key not in self.learned:
+                self._learn_imports(group)
+            if (group.reported_state, group.outcome) != group.told:  # a failure's cause may be corrected too
                 self._report(group)
                 changed = True
             if group.state.is_terminal:
                 del self.groups[key]
+                self.learned.pop(key, None)
             if group.state == WorkerState.SUCCEEDED:  # no attempt will resume from the local copies
                 group.remove_local_checkpoints()
         for key, (command, deadline) in list(self.held.items()):
@@ -261,7 +271,27 @@ class Supervisor:
             log.exception("attempt %s/%d: failed on what its job wrote", *group.command.key)
             group.fail_on_its_files(f"{type(exc).__name__}: {exc}")
 
+    def _learn_imports(self, group: WorkerGroup) -> None:
+        """Reads what the group's script imported once its local rank 0 has written it, and starts a
+        warm server of those imports now, for a restart to fork from once it listens (until then it
+        forks from the base server). Asked while the group runs, which may have been forked from the
+        base server: the server it forked from is never the one stopped on the way (in_use)."""
+        key = group.command.key
+        try:
+            names = read_learned_imports(group.paths)
+        except (OSError, NotImports) as exc:  # the job's file: its next attempts start cold, the agent goes on
+            log.warning("attempt %s/%d: its %s is not read: %s", *key, IMPORTS_FILE, exc)
+            names = []
+        if names is None:
+            return  # not written yet
+        self.learned[key] = names
+        if names and self.warm is not None:
+            self.warm.for_user(group.run_as, names, in_use(self.groups.values())).ensure_running()
+            log.info("attempt %s/%d: its script's %d imports learned; a warm server of them starts", *key, len(names))
+
     def _report(self, group: WorkerGroup) -> None:
         command = group.command
-        report = attempt_report(command.job_id, command.attempt, group.reported_state, group.outcome)
+        imports = self.learned.get(command.key) if group.reported_state != "running" else None
+        group.told = group.reported_state, group.outcome
+        report = attempt_report(command.job_id, command.attempt, group.told[0], group.told[1], imports)
         self.reports.set(command.key, report)

@@ -60,6 +60,8 @@ class WorkerGroup:
         self.clock = clock
         self.state = WorkerState.LAUNCHING
         self.end: GroupEnd | None = None
+        # What the service was last told (Supervisor._report); reported_state moves with the clock too.
+        self.told: tuple[str, GroupEnd | None] | None = None
         self.marker = f"{command.job_id}.{command.attempt}.{uuid.uuid4().hex[:12]}"
         self.cgroups = cgroups  # this node's cgroups (agent.confinement.cgroups), if the machine gives it any
         self.spare = spare  # the warm servers' pids: their keepers outlive an attempt, nothing else

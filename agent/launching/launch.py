@@ -92,6 +92,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
         JobEnv.CHECKPOINT_SNAPSHOTS: "1" if ckpt.snapshots and ckpt.local_dir else None,
         JobEnv.CHECKPOINT_SNAPSHOT_COPIES: str(ckpt.snapshot_copies) if ckpt.snapshots and ckpt.local_dir else None,
         JobEnv.FAULTS: json.dumps(library_faults) if library_faults else None,
+        JobEnv.LEARN_IMPORTS: "1" if learns_imports(command) else None,
     }
     return {name: value for name, value in env.items() if value is not None}
 
@@ -114,11 +115,20 @@ def worker_env(command: LaunchCommand, paths: AttemptPaths, marker: str, warm_so
 
 
 def starts_warm(command: LaunchCommand) -> bool:
-    """Warm start for the trainer, and for a job's `python SCRIPT` that names its `warm_imports`;
-    only with no job environment: variables read while torch is imported (in the warm server,
-    long before) could not take effect."""
+    """Warm start for the trainer, and for a job's `python SCRIPT` (from the server of its
+    `warm_imports`, else of the base set every script loads: agent.warm.servers); only with no job
+    environment: variables read while torch is imported (in the warm server, long before) could
+    not take effect."""
     if command.env:
         return False
     if command.entrypoint is None:
         return True
-    return bool(command.warm_imports) and runs_script(command.entrypoint)
+    return runs_script(command.entrypoint)
+
+
+def learns_imports(command: LaunchCommand) -> bool:
+    """Whether its ranks say what they imported (ett/imports.py): a `python SCRIPT` that names no
+    `warm_imports` (nor was handed what an earlier attempt learned), which would start warm with them."""
+    if command.env or command.warm_imports or command.entrypoint is None:
+        return False
+    return runs_script(command.entrypoint)

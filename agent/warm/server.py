@@ -47,7 +47,7 @@ import traceback
 from pathlib import Path
 
 from agent.confinement.placement import ask_to_be_placed
-from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_PLACER_ENV, set_parent_death_signal
+from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_PLACER_ENV, set_dumpable, set_parent_death_signal
 from agent.warm.client import python_module, runs_script
 from agent.warm.fresh import Fingerprint, shadowed
 
@@ -68,6 +68,10 @@ def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str
 
 
 def serve(socket_path: Path, modules: list[str], imports: list[str] | None = None) -> None:
+    # It outlives its user's jobs (the sweep spares it and its keepers): a rank of that user that
+    # attached to it (ptrace, /proc/PID/mem) would leave code running after its job. Its keepers
+    # inherit this; each rank undoes it for itself (_run_rank).
+    set_dumpable(False)
     set_parent_death_signal()  # the agent gone: the server goes, and every keeper and rank with it
     if os.getppid() == 1:
         return  # the agent died before the request above took hold
@@ -195,10 +199,20 @@ def _run_rank(fds: list[int], request: dict, keeper: int, placed: int) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        # Its asker's folder, as a fresh process inherits it; one its user may not enter (a Slurm
+        # step's, under root's folders) leaves it unplaced: the asker starts a fresh process there.
+        try:
+            os.chdir(request["cwd"])
+        except OSError:
+            os._exit(1)  # nothing ran, nothing said in its output
         _enter_cgroup()
         os.write(placed, b"1")
         os.close(placed)
-        os.chdir(request["cwd"])
+        # Dumpable again, as a fresh interpreter would be: its user may debug its own rank (py-spy,
+        # gdb, a core dump), and without cgroups the agent knows its ranks by the owner of /proc/PID
+        # (WorkerGroup.owns). Only now that it is in its attempt's cgroup, which its end empties;
+        # its keeper and server stay undumpable.
+        set_dumpable(True)
         if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
             threads = os.environ.get("OMP_NUM_THREADS")
             sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))

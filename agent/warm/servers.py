@@ -19,6 +19,10 @@ RESTART_PAUSE_SECONDS = 10.0
 SOCKET_PATH_MAX_BYTES = 107  # sun_path
 
 log = logging.getLogger(__name__)
+# What every PyTorch script on ETT's library loads, whatever else it imports (the plain DDP example's
+# own `warm_imports`, examples/jobs/plain_ddp.toml): a script that names none forks from a server of
+# these from its first launch on, and later from the server of what it imported once that one listens.
+SCRIPT_BASE_IMPORTS = ["torch.nn.parallel", "ett.run"]
 # What the server's environment pins for the imports; a rank gets the request's values.
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
@@ -71,6 +75,11 @@ class WarmServer:
     def starting(self) -> bool:
         """Started and not listening: still importing (or stale, waiting for what it forked to end)."""
         return self._proc is not None and self._proc.poll() is None and not self.socket_path.exists()
+
+    @property
+    def listening(self) -> bool:
+        """Running with its imports done: a launch may fork from it now."""
+        return self._proc is not None and self._proc.poll() is None and self.socket_path.exists()
 
     @property
     def pid(self) -> int | None:
@@ -139,13 +148,26 @@ class WarmServers:
         self.data_dir, self.modules, self.cgroups = data_dir, modules, cgroups
         self._servers: dict[tuple[int, str], WarmServer] = {}  # by uid and imports, least recently used first
 
-    def for_user(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer:
+    def kept(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer | None:
+        """The server for_user would give, if one is kept and runs as this job would; None, and
+        nothing started or reordered, else."""
+        server = self._servers.get(self._key(run_as, imports))
+        return server if server is not None and server.serves_job(run_as) else None
+
+    def for_user(self, run_as: RunAs, imports: list[str] | None = None, busy: frozenset[Path] = frozenset()
+                 ) -> WarmServer:
         """The user's server of the trainer, or (`imports`: a job's `warm_imports`) of its scripts,
-        a fresh one if it no longer runs as this job would. Asked at a launch, when the node runs no
-        group: a server stopped here takes no job's process with it."""
+        a fresh one if it no longer runs as this job would. `busy`: the sockets the node's running
+        groups forked from, whose servers are never stopped here (their keepers and ranks would go
+        with them); any other may be, as the least recently used or as no longer the job's."""
         uid = run_as.user.uid if run_as.user is not None else os.geteuid()
-        key = (uid, imports_key(imports) if imports else "")
+        key = self._key(run_as, imports)
         server = self._servers.pop(key, None)
+        if server is not None and not server.serves_job(run_as) and server.socket_path in busy:
+            # A running group's (only a warm command or a learned list asks while one runs, and a
+            # launch waits for the group's end): replaced at the next launch, after that end.
+            self._servers[key] = server
+            return server
         if server is not None and not server.serves_job(run_as):  # replaced: a fresh one of the job's
             log.info("warm server %s: the job's interpreter or environment changed; starting a fresh one",
                      server.socket_path)
@@ -163,9 +185,15 @@ class WarmServers:
             server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if imports else ''}.log",
                                 run_as, cgroup, imports)
         self._servers[key] = server
-        while len(self._servers) > self.MAX_SERVERS:
-            self._servers.pop(next(iter(self._servers))).stop()
+        idle = [k for k, kept in self._servers.items() if kept is not server and kept.socket_path not in busy]
+        for old in idle[:max(0, len(self._servers) - self.MAX_SERVERS)]:  # least recently used first
+            self._servers.pop(old).stop()
         return server
+
+    @staticmethod
+    def _key(run_as: RunAs, imports: list[str] | None) -> tuple[int, str]:
+        uid = run_as.user.uid if run_as.user is not None else os.geteuid()
+        return (uid, imports_key(imports) if imports else "")
 
     def pids(self) -> set[int]:
         """The live servers' pids (their keepers are their children)."""

@@ -38,8 +38,13 @@ def step_folder(root: str | Path, step: int) -> Path:
 
 
 def step_of(folder: Path, pattern: re.Pattern = STEP_FOLDER) -> int | None:
+    """The step in `folder`'s name: the pattern's group `step`, else its first group; None: no match."""
     match = pattern.match(folder.name)
-    return int(match.group(1)) if match else None
+    if not match:
+        return None
+    step = match.group("step") if "step" in pattern.groupindex else match.group(1)
+    # A user's group may take what is no number ('checkpoint-(.+)' and a 'checkpoint-final'): no step.
+    return int(step) if step and step.isascii() and step.isdigit() else None
 
 
 def step_folders(root: str | Path, pattern: re.Pattern = STEP_FOLDER) -> list[Path]:

@@ -30,7 +30,8 @@ def resume_checkpoint(run: Run, output_dir: str | None = None) -> str | None:
     """The newest `checkpoint-N` under the job's folder (or `output_dir`) that verifies, starting
     from the one the service named; None when there is none (train from the start). Each one
     skipped is logged with its reason. Marks the start of the restore for the report."""
-    return run.resume_folder(CHECKPOINT_FOLDER, output_dir)
+    found = run.resume_folder(CHECKPOINT_FOLDER, output_dir)
+    return found.folder if found else None
 
 
 class ETTCallback(TrainerCallback):
@@ -78,4 +79,6 @@ class ETTCallback(TrainerCallback):
             self.run.emit("ckpt_start", step=step)
         self._saving_step = None
         self.run.emit("ckpt_staged", step=step)  # the Trainer's save is synchronous: it blocked until now
-        self.run.commit_folder(folder, step)  # once every rank has written its part (its RNG state)
+        # Once every rank has written its part (its RNG state). The Trainer rotates its own folders
+        # (`save_total_limit`), sparing its best one, which a prune of ours would not know.
+        self.run.commit_folder(folder, step, apply_keep=False)

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ett.errors import UsageError
-from ett.checkpoints.folders import prune
 from ett.run import Run
 
 logger = logging.getLogger("ett")
@@ -47,8 +46,8 @@ def checkpoint_folder(root: str | Path, step: int) -> Path:
 def resume_checkpoint(run: Run, root: str | None = None) -> str | None:
     """The checkpoint file of the newest `lightning-<step>` folder under the job's folder (or
     `root`) that verifies, starting from the one the service named; None: train from the start."""
-    folder = run.resume_folder(CHECKPOINT_FOLDER, root)
-    return str(Path(folder) / CHECKPOINT_FILE) if folder else None
+    found = run.resume_folder(CHECKPOINT_FOLDER, root)
+    return str(Path(found.folder) / CHECKPOINT_FILE) if found else None
 
 
 def _rng_states() -> dict[str, Any]:
@@ -125,12 +124,8 @@ class ETTCallback(L.Callback):
         """Lightning writes `lightning-<step>/model.ckpt` (rank 0; every rank calls this), then the
         folder is committed and the oldest beyond the job's `keep` are removed."""
         folder = checkpoint_folder(self.root, step)
-        self.run.emit("ckpt_start", step=step)
-        trainer.save_checkpoint(folder / CHECKPOINT_FILE, weights_only=False)  # synchronous: the loop waits
-        self.run.emit("ckpt_staged", step=step)
-        self.run.commit_folder(folder, step)
-        if trainer.global_rank == 0:
-            prune(self.root, max(1, self.run.keep), CHECKPOINT_FOLDER)
+        with self.run.saving(step, folder, CHECKPOINT_FOLDER):  # committed and pruned once every rank is here
+            trainer.save_checkpoint(folder / CHECKPOINT_FILE, weights_only=False)  # synchronous: the loop waits
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's RNG states, gathered into the checkpoint rank 0 writes (Lightning calls this

@@ -6,6 +6,8 @@ kind's `data` fields in ett/protocol/event_fields.py.
 Standard library only: the rank runner, started fresh for every rank, imports this.
 """
 
+from collections.abc import Mapping
+
 # -- event kinds (docs/events.md) -------------------------------------------------------------
 # Written by a rank (the library, the trainer): timings, saves and restores.
 RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
@@ -97,6 +99,40 @@ def fault_exit_file(rank: int) -> str:
     return f"rank-{rank}.exit"
 
 
+# -- where the commands and the agents find the service (README, "Your first ten minutes") -----------
+SERVICE_URL_ENV = "ETT_SERVICE_URL"
+SERVICE_PORT_ENV = "ETT_PORT"  # the port `ett service` listens on (service/settings.py)
+DEFAULT_SERVICE_PORT = 8000
+
+
+def service_url(environ: Mapping[str, str]) -> str:
+    """The service that `ett submit`, `ett jobs`, ... and `ett agent` call when none is named:
+    ETT_SERVICE_URL, else the one on this machine at ETT_PORT, so that a shell which moved its
+    service moves its commands and agents with it. ValueError, naming the variable, when it is bad."""
+    url = environ.get(SERVICE_URL_ENV)
+    if url:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{SERVICE_URL_ENV}={url} must start with http:// or https://")
+        return url.rstrip("/")
+    port = environ.get(SERVICE_PORT_ENV) or str(DEFAULT_SERVICE_PORT)
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{SERVICE_PORT_ENV}={port} is not a port (1-65535)")
+    return f"http://127.0.0.1:{int(port)}"
+
+
+# -- what a job's script imported, learned for its warm restarts (docs/agent.md, "Warm start") --
+# A `python SCRIPT` job that names no `warm_imports`: each node's local rank 0 writes, once after
+# its first step, the modules of installed packages it imported, {"modules": [...]}, in the order
+# they were loaded (ett/imports.py). Its agent reads it as hostile input, bounded (agent/warm/learned.py)
+# and starts a warm server of them at once; the service keeps it for the job's next attempts.
+IMPORTS_FILE = "imports.json"  # in EVENTS_DIR
+IMPORTS_MAX_NAMES = 4096  # an HF Trainer script: about 2,200
+MODULE_NAME_MAX_CHARS = 128
+IMPORTS_FILE_MAX_BYTES = 256 << 10  # the rank keeps its list within it, the agent reads no more
+# A dotted name of ASCII identifiers: nothing else is ever passed on or imported.
+MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
 # -- the job's environment, set by the agent for every rank (docs/library.md) -----------------
 class JobEnv:
     JOB_ID = "ETT_JOB_ID"
@@ -112,3 +148,5 @@ class JobEnv:
     CHECKPOINT_SNAPSHOT_COPIES = "ETT_CHECKPOINT_SNAPSHOT_COPIES"  # peer nodes that keep each snapshot
     # The faults a rank's own code sets off (ett/faults.py): a JSON list, only where the job has some.
     FAULTS = "ETT_FAULTS"
+    # "1": this node's local rank 0 writes what it imported to IMPORTS_FILE (above).
+    LEARN_IMPORTS = "ETT_LEARN_IMPORTS"

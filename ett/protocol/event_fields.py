@@ -56,7 +56,7 @@ class StepTimingData(TypedDict, total=False):
     first_step: int
     steps: int
     duration: float  # the median step, seconds
-    work: float  # the median seconds before the synchronisation mark
+    work: float  # the median seconds before the synchronisation mark (the step's end), less waits on collectives
     work_low: float  # the second-lowest
     total_steps: int  # where the script knows it
 

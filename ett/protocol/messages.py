@@ -12,11 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from ett.protocol import FAULT_ACTIONS
+from ett.protocol import FAULT_ACTIONS, IMPORTS_MAX_NAMES, MODULE_NAME_MAX_CHARS, MODULE_NAME_PATTERN
 
 # Node names and job ids: used in paths, so no "/" and no "..".
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 JobId = Annotated[str, Field(pattern=NAME_PATTERN.pattern)]
+ModuleName = Annotated[str, StringConstraints(max_length=MODULE_NAME_MAX_CHARS, pattern=MODULE_NAME_PATTERN)]
 REPORT_DETAIL_CHARS = 512
 
 
@@ -79,7 +80,8 @@ class LaunchCommand(AttemptCommand):
     trainer: TrainerSpec | None = None
     entrypoint: list[str] | None = Field(None, min_length=1)
     env: dict[str, str] = {}
-    # Modules a warm server imports before it forks the ranks of `entrypoint` (a `python SCRIPT`).
+    # Modules a warm server imports before it forks the ranks of `entrypoint` (a `python SCRIPT`):
+    # the job's `warm_imports`, else what its first attempt imported (AttemptReport.imports).
     warm_imports: list[str] = []
     checkpoint: CheckpointSpec = CheckpointSpec()
     hang_timeout_seconds: float | None = Field(120.0, gt=0)  # None: no hang detection
@@ -108,8 +110,22 @@ class IntervalCommand(AttemptCommand):
     from_step: int = Field(ge=0)
 
 
-Command = Annotated[LaunchCommand | StopCommand | IntervalCommand, Field(discriminator="type")]
-command_adapter: TypeAdapter[LaunchCommand | StopCommand | IntervalCommand] = TypeAdapter(Command)
+class WarmCommand(Incoming):
+    """To a node that may take a running job's next attempt (a spare): start the warm server that
+    attempt would fork from, before it is needed (docs/agent.md, "Warm start"). The agent starts it
+    as the user it would launch the job as, or not at all."""
+
+    type: Literal["warm"]
+    job_id: JobId
+    owner: str | None = None
+    owner_number: int | None = Field(None, ge=1)
+    entrypoint: list[str] | None = Field(None, min_length=1)  # None: the trainer's server
+    # The job's warm imports, named or learned (LaunchCommand.warm_imports); none: the base set.
+    warm_imports: Annotated[list[ModuleName], Field(max_length=IMPORTS_MAX_NAMES)] = []
+
+
+Command = Annotated[LaunchCommand | StopCommand | IntervalCommand | WarmCommand, Field(discriminator="type")]
+command_adapter: TypeAdapter[LaunchCommand | StopCommand | IntervalCommand | WarmCommand] = TypeAdapter(Command)
 
 
 # What the agent itself read in the kernel's log (/dev/kmsg) while an attempt ran: records the kernel
@@ -147,6 +163,9 @@ class AttemptReport(BaseModel):
     exit_code: int | None = None
     # Node evidence the agent read from the kernel while the attempt ran (in its ending report).
     kernel: Annotated[list[KernelReading], Field(max_length=KERNEL_READINGS_PER_REPORT)] = []
+    # What the attempt's script imported, as its local rank 0 wrote it (ett/imports.py) and the
+    # agent checked it (agent/warm/learned.py), in its ending report: the job's next attempts warm them.
+    imports: Annotated[list[ModuleName], Field(max_length=IMPORTS_MAX_NAMES)] = []
 
     @property
     def key(self) -> tuple[str, int]:

@@ -12,7 +12,7 @@ from service.accounting.report import build_report
 from service.models import Job, JobAccountRow, Role, StragglerFlag, Token
 
 STRAGGLER_FIELDS = ("attempt", "rank", "node", "since_step", "flagged_step", "relative", "individual", "work_seconds",
-                    "peer_seconds", "action")  # fmt: skip
+                    "peer_seconds", "action", "reason", "follows_rank")  # fmt: skip
 
 
 def job_account(session: Session, job_id: str) -> JobAccount:
@@ -52,7 +52,14 @@ def job_report(session: Session, job: Job, now: float, fleet_mtbf: float | None 
     flags = session.scalars(select(StragglerFlag).where(StragglerFlag.job_id == job.id)
                             .order_by(StragglerFlag.attempt, StragglerFlag.rank))
     report["stragglers"] = [{field: getattr(f, field) for field in STRAGGLER_FIELDS} for f in flags]
+    report["slowdowns"] = with_causes(report["slowdowns"], {f["attempt"] for f in report["stragglers"]})
     return report
+
+
+def with_causes(slowdowns: list[dict[str, Any]], straggling: set[int]) -> list[dict[str, Any]]:
+    """Each lasting slowdown told apart (docs/ett.md, "Slow time"): a straggler's where its attempt
+    flagged a rank its peers waited for, else the whole job's (every rank slower alike)."""
+    return [s | {"cause": "straggler" if s["attempt"] in straggling else "whole_job"} for s in slowdowns]
 
 
 def fleet_figures(session: Session, caller: Token, now: float, since: float | None, until: float | None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ett.protocol import CHECKPOINT_KINDS
-from service.accounting.step_times import add_steps, ideal_step, slow_seconds
+from service.accounting.step_times import Verdict, add_save, add_steps, copy_windows, judge, new_windows
 
 CATEGORIES = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
 TIMING_SOURCE = "rank:0"  # timings come from rank 0; allocation, failure and finish from the service
@@ -112,7 +112,7 @@ class AttemptSummary:
     commit_seconds: float = 0.0
     committed: int = 0
     last_committed_step: int | None = None
-    step_buckets: dict[str, list[float]] = field(default_factory=dict)  # bucket -> [steps, seconds]
+    step_windows: dict[str, Any] = field(default_factory=new_windows)  # slow time's summary (step_times.py)
 
     @property
     def start(self) -> float | None:
@@ -131,13 +131,16 @@ class AttemptSummary:
             return self.restored_step
         return 0 if self.steps else None
 
+    def slow_time(self) -> Verdict:  # its pace, slow time and lasting slowdowns (docs/ett.md, "Slow time")
+        return judge(self.step_windows, self.rolled_back_to)
+
     @property
     def ideal_step_seconds(self) -> float | None:
-        return ideal_step(self.step_buckets, self.steps)
+        return self.slow_time().ideal_step_seconds
 
     @property
     def slow_seconds(self) -> float:
-        return slow_seconds(self.step_buckets, self.steps, self.wasted_steps, self.wasted_seconds)
+        return self.slow_time().slow_seconds
 
     @property
     def last_activity(self) -> float | None:
@@ -199,7 +202,7 @@ class JobAccount:
         a.first_step_start = _min(a.first_step_start, min(map(operator.sub, ends, durations)))
         a.last_step_end = _max(a.last_step_end, last_end)
         a.last_step = max(a.last_step or 0, max(numbers))
-        add_steps(a.step_buckets, durations)
+        add_steps(a.step_windows, list(zip(numbers, durations, strict=True)))
         if a.rolled_back_to is not None:
             wasted = [d for s, d in zip(numbers, durations, strict=True) if s > a.rolled_back_to]
             a.wasted_steps += len(wasted)
@@ -257,6 +260,8 @@ class JobAccount:
                 count, seconds = f"{name}_count", f"{name}_seconds"
                 setattr(a, count, getattr(a, count) + (after is not None) - (before is not None))
                 setattr(a, seconds, getattr(a, seconds) + (after or 0.0) - (before or 0.0))
+                if name == "blocking":  # booked as checkpoint time: never again as slow (step_times.py)
+                    add_save(a.step_windows, c.step, (after or 0.0) - (before or 0.0))
         if c.committed_at is not None and not was_committed:
             a.committed += 1
             a.last_committed_step = _max(a.last_committed_step, c.step)
@@ -281,11 +286,14 @@ class JobAccount:
             "last_event_at": self.last_event_at,
             # Every field of a summary is a number, a string or None: a copy of its __dict__ is
             # what dataclasses.asdict gives, at a tenth of its cost (it runs per job per batch).
-            "attempts": [dict(a.__dict__, step_buckets={k: list(v) for k, v in a.step_buckets.items()})
+            "attempts": [dict(a.__dict__, step_windows=copy_windows(a.step_windows))
                          for _, a in sorted(self.attempts.items())],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "JobAccount":
-        attempts = {a["attempt"]: AttemptSummary(**a) for a in d.get("attempts", [])}
+        # Today's fields only: an account stored with the former rule's step buckets still loads.
+        attempts = {a["attempt"]: AttemptSummary(**{k: v for k, v in a.items() if k in AttemptSummary.__dataclass_fields__})
+                    for a in d.get("attempts", [])}
         return cls(attempts, d.get("finished_at"), d.get("finished_state"), d.get("last_event_at"))
+

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.accounting.accounts import fleet_mtbf_seconds
+from service.accounting.accounts import fleet_mtbf_seconds, with_causes
 from service.accounting.engine import CATEGORIES, JobAccount
 from service.accounting.report import build_report
 from service.models import Attempt, AttemptState, Checkpoint, Job, JobAccountRow, JobState, StragglerFlag
@@ -85,6 +85,7 @@ class EttCollector(Collector):
                                         "diagnosis (docs/reliability.md).", labels=["diagnosis"])
         by_diagnosis: dict[str, int] = {}
         names: dict[str, str] = {}
+        slowdowns: dict[str, dict] = {}  # job id -> the slowdown its newest attempt is in
         for job, account_state in rows:
             labels = [job.id, job.name]
             names[job.id] = job.name
@@ -95,6 +96,8 @@ class EttCollector(Collector):
                 ended_at=job.finished_at.timestamp() if job.finished_at else None,
             )  # fmt: skip
             attempts = account.attempts.values()
+            newest = max(account.attempts, default=None)
+            slowdowns.update({job.id: s for s in r["slowdowns"] if s["ongoing"] and s["attempt"] == newest})
             steps = sum(a.steps for a in attempts)
             recovered = [f["time_to_recover_seconds"] for f in r["failures"]]
             recovered = [t for t in recovered if t is not None]
@@ -130,6 +133,7 @@ class EttCollector(Collector):
         yield from c.values()
         yield self._blocking_histogram(session, names)
         yield self._stragglers(session, names)
+        yield self._slowdowns(session, names, slowdowns)
         yield self._failed_saves(session, names)
         wall = sum(fleet.values())
         yield GaugeMetricFamily(
@@ -156,6 +160,21 @@ class EttCollector(Collector):
         for flag in session.scalars(running.where(Attempt.state == AttemptState.running)):
             if flag.job_id in names:
                 gauge.add_metric([flag.job_id, names[flag.job_id], flag.node, str(flag.rank)], flag.relative)
+        return gauge
+
+    @staticmethod
+    def _slowdowns(session: Session, names: dict[str, str], ongoing: dict[str, dict]) -> GaugeMetricFamily:
+        """Each job's newest attempt's lasting slowdown while it goes on (its step over its ideal
+        step), by cause: a straggler's, or the whole job's."""
+        gauge = GaugeMetricFamily("ett_job_slowdown", "The newest attempt's lasting slowdown while it goes on: "
+                                  "its step over its ideal step.", labels=[*JOB_LABELS, "cause"])
+        if not ongoing:
+            return gauge
+        flagged = {(job_id, attempt) for job_id, attempt in session.execute(
+            select(StragglerFlag.job_id, StragglerFlag.attempt).where(StragglerFlag.job_id.in_(list(ongoing))))}
+        for job_id, slowdown in ongoing.items():
+            [told] = with_causes([slowdown], {attempt for j, attempt in flagged if j == job_id})
+            gauge.add_metric([job_id, names[job_id], told["cause"]], told["factor"])
         return gauge
 
     @staticmethod

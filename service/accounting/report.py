@@ -14,7 +14,7 @@ to `job_finished`, or now). Inside it, by the table of docs/ett.md:
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from service.accounting.engine import CATEGORIES, AttemptSummary, JobAccount
@@ -192,8 +192,9 @@ def build_report(
     commit_count = sum(a.commit_count for a in attempts)
     mean_blocking = sum(a.blocking_seconds for a in attempts) / blocking_count if blocking_count else None
     mtbf = wall / len(failures) if failures else None
-    slow = min(seconds["productive"], sum(a.slow_seconds for a in attempts))
-    ideal = next((a.ideal_step_seconds for a in reversed(attempts) if a.ideal_step_seconds is not None), None)
+    verdicts = [(a.attempt, a.slow_time()) for a in attempts]
+    slow = min(seconds["productive"], sum(v.slow_seconds for _, v in verdicts))
+    ideal = next((v.ideal_step_seconds for _, v in reversed(verdicts) if v.ideal_step_seconds is not None), None)
     return {
         "job_id": job_id,
         "state": state,
@@ -206,6 +207,8 @@ def build_report(
         "slow_seconds": slow,
         "full_speed_percent": 100.0 * (seconds["productive"] - slow) / wall if wall > 0 else 0.0,
         "ideal_step_seconds": ideal,
+        # Lasting changes in an attempt's pace; job_report (accounts.py) says a straggler's or the whole job's.
+        "slowdowns": [{"attempt": n, **asdict(s)} for n, v in verdicts for s in v.slowdowns],
         "time_to_start_seconds": min(first_steps) - window[0] if first_steps and window else None,
         "failures": failures,
         "restarts": max(0, len(attempts) - 1),

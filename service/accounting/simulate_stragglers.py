@@ -5,7 +5,7 @@ The model: slowdowns start on the job's nodes as a Poisson process (`rate_per_no
 node); each has a factor f = 1 + (median - 1) x lognormal(sigma) and, left alone, lasts an
 exponential time (mean `lasting_hours`). The job runs at its slowest node's pace: 1 / max f of
 the slowdowns under way. A slowdown of at least `flag_factor` is flagged `detection_steps` steps
-(at its slowed pace) after it starts (service/jobs/stragglers.py: three windows of five; a lag
+(at its slowed pace) after it starts (service/stragglers/scoring.py: three windows of five; a lag
 under 15% of the step is never flagged). With `replace` the service then
 compares, as it does, the slowdown's cost over the job's remaining time, (1 - 1/f) x remaining,
 with a restart's, `restart_seconds` (detection of the stop, rescheduling, start-up and restore:
@@ -33,7 +33,7 @@ class StragglerModel:
     slowdown_sigma: float = 0.5
     lasting_hours: float = 12.0
     detection_steps: int = 15
-    flag_factor: float = 1.15  # a slowdown under this is never flagged (STEP_SHARE in service/jobs/stragglers.py)
+    flag_factor: float = 1.15  # a slowdown under this is never flagged (STEP_SHARE in service/stragglers/scoring.py)
     restart_seconds: float = 540.0
     seed: int = 0
 

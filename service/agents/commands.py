@@ -10,12 +10,12 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import event, exists, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand
+from ett.protocol.messages import IntervalCommand, LaunchCommand, StopCommand, WarmCommand
 from service.models import AgentCommand, Node, utcnow
 
 log = logging.getLogger("ett.service")
 
-AgentCommandModel = LaunchCommand | StopCommand | IntervalCommand
+AgentCommandModel = LaunchCommand | StopCommand | IntervalCommand | WarmCommand
 
 
 class CommandBell:

@@ -101,6 +101,35 @@ class NodeView:
     flags: int = 0  # times a rank on it was flagged as a straggler within the window (never drains it)
     evidence: tuple[NodeEvidence, ...] = ()  # within the window or counted in its drain, newest first
     evidence_count: int = 0  # within the window
+    slow_in_jobs: int = 0  # the jobs whose ranks on it were stragglers within the window, for the node's sake
+
+    @property
+    def slow(self) -> str | None:
+        """What names it slow: stragglers on it in several jobs (one job alone may be its own cause)."""
+        if self.slow_in_jobs < SLOW_IN_JOBS:
+            return None
+        return (f"slow in {self.slow_in_jobs} jobs: their ranks on it were stragglers (a flag never drains it; "
+                "check the node)")
+
+
+# A node that stragglers of this many jobs ran on is named slow: one job's flags may be its own doing
+# (its data, a rank that sleeps), other jobs' on the same node point at the node.
+SLOW_IN_JOBS = 2
+
+
+def slow_in_jobs(session: Session, since: datetime) -> dict[str, int]:
+    """Each node's count of jobs with a straggler on it since `since`. A job's rank flagged on two
+    nodes or more carried its slowness along (service/stragglers/policy.py): it counts for none."""
+    flags = session.execute(select(StragglerFlag.node, StragglerFlag.job_id, StragglerFlag.rank)
+                            .where(StragglerFlag.flagged_at >= since)).all()  # fmt: skip
+    nodes_of: dict[tuple[str, int], set[str]] = {}
+    for node, job_id, rank in flags:
+        nodes_of.setdefault((job_id, rank), set()).add(node)
+    jobs: dict[str, set[str]] = {}
+    for (job_id, _), nodes in nodes_of.items():
+        if len(nodes) == 1:
+            jobs.setdefault(next(iter(nodes)), set()).add(job_id)
+    return {node: len(ids) for node, ids in jobs.items()}
 
 
 def node_views(session: Session, failure_window_seconds: float, now: datetime) -> list[NodeView]:
@@ -118,8 +147,10 @@ def node_views(session: Session, failure_window_seconds: float, now: datetime) -
     flags = dict(session.execute(select(StragglerFlag.node, func.count()).where(StragglerFlag.flagged_at >= since)
                                  .group_by(StragglerFlag.node)).all())  # fmt: skip
     evidence, counts = node_evidence.evidence_of(session, since), node_evidence.counts_within(session, since)
+    slow = slow_in_jobs(session, since)
     return [NodeView(node, [job for node_id, job in running if node_id == node.id], failures.get(node.id, 0),
-                     flags.get(node.name, 0), tuple(evidence.get(node.id, ())), counts.get(node.id, 0))
+                     flags.get(node.name, 0), tuple(evidence.get(node.id, ())), counts.get(node.id, 0),
+                     slow.get(node.name, 0))
             for node in nodes]  # fmt: skip
 
 

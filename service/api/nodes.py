@@ -17,7 +17,8 @@ def detail(view: NodeView) -> NodeDetail:
     node = NodeOut.model_validate(view.node, from_attributes=True)
     evidence = [NodeEvidenceOut.model_validate(e, from_attributes=True) for e in view.evidence]
     return NodeDetail(**node.model_dump(), jobs=view.jobs, failures=view.failures, flags=view.flags,
-                      evidence_count=view.evidence_count, evidence=evidence)
+                      slow_in_jobs=view.slow_in_jobs, slow=view.slow, evidence_count=view.evidence_count,
+                      evidence=evidence)
 
 
 @router.get("")

@@ -11,8 +11,9 @@ import httpx
 from fastapi.concurrency import run_in_threadpool
 
 from service.context import ServiceContext
-from service.jobs import notifications, scheduler, stragglers
+from service.jobs import notifications, scheduler
 from service.slurm.allocations import SlurmBridge
+from service.stragglers.watch import Watch
 
 log = logging.getLogger("ett.service")
 
@@ -26,6 +27,7 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
     # written (the agents retry; a node is not lost for the service's own outage).
     up_since = time.time()
     failed = False
+    stragglers = Watch()  # each attempt's straggler score, kept from tick to tick
 
     def tick_once() -> None:
         nonlocal up_since, failed
@@ -33,8 +35,8 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
             up_since = time.time()
         with context.sessions() as session:
             scheduler.tick(session, settings, up_since=up_since)
-            stragglers.watch(session, time.time())
             session.commit()
+        stragglers.run(context.sessions, settings, time.time())  # outside the tick's transaction
         failed = False
 
     while not stop.is_set():

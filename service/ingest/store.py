@@ -11,7 +11,9 @@ seq) that returns the keys it stored. A repeat with the same content is ignored 
 other content rejects the batch; only the new events are folded into their job's `JobAccount`
 (service/accounting/engine.py), rank 0's steps one attempt at a time, and their checkpoint events into
 the job's checkpoint records. A job's new events past its bound are left out and answered `refused`
-(service/ingest/bound.py).
+(service/ingest/bound.py). The job's secrets (the values of its `env`) are blanked in every string of
+a rank's event's `data` before it is stored, as on the node (ett/protocol/redaction.py): a job may
+write any field, and an agent that restarted no longer knows them.
 """
 
 import math
@@ -19,11 +21,13 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import Row, bindparam, func, insert, select, tuple_, update
+from sqlalchemy import JSON, Row, bindparam, func, insert, select, tuple_, type_coerce, update
 from sqlalchemy.orm import Session
 
+from ett.protocol.redaction import Secrets
 from service.accounting.engine import CheckpointRecord, Event, JobAccount
 from service.accounting.fold import fold, is_checkpoint
 from service.ingest.bound import take_past_bound
@@ -92,9 +96,12 @@ def ingest(
     max_bytes = settings.max_event_data_bytes if settings is not None else math.inf
     ahead = settings.max_event_future_seconds if settings is not None else math.inf
     by_job: dict[str, dict[tuple[int, str, int], Pending]] = defaultdict(dict)  # first of each key, per job
+    worlds, secrets = _jobs(session, {job_id for job_id, _ in batch}, untrusted=settings is not None)
     for i, (job_id, e) in enumerate(batch):
         clock_offset = clock_offsets[i] if clock_offsets is not None else 0.0
         latest_ts = now + ahead - clock_offset
+        if job_id in secrets and e.source.startswith("rank:"):
+            secrets[job_id].blank_data(e.kind, e.data)
         data, encoded = encode_data(e.data)
         if len(encoded) > max_bytes:
             raise EventRejected(i, "data", f"data is over the limit of {max_bytes} bytes")
@@ -109,7 +116,7 @@ def ingest(
         if earlier is not pending:
             if _content(earlier.row, earlier.data) != _content(row, data):
                 raise EventRejected(i, "seq", _conflict_message(row, "sent"))
-    worlds = _check_jobs_exist(session, by_job)
+    _check_jobs_exist(worlds, by_job)
     accounts = _lock_accounts(session, sorted(by_job))
     past = {} if settings is None else take_past_bound(
         session, by_job, {job_id: row.events for job_id, row in accounts.items()}, worlds, settings)
@@ -139,19 +146,34 @@ def _conflict_message(row: EventRow, where: str) -> str:
     return f"seq {row.seq} of {row.source} in attempt {row.attempt} was already {where} with other content"
 
 
-def _check_jobs_exist(session: Session, by_job: dict[str, dict[Any, Pending]]) -> dict[str, int]:
-    """Each job's number of ranks, by id; EventRejected naming the first event of a job that does not exist."""
+def _jobs(session: Session, job_ids: set[str], untrusted: bool) -> tuple[dict[str, int], dict[str, Secrets]]:
+    """Each job's number of ranks, and (`untrusted`: an agent's batch) its secrets where it has any, by id."""
     # FOR KEY SHARE (PostgreSQL): the job before its accounting row, in the order the scheduler
     # takes them (it locks jobs, then emits events), so the two never wait on each other in a circle.
+    columns = (Job.id, JOB_WORLD_SIZE, *([type_coerce(Job.spec["env"], JSON)] if untrusted else []))
     query = (
-        select(Job.id, JOB_WORLD_SIZE).where(Job.id.in_(list(by_job))).order_by(Job.id)
+        select(*columns).where(Job.id.in_(list(job_ids))).order_by(Job.id)
         .with_for_update(read=True, key_share=True)
     )  # fmt: skip
-    worlds = {job_id: world for job_id, world in session.execute(query)}
+    worlds, secrets = {}, {}
+    for row in session.execute(query):
+        worlds[row[0]] = row[1]
+        if untrusted and row[2] and (compiled := _secrets(tuple(sorted(set(row[2].values()))))):
+            secrets[row[0]] = compiled
+    return worlds, secrets
+
+
+@lru_cache(maxsize=64)
+def _secrets(values: tuple[str, ...]) -> Secrets:
+    """A job's secrets, compiled once for all its batches (a job's env may hold 256 values of 4 Ki characters)."""
+    return Secrets(values)
+
+
+def _check_jobs_exist(worlds: dict[str, int], by_job: dict[str, dict[Any, Pending]]) -> None:
+    """EventRejected naming the first event of a job that does not exist."""
     for job_id, events in by_job.items():
         if job_id not in worlds:
             raise EventRejected(min(p.index for p in events.values()), "job_id", f"no job {job_id}")
-    return worlds
 
 
 def _lock_accounts(session: Session, job_ids: list[str]) -> dict[str, Row]:

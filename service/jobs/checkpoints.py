@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from ett.paths import inside
 from service.accounting.accounts import job_account, job_report
+from service.accounting.engine import JobAccount
 from service.accounting.report import young_interval
 from service.models import Checkpoint, Job
 from service.outcomes import Unprocessable
@@ -71,13 +72,23 @@ def checkpoint_interval_steps(session: Session, job: Job, settings: Settings) ->
     interval = job.spec.checkpoint.interval_steps
     if interval != "auto":
         return int(interval)
-    account = job_account(session, job.id)
-    steps = sum(a.steps for a in account.attempts.values())
-    step_seconds = sum(a.step_seconds for a in account.attempts.values())
+    step_seconds = mean_step_seconds(job_account(session, job.id))
     report = job_report(session, job, time.time())
     recommended = report["recommended_checkpoint_interval_seconds"]
     if recommended is None:
         recommended = young_interval(report["checkpoints"]["mean_blocking_seconds"], settings.assumed_mtbf_seconds)
-    if not steps or not step_seconds or recommended is None:
+    if step_seconds is None or recommended is None:
         return DEFAULT_INTERVAL_STEPS
-    return max(1, round(recommended / (step_seconds / steps)))
+    return steps_in(recommended, step_seconds)
+
+
+def mean_step_seconds(account: JobAccount) -> float | None:
+    """The job's mean step time, over every step of every attempt; None before one took time."""
+    steps = sum(a.steps for a in account.attempts.values())
+    seconds = sum(a.step_seconds for a in account.attempts.values())
+    return seconds / steps if steps and seconds else None
+
+
+def steps_in(seconds: float, step_seconds: float) -> int:
+    """An interval of `seconds` in whole steps of `step_seconds` (at least one)."""
+    return max(1, round(seconds / step_seconds))

@@ -20,7 +20,7 @@ from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoin
 from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_restart_reason, reported_failure,
                                     without_logs)
 from service.jobs.intervals import retune_auto_intervals
-from service.jobs.launch import launch_command
+from service.jobs.launch import launch_command, learn_imports, spare_warm_commands
 from service.jobs.owners import number_owner
 from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers
 from service.jobs.placement import rank_order
@@ -74,6 +74,8 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
     (service/agents/node_evidence.py)."""
     if share.state not in ACTIVE:
         return
+    if report.imports:  # before the failure below, which may already start the next attempt
+        learn_imports(share.attempt.job, report.imports)
     share.state = AttemptState(report.state)
     attempt = share.attempt
     if share.state == AttemptState.running and attempt.state == AttemptState.allocated:
@@ -248,8 +250,10 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         serves = job.id if spec.slurm is not None else None
         if serves and not (job.slurm_allocations and job.slurm_allocations[-1].state == SlurmState.running):
             continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
-        avoided = {a.failed_node_id for a in job.attempts if a.cause == "straggler"}  # service/jobs/stragglers.py
+        avoided = {a.failed_node_id for a in job.attempts if a.cause == "straggler"}  # service/stragglers/
         fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node and n.id not in avoided]
+        if len(fitting) < spec.nodes and avoided:  # the spare was taken meanwhile: back where it ran, not stranded
+            fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node]
         if len(fitting) < spec.nodes:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
                 slots = spec.procs_per_node
@@ -261,11 +265,14 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
                     job.reason = reason
             continue
         nodes = rank_order(job, fitting, spec.nodes)
-        _start_attempt(session, settings, job, nodes, now)
+        _start_attempt(session, settings, job, nodes, now, spares=[n for n in fitting if n not in nodes])
         idle = [node for node in idle if node not in nodes]
 
 
-def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float) -> None:
+def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float,
+                   spares: Sequence[Node] = ()) -> None:
+    """Allocates the attempt on `nodes` and tells each its share; `spares`, idle nodes that could
+    take its next attempt, warm its server meanwhile (a node loss's restart then forks there)."""
     number = len(job.attempts)
     attempt = Attempt(
         job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,
@@ -287,3 +294,5 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
     owner = number_owner(session, job.owner)
     for share in attempt.nodes:
         commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval, owner))
+    for spare, warm in spare_warm_commands(job, spares, owner):
+        commands.enqueue(session, spare, warm)

@@ -26,6 +26,7 @@ from service.jobs.catalog import visible_job, visible_jobs
 from service.jobs.logs import failure_tails
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
+from service.pages.job_view import MEANINGS, checkpoint_intervals, reason_of
 from service.pages.timeline import build_timeline, frame_of
 from service.pages.timeline_data import checkpoint_saves, step_time
 
@@ -43,12 +44,16 @@ def _seconds(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f} s"
 
 
+def _steps(value: int | None) -> str:
+    return "-" if value is None else f"{value} step{'' if value == 1 else 's'}"
+
+
 def _utc(unix: float | None) -> str:
     return "-" if unix is None else datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-templates.env.filters.update(seconds=_seconds, utc=_utc)
-templates.env.globals.update(categories=CATEGORIES)
+templates.env.filters.update(seconds=_seconds, steps=_steps, utc=_utc)
+templates.env.globals.update(categories=CATEGORIES, meanings=MEANINGS)
 
 
 def render(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> Response:
@@ -91,8 +96,11 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
     if frame is not None:
         steps = step_time(session, job.id, account, frame)
         timeline = build_timeline(account, frame, steps, checkpoint_saves(session, job.id))
+    failures = report["failures"]
     context = {"caller": caller, "job": job, "report": report, "timeline": timeline,
-               "restored": account.restored_steps(), "failure_logs": failure_tails(session, job)}
+               "restored": account.restored_steps(), "failure_logs": failure_tails(session, job),
+               "reason": reason_of(job.reason, failures), "failed": {f["attempt"] for f in failures},
+               "intervals": checkpoint_intervals(job, account, report)}  # fmt: skip
     return render(request, "job.html", context)
 
 

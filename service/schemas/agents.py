@@ -63,6 +63,10 @@ class NodeDetail(NodeOut):
                                       "kind: the jobs' own too, which never drain it")
     flags: int = Field(0, description="straggler flags of its ranks within ETT_NODE_FAILURE_WINDOW_SECONDS "
                                       "(never drain it)")
+    slow_in_jobs: int = Field(0, description="jobs whose ranks on it were stragglers within "
+                                             "ETT_NODE_FAILURE_WINDOW_SECONDS (a rank slow on several nodes, its "
+                                             "slowness following it, counts for none)")
+    slow: str | None = Field(None, description="why it is named slow: stragglers on it in 2 jobs or more")
     evidence_count: int = Field(0, description="node evidence within ETT_NODE_FAILURE_WINDOW_SECONDS: "
                                                "ETT_NODE_FAILURE_LIMIT of it drains the node")
     evidence: list[NodeEvidenceOut] = Field([], description="its node evidence within the window or counted in "

@@ -144,7 +144,22 @@ class StragglerOut(BaseModel):
     individual: float | None  # its work over its own early in the attempt
     work_seconds: float
     peer_seconds: float
-    action: str  # reported, replaced
+    action: str  # reported, replaced, kept (the policy is `replace`; `reason` says why it went on where it ran)
+    reason: str | None = None
+    follows_rank: bool = False  # flagged on another node of the job before: the cause is not the node
+
+
+class SlowdownOut(BaseModel):
+    """A lasting change in an attempt's pace (docs/ett.md, "Slow time")."""
+
+    attempt: int
+    since_step: int
+    last_step: int
+    ongoing: bool  # it lasts to the attempt's newest steps
+    step_seconds: float  # its mean step
+    factor: float  # its mean step over the attempt's ideal step
+    slow_seconds: float  # booked as slow
+    cause: str  # whole_job (every rank slower alike) or straggler (a rank flagged in the attempt)
 
 
 class EttReport(BaseModel):
@@ -158,6 +173,7 @@ class EttReport(BaseModel):
     full_speed_percent: float  # ETT% less the slow share
     ideal_step_seconds: float | None  # the latest attempt's ideal step that tells one
     stragglers: list[StragglerOut] = []
+    slowdowns: list[SlowdownOut] = []
     time_to_start_seconds: float | None
     failures: list[FailureOut]
     restarts: int

@@ -358,3 +358,88 @@ def test_a_number_no_json_can_carry_is_set_aside_and_the_rest_forwarded(fake_ser
 
     assert sorted(key[3] for key in fake_service.events) == [0, 5]
     assert forwarder.stats.dead_letters == 4
+
+
+def launched(tmp_path, job_id: str, ranks: int) -> AttemptPaths:
+    """An attempt's spool folder with its launch file, as the agent writes it (its world: `ranks`)."""
+    paths = AttemptPaths.of(tmp_path / "spool", job_id, 0)
+    paths.events_dir.mkdir(parents=True)
+    paths.launch_file.write_text(json.dumps({
+        "type": "launch", "job_id": job_id, "attempt": 0, "node_rank": 0, "nnodes": 1, "nproc_per_node": ranks,
+        "master_addr": "127.0.0.1", "master_port": 29500, "entrypoint": ["python"]}))  # fmt: skip
+    return paths
+
+
+def test_spools_of_ranks_beyond_the_world_are_set_aside_unread_with_one_dead_letter(fake_service, tmp_path):
+    paths = launched(tmp_path, "many", 2)
+    for rank in range(3000):  # each a rank the job does not have but ranks 0 and 1
+        write_spool(paths.events_dir / rank_spool(rank), [spool_event(0, source=f"rank:{rank}")])
+    write_spool(paths.events_dir / "rank-01.jsonl", [spool_event(1, source="rank:1")])  # not rank 1's name
+    forwarder = forwarder_for(fake_service, tmp_path)
+    assert forwarder.forward_once(flush=True) and forwarder.forward_once(flush=True)
+    assert sorted(key[2] for key in fake_service.events) == ["rank:0", "rank:1"]
+    [note] = [json.loads(line) for line in (tmp_path / "dead-letters.jsonl").read_text().splitlines()]
+    assert note["file"] == f"many/0/{EVENTS_DIR}" and "2998 spools of ranks beyond" in note["error"]
+    paths.ended_marker.write_text("succeeded")
+    assert forwarder.forward_once(flush=True)
+    assert not paths.root.exists()  # retired: what was set aside holds no spool on the node
+
+
+def test_one_jobs_backlog_holds_neither_another_jobs_events_nor_its_flush(fake_service, tmp_path):
+    """Alice's job floods its spool; Bob's job, after hers in every order the forwarder reads, has a
+    few events and its end waits for them (a flush of its attempt): they arrive, and the flush is
+    answered, while Alice's are still on their way."""
+    alice, bob = launched(tmp_path, "alice", 1), launched(tmp_path, "bob", 1)
+    write_spool(alice.events_dir / rank_spool(0), [spool_event(i) for i in range(5000)])
+    write_spool(bob.events_dir / rank_spool(0), [spool_event(i) for i in range(3)])
+    forwarder = forwarder_for(fake_service, tmp_path, batch_max_events=100)
+    stop = threading.Event()
+    thread = threading.Thread(target=forwarder.run, args=(stop,))
+    thread.start()
+    try:
+        assert forwarder.flush(timeout=60.0, attempts=[("bob", 0)])
+        arrived = list(fake_service.events)  # in the order they arrived
+        assert [key for key in arrived if key[0] == "bob"] == [("bob", 0, "rank:0", i) for i in range(3)]
+        assert forwarder.flush(timeout=120.0)
+        arrived = list(fake_service.events)
+        assert len(arrived) == 5003
+        # Bob's events came in the first batches, not after Alice's 5,000.
+        assert max(arrived.index(("bob", 0, "rank:0", i)) for i in range(3)) < 300
+    finally:
+        stop.set()
+        forwarder.wake()
+        thread.join(30)
+
+
+LEASE = """
+import fcntl, os, signal, sys, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)  # a lease break is told with SIGIO: the job keeps its lease
+fd = os.open(sys.argv[1], os.O_WRONLY)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)  # any other open of the file now fails or waits
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_lease_on_a_spool_is_said_in_roots_log_once_an_interval_not_every_pass(fake_service, tmp_path, caplog):
+    """A job's process holds a write lease on its spool: each pass of the forwarder fails to open it
+    (EAGAIN); root's log says so once, then how many more, not 10 lines a second for the job's life."""
+    import subprocess
+    import sys
+
+    spool = tmp_path / "spool" / "job1" / "0" / EVENTS_DIR / rank_spool(0)
+    write_spool(spool, [spool_event(0)])
+    holder = subprocess.Popen([sys.executable, "-c", LEASE, str(spool)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        forwarder = forwarder_for(fake_service, tmp_path)
+        with caplog.at_level("WARNING", logger="agent.forwarding.spool_files"):
+            for _ in range(50):
+                forwarder.forward_once(flush=False)
+        said = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+        assert len(said) == 1 and "Resource temporarily unavailable" in said[0], said
+    finally:
+        holder.kill()
+        holder.wait()
+    forwarder.forward_once(flush=True)  # the lease gone with its holder: the spool is read
+    assert [key[3] for key in fake_service.events] == [0]

@@ -2,6 +2,7 @@
 could not run at all (an agent started as root; the tests here are run as root on CI)."""
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -36,14 +37,38 @@ def test_an_unknown_job_user_is_named(tmp_path):
 
 
 def test_an_interpreter_the_job_user_cannot_run_stops_the_agent_with_what_to_set(tmp_path):
-    closed = tmp_path / "python"  # pytest's folders are closed to other users, as /root is
-    closed.symlink_to(sys.executable)
-    result = start_agent(tmp_path, job_python=str(closed))
+    python = tmp_path / "python"  # pytest's folders are closed to other users, as /root is
+    python.symlink_to(sys.executable)
+    closed = closed_folder(tmp_path)
+    assert closed is not None
+    result = start_agent(tmp_path, job_python=str(python))
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     # Checked as the first uid of the owners' range, which no owner gets (agent/confinement/job_user.py).
-    assert last.startswith(f"ett agent: job user ett-2000000000 cannot run {closed}: Permission denied;")
+    assert last.startswith(f"ett agent: job user ett-2000000000 cannot run {python} (a link to "
+                           f"{os.path.realpath(sys.executable)}): Permission denied: it cannot enter {closed} (")
     assert "ETT_AGENT_JOB_PYTHON" in last
+
+
+def test_a_venv_linked_into_a_closed_folder_is_refused_naming_that_folder(open_root):
+    """A venv made from a pyenv Python under /root: its bin/python is open to all, and links to an
+    interpreter under a folder only root may enter. The refusal names that folder, not the venv."""
+    home = open_root / "root-home"  # as /root: root's alone
+    (home / "pyenv" / "bin").mkdir(parents=True)
+    home.chmod(0o700)
+    interpreter = home / "pyenv" / "bin" / "python3.11"
+    shutil.copy2(os.path.realpath(sys.executable), interpreter)
+    venv = open_root / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python3.11").symlink_to(interpreter)
+    (venv / "python").symlink_to("python3.11")  # as `python -m venv` lays them
+    result = start_agent(open_root / "venv-agent", job_python=str(venv / "python"),
+                         data_dir=str(open_root / "venv-agent"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ett agent: job user ett-2000000000 cannot run {venv / 'python'} (a link to {interpreter}): Permission "
+        f"denied: it cannot enter {home} (drwx------ root:root); set ETT_AGENT_JOB_PYTHON to an interpreter "
+        "outside it that user can run, with ett installed (docs/agent.md, \"The job's user\")")
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from agent.forwarding.log_shipper import PIECE_BYTES, LogShipper
+from agent.files.spool import AttemptPaths
 from agent.launching.rank_log import PipeCopier, RotatingLog
 from ett.protocol import LOGS_DIR, rank_log
+from ett.protocol.messages import LaunchCommand
 from ett.protocol.redaction import REDACTED, Redactor, redact
 from tests.support.waiting import wait_for
 
@@ -200,3 +202,44 @@ def test_blanking_output_read_in_pieces_gives_what_blanking_it_whole_gives(seed)
     out = b"".join(redactor.feed(data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)])) + redactor.flush()
     assert out.decode() == redact(whole, values)
     assert "hunter22" not in out.decode() and out.decode().count(REDACTED) == 12
+
+
+def launch(job_id: str, nproc: int, env: dict[str, str]) -> LaunchCommand:
+    return LaunchCommand(type="launch", job_id=job_id, attempt=0, node_rank=0, nnodes=1, nproc_per_node=nproc,
+                         master_addr="127.0.0.1", master_port=29500, entrypoint=["python"], env=env)
+
+
+def test_a_secret_a_rank_writes_into_its_own_log_in_two_pieces_is_blanked_before_shipping(tmp_path):
+    """A rank may write its log file itself, past its runner's blanking: the shipper blanks it
+    again, and keeps back what may begin a secret until the rest is written or the attempt ends."""
+    paths = AttemptPaths.of(tmp_path / "spool", "job", 0)
+    paths.logs_dir.mkdir(parents=True)
+    service = Service()
+    shipper = LogShipper(tmp_path / "spool", tmp_path, service)
+    shipper.launches.know(launch("job", 2, {"API_KEY": "echoo-s3cr3t-E5", "GPU": "a10"}))
+    own = paths.logs_dir / rank_log(1)
+    with open(own, "ab", buffering=0) as f:
+        f.write(b"E echoo-s3")
+        assert shipper.ship_once() and [p["text"] for p in service.pieces] == ["E "]  # the rest kept back
+        assert shipper.ship_once() and len(service.pieces) == 1  # nothing new: nothing sent
+        f.write(b"cr3t-E5 then a10\nlast words: echoo-\x00s3cr")  # a NUL inside: the secret all the same
+        assert shipper.ship_once() and service.pieces[1]["text"] == f"{REDACTED} then a10\nlast words: "
+        paths.ended_marker.write_text("succeeded")  # no more will come: its end is shipped as it is
+        assert shipper.ship_once() and service.pieces[2]["text"] == "echoo-\x00s3cr"
+    assert shipper.shipped(paths.root)
+    shipped = "".join(p["text"] for p in service.pieces)
+    assert "echoo-s3cr3t-E5" not in shipped.replace("\x00", "") and shipped.count(REDACTED) == 1
+
+
+def test_the_log_of_a_rank_beyond_the_attempts_world_is_not_read_nor_holds_its_spool(tmp_path):
+    paths = AttemptPaths.of(tmp_path / "spool", "job", 0)
+    paths.logs_dir.mkdir(parents=True)
+    service = Service()
+    shipper = LogShipper(tmp_path / "spool", tmp_path, service)
+    shipper.launches.know(launch("job", 2, {}))
+    for rank in (0, 2, 999_999):
+        (paths.logs_dir / rank_log(rank)).write_text(f"rank {rank} says\n")
+    (paths.logs_dir / "rank-00.log").write_text("rank 0 again?\n")
+    assert shipper.ship_once()
+    assert [(p["rank"], p["text"]) for p in service.pieces] == [(0, "rank 0 says\n")]
+    assert shipper.shipped(paths.root)

@@ -16,7 +16,7 @@ def test_an_end_is_sent_only_once_released_and_kept_until_acknowledged():
     sent = book.to_send()
     assert [r.model_dump() for r in sent] == [
         {"job_id": "j", "attempt": 0, "state": "running", "cause": None, "detail": "", "exit_code": None,
-         "kernel": []}]
+         "kernel": [], "imports": []}]
     book.acknowledge(sent)
     assert book.snapshot()[0].state == "failed"  # a `running` answered 200 does not retire the end
 

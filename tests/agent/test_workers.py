@@ -40,7 +40,8 @@ def test_success_reports_every_rank_and_the_spool_env(supervisor):
     # Its `kernel` readings are the node's (agent/node/kernel_log.py): another test's real
     # out-of-memory kill on this machine may be among them, so they are not this test's to check.
     assert {k: v for k, v in report.items() if k != "kernel"} == {
-        "job_id": command.job_id, "attempt": 2, "state": "succeeded", "cause": None, "detail": "", "exit_code": None}
+        "job_id": command.job_id, "attempt": 2, "state": "succeeded", "cause": None, "detail": "", "exit_code": None,
+        "imports": []}
     node_events = spool_events(supervisor, command, "node:node-a")
     assert [e["kind"] for e in node_events] == ["workers_launched", "worker_exited", "worker_exited"]
     assert [e["seq"] for e in node_events] == [0, 1, 2]
@@ -238,6 +239,7 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
         "ETT_CHECKPOINT_DIR": checkpoint["dir"], "ETT_CHECKPOINT_LOCAL_DIR": checkpoint["local_dir"],
         "ETT_RESUME_FROM": checkpoint["resume_from"], "ETT_CHECKPOINT_INTERVAL_STEPS": "7", "ETT_CHECKPOINT_KEEP": "2",
         "ETT_CHECKPOINT_INTERVAL_FILE": str(paths.interval_file),
+        "ETT_LEARN_IMPORTS": "1",  # a `python SCRIPT` naming no warm_imports: its local rank 0 says what it imported
     }  # fmt: skip
     kinds = [e["kind"] for e in spool_events(supervisor, command, "rank:0")]
     assert kinds == ["init_start", "init_end", "step", "step", "step", "step_timing", "train_end"]

@@ -1,6 +1,6 @@
 """The CUDA paths, for a machine with an NVIDIA GPU (bench/gpu_check.sh runs them); skipped
 without one. NCCL, the bf16 grouped-GEMM experts, pinned-memory checkpoint staging, and the
-CUDA generator in a checkpoint."""
+CUDA generator in a checkpoint, per-rank timing's clock."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ett.checkpoints.staging import ReusedBufferStager
 from ett.state import RNGState
+from ett.timing import SyncClock
 from tests.support.postgres import free_port
 from trainer.grouped_gemm import grouped_mm_supported, routed_swiglu
 from trainer.moe import MoE, MoEConfig
@@ -76,3 +77,27 @@ def test_background_staging_copies_on_a_stream_of_its_own_after_the_writes_queue
     assert stager.stream is not None and stager.stream != torch.cuda.current_stream()
     assert torch.equal(staged.result()["w"], torch.ones(4096, 4096))
     stager.close()
+
+
+def test_a_steps_stall_on_another_streams_event_is_its_wait_not_its_work():
+    """The CUDA clock of per-rank timing (ett/waits.py): the step's stream held up by another
+    stream's event (FSDP2's all-gather, here a sleeping kernel) counts as a wait, read from
+    events once the GPU has passed them, with no synchronize in the step."""
+    torch.cuda.synchronize()  # CUDA in use: the step takes the GPU's clock
+    clock, side = SyncClock(time_waits=True), torch.cuda.Stream()
+    try:
+        clock.begin()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # GPU cycles: about 0.1 s
+            gathered = torch.cuda.Event()
+            gathered.record()
+        torch.cuda.current_stream().wait_event(gathered)
+        clock.mark()
+        span = clock.end()
+    finally:
+        clock.stop()
+    assert span is not None and len(span.waits) == 1
+    torch.cuda.synchronize()
+    assert span.ready()
+    waited = span.clock.seconds(*span.waits[0])
+    assert waited > 0.02 and span.work() < 0.5 * waited

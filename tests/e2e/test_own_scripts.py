@@ -25,7 +25,10 @@ from tests.support.cluster import (
     example_job,
     newest_committed_before_the_failure,
 )
+from ett.checkpoints.folders import verify
+from ett.protocol import MARKER
 from tests.support.processes import pids_with_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +55,11 @@ def plain_torchrun(script: str, *args: str, ranks: int = 2) -> None:
     assert process.returncode == 0, f"{script} under plain torchrun: exit {process.returncode}; its output ends:\n{log}"
 
 
-def run_with_a_kill(c: Cluster, spec: dict, **agent: Any) -> dict:
+def run_with_a_kill(c: Cluster, spec: dict, kill: dict = KILL, **agent: Any) -> dict:
     """Starts two agents (`agent`: Cluster.start_agent's arguments), submits the job with rank 1
-    SIGKILLed at step 13 of attempt 0; checks the recovery."""
+    SIGKILLed at step 13 of attempt 0 (or as `kill` says); checks the recovery."""
     c.start_agent("node-a", **agent), c.start_agent("node-b", **agent)
-    job_id = c.submit(**spec, faults=[KILL])
+    job_id = c.submit(**spec, faults=[kill])
     job = c.wait_job(job_id, timeout=300)
     assert job["state"] == "succeeded", c.logs()
     first, second = job["attempts"]
@@ -124,3 +127,40 @@ def test_lightning_job_recovers_mid_epoch_and_ends_bitwise_equal_to_an_uninterru
     # its checkpoint, the callback each rank's RNG, the loader goes on with the 11th batch.
     assert_same_parameters(*uninterrupted_then_as_a_job(tmp_path, "lightning.py", "lightning.toml", "--out", "pt",
                                                         "--steps", "40", "--checkpoint-dir", str(tmp_path / "plain")))
+
+
+@pytest.mark.over_budget("Accelerate, twice (as a job with a kill, uninterrupted), and a third job cancelled")
+def test_accelerate_job_resumes_mid_epoch_bitwise_keeps_its_newest_and_a_cancel_saves_and_stops(tmp_path):
+    plain, as_job = tmp_path / "plain.pt", tmp_path / "ett.pt"
+    spec = example_job("accelerate.toml")
+    spec["entrypoint"] = [*spec["entrypoint"], "--out", str(as_job)]
+    endless = example_job("accelerate.toml", name="accelerate-cancelled")
+    endless["entrypoint"] = [*endless["entrypoint"][:3], "100000", *endless["entrypoint"][4:]]
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(plain_torchrun, "accelerate_loop.py", "--steps", "40", "--checkpoint-dir",
+                                    str(tmp_path / "plain"), "--out", str(plain))
+        with cluster(tmp_path) as c:
+            # Killed at step 25 (the 1st batch of the 3rd epoch is step 25: 12 batches an epoch), it
+            # resumes from step 20, the 8th batch of the 2nd epoch: skip_first_batches goes on there.
+            job = run_with_a_kill(c, spec, kill=KILL | {"at_step": 25})
+            job_id = job["id"]
+            [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
+            assert restore.step == 20
+            # keep = 2: the newest two, committed and whole; the torn and the older ones gone.
+            folder = Path(job["attempts"][1]["resume_from"]).parent
+            assert sorted(p.name for p in folder.iterdir()) == ["accelerate-00000030", "accelerate-00000040"]
+            assert all(verify(p) is None for p in folder.iterdir())
+
+            # A cancel: SIGTERM to both ranks; they agree on the step, save it and stop.
+            cancelled = c.submit(**endless)
+            wait_for(lambda: [e for e in events(c, cancelled, "step") if e.step >= 3], 120, "a third step")
+            assert c.user.post(f"/api/v1/jobs/{cancelled}/cancel").json()["state"] == "cancelled"
+            ends = wait_for(lambda: len(e := events(c, cancelled, "train_end")) == 2 and e, 60, "both ranks' ends")
+            assert {e.source for e in ends} == {"rank:0", "rank:1"} and ends[0].step == ends[1].step, ends
+            stop = ends[0].step
+            [committed] = [e for e in events(c, cancelled, "ckpt_committed") if e.step == stop]
+            assert (Path(committed.data["path"]) / MARKER).exists() and verify(Path(committed.data["path"])) is None
+            assert Path(committed.data["path"]).name == f"accelerate-{stop:08d}"
+            assert c.wait_job(cancelled)["attempts"][0]["state"] == "stopped", c.logs()
+        uninterrupted.result()
+    assert_same_parameters(plain, as_job)

@@ -3,10 +3,12 @@
 (root on CI: agents that run jobs as nobody). Then the job it submitted is opened on its page.
 
 Only what the README says to set differs: the job interpreter an agent started as root needs
-(ETT_AGENT_JOB_PYTHON, step 3's text), and a free port instead of 8000 (ETT_PORT and the service
-URL variables), so the test can run beside anything else on this machine.
+(ETT_AGENT_JOB_PYTHON, step 3's text), and a free port instead of 8000 (ETT_PORT alone, as a reader
+would change it: the agents and the commands find the service at that port without being told), so
+the test can run beside anything else on this machine.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -61,9 +63,10 @@ def test_the_readme_walkthrough_runs_as_written_and_its_job_has_a_page(home_fold
     (home_folder / ".venv").symlink_to(REPO / ".venv")
     (home_folder / "examples").symlink_to(REPO / "examples")
     url = f"http://127.0.0.1:{free_port()}"
-    env = {**os.environ, "ETT_PORT": url.rsplit(":", 1)[1], "ETT_SERVICE_URL": url, "ETT_AGENT_SERVICE_URL": url,
+    env = {**os.environ, "ETT_PORT": url.rsplit(":", 1)[1],
            "ETT_AGENT_JOB_PYTHON": str(job_python(home_folder / "job-python"))}  # fmt: skip
-    for name in [n for n in env if n.startswith(("ETT_AGENT_JOB_USER", "ETT_AGENT_ALLOW", "ETT_DATA"))]:
+    for name in [n for n in env if n.startswith(("ETT_AGENT_JOB_USER", "ETT_AGENT_ALLOW", "ETT_DATA"))
+                 or n in ("ETT_SERVICE_URL", "ETT_AGENT_SERVICE_URL")]:
         del env[name]
     # Into a file: the agents it leaves running keep their standard output open.
     with open(home_folder / "walkthrough.log", "w") as out:
@@ -85,7 +88,8 @@ def test_the_readme_walkthrough_runs_as_written_and_its_job_has_a_page(home_fold
             page = browser.get(f"/jobs/{job_id}", params={"token": token})
         assert page.status_code == 200 and "plain-ddp" in page.text and "succeeded" in page.text
     finally:
-        os.killpg(script.pid, signal.SIGTERM)  # the service and the agents the script left running
+        with contextlib.suppress(ProcessLookupError):  # none left: the script failed before starting them
+            os.killpg(script.pid, signal.SIGTERM)  # the service and the agents the script left running
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _group_alive(script.pid):
             time.sleep(0.2)

@@ -1,7 +1,9 @@
-"""Per-rank step timing (ett/timing.py): the windows a rank writes, the work it marks, the DDP
-hook that marks it for a script, and the injected slowdown."""
+"""Per-rank step timing (ett/timing.py, ett/waits.py): the windows a rank writes, the work it marks,
+the DDP hook that marks it for a script, the waits on collectives taken off it, and the injected
+slowdown."""
 
 import json
+import threading
 import time
 
 import pytest
@@ -11,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ett
+from ett import waits
 from ett.protocol import EVENTS_DIR, rank_spool
 from ett.timing import WINDOW, DDPWatch, SyncClock, TimingWindow
 from tests.ett.test_run import in_job, no_ett_environment  # noqa: F401 (fixtures)
@@ -36,13 +39,14 @@ def test_ddp_buckets_mark_where_the_rank_starts_to_wait():
     clock = SyncClock()
     watch = DDPWatch(clock)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
-    before_backward = None
     for _ in range(2):
+        clock.begin()
         loss = model(torch.randn(4, 8)).sum()
         before_backward = time.perf_counter()
         loss.backward()
         after_backward = time.perf_counter()
-        assert clock.reached_at is not None and before_backward <= clock.reached_at <= after_backward
+        span = clock.end()
+        assert span is not None and span.mark is not None and before_backward <= span.mark <= after_backward
     assert watch.found and watch._handle is None  # the global hook is gone once the module is timed
 
 
@@ -61,3 +65,67 @@ def test_a_job_run_writes_each_window_with_the_work_it_marked(in_job, monkeypatc
     assert 0.009 < before["work"] < before["duration"]
     # From step 6 the rank sleeps twice its step before it reaches the mark: about 3x the step.
     assert slowed["work"] > 0.04 and slowed["duration"] > 2.5 * before["duration"]
+
+
+def test_a_steps_work_leaves_out_its_waits_on_collectives_before_the_mark_only():
+    """One rank's group: its all-reduces wait on nothing, but every wait is timed; a wait after
+    the mark, or on another thread (an asynchronous save's), is not the step's."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    clock = SyncClock(time_waits=True)
+    try:
+        clock.begin()
+        dist.all_reduce(torch.ones(4))
+        other = threading.Thread(target=dist.all_reduce, args=(torch.ones(4),))
+        other.start()
+        other.join()
+        clock.mark()
+        dist.all_reduce(torch.ones(4))
+        span = clock.end()
+    finally:
+        clock.stop()
+    assert span is not None and len(span.waits) == 2 and span.waits_before_mark == 1
+    waited = span.waits[0][1] - span.waits[0][0]
+    assert span.work() == pytest.approx(span.mark - span.start - waited)
+    assert dist.Work.wait is waits._WORK_WAIT  # torch's own again once the run stops
+
+
+def test_without_a_mark_the_work_is_the_step_less_all_its_waits():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    clock = SyncClock(time_waits=True)
+    try:
+        clock.begin()
+        dist.all_reduce(torch.ones(4))
+        dist.barrier()
+        span = clock.end()
+    finally:
+        clock.stop()
+    waited = sum(end - begin for begin, end in span.waits)
+    assert len(span.waits) == 2 and span.work() == pytest.approx(span.end - span.start - waited)
+    untimed = SyncClock()  # one rank, or outside a job: nothing is timed, and without a mark no work is known
+    untimed.begin()
+    assert untimed.end().work() is None
+
+
+class PendingClock(waits.WallClock):
+    """A GPU's clock as the window sees it: points the device has not passed yet (on CUDA, the
+    events of a step the host ran ahead of)."""
+
+    passed = False
+
+    def done(self, _point: float) -> bool:
+        return self.passed
+
+
+def test_a_window_waits_for_its_last_steps_points_to_be_passed():
+    emitted = []
+    window = TimingWindow(lambda kind, step, **data: emitted.append((step, data)))
+    clock = PendingClock()
+    for step in range(1, WINDOW + 2):
+        span = waits.StepSpan(clock)
+        span.waits_timed, span.end = True, span.start + 0.5
+        window.add(step, duration=0.5, work=span)
+    assert emitted == []  # due at step 5, not read before the device is there
+    clock.passed = True
+    window.add(WINDOW + 2, duration=0.5, work=0.25)
+    assert [(step, data["first_step"], data["steps"]) for step, data in emitted] == [(WINDOW + 2, 1, WINDOW + 2)]
+    assert emitted[0][1]["work"] == pytest.approx(0.5)

@@ -45,6 +45,7 @@ def test_every_kind_has_its_type_and_the_agent_takes_its_fields_from_it():
     # `oom` only ever the agent's own (the kernel's word).
     line = {"rank": 1, "exit_code": 3, "signal": "SIGKILL", "fault": "exit", "error": "x", "oom": "forged", "pid": 7}
     assert set(exit_record(line)) == set(WorkerExitedData.__annotations__) - {"oom"}
+    assert exit_record({"rank": 1, "signal": "sierra-s3cr3t-S9"}) == {"rank": 1}  # no signal's name: no signal
     assert exit_record({"rank": 1, "exit_code": True, "signal": ["SIGKILL"], "error": "e" * 10_000}) == {
         "rank": 1, "error": "e" * 512}
 

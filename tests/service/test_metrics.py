@@ -24,7 +24,7 @@ def scrape(client) -> dict[tuple[str, frozenset], float]:
     }
 
 
-FLAGGED_ONLY = {"ett_job_straggler"}
+FLAGGED_ONLY = {"ett_job_straggler", "ett_job_slowdown"}  # series only while flagged or slowed
 
 
 def documented_metrics() -> set[str]:

@@ -15,6 +15,7 @@ from ett_cli.render import report_table
 from service.accounting.engine import CATEGORIES
 from service.accounting.memory import MemoryJob
 from service.models import Job
+from service.pages.job_view import MEANINGS
 from service.pages.timeline import SaveSpan, StepTime, build_timeline, frame_of
 from tests.deploy.replayed import clean_success, failed_at_start, replayed_job
 from tests.service.accounting.timelines import Timeline
@@ -74,7 +75,7 @@ class PageDom(HTMLParser):
 
 
 def number(text: str) -> float | None:
-    return None if text == "-" else float(text.removesuffix("%").removesuffix(" s"))
+    return None if text == "-" else float(re.sub(r"%$| s$| steps?$", "", text))
 
 
 def test_job_page_and_ett_report_show_the_apis_numbers(service):
@@ -88,6 +89,9 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
         "queued_seconds": api["queued_seconds"], "time_to_start_seconds": api["time_to_start_seconds"],
         "restarts": api["restarts"], "mtbf_seconds": api["mtbf_seconds"],
         "recommended_checkpoint_interval_seconds": api["recommended_checkpoint_interval_seconds"],
+        # In the job's unit, steps, at its mean step (every step of the replayed job takes 1 s).
+        "checkpoint_interval_steps": 5, "checkpoint_interval_seconds": 5.0,
+        "recommended_checkpoint_interval_steps": round(api["recommended_checkpoint_interval_seconds"]),
         **{f"seconds.{c}": v for c, v in api["seconds"].items()},
         **{f"checkpoints.{k}": v for k, v in api["checkpoints"].items()},
         **{f"failures.{i}.{k}": f[k] for i, f in enumerate(api["failures"])
@@ -98,6 +102,9 @@ def test_job_page_and_ett_report_show_the_apis_numbers(service):
     assert page.failure_marks == {0: "exit", 1: "hang"}
     for name, value in expected.items():  # the page rounds to 0.1 (seconds by category: 0.01)
         assert number(page.figures[name]) == pytest.approx(value, abs=0.051), name
+    for name in ("checkpoint_interval_steps", "recommended_checkpoint_interval_steps"):
+        assert page.figures[name].endswith(" steps"), name
+    assert page.figures["checkpoint_interval_seconds"].endswith(" s")
     # `ett report` prints the same figures, to the same digits.
     table = report_table(api)
     assert f"ETT {page.figures['ett_percent']}" in table and f"wall {page.figures['wall_seconds']}" in table
@@ -177,6 +184,71 @@ def test_markup_in_a_jobs_name_failure_and_output_is_shown_escaped_on_the_job_li
     assert "\n&lt;script&gt;alert(&#39;log&#39;)&lt;/script&gt;" in page  # the rank's last lines
 
 
+class Explained(HTMLParser):
+    """Each `title` of the page by the text it explains (an abbr's, a legend item's), the
+    breakdown's "what it is" cell by category, and the links to the failures table."""
+
+    def __init__(self, html: str) -> None:
+        super().__init__()
+        self.titles: dict[str, str] = {}
+        self.meanings: dict[str, str] = {}
+        self.failure_links: list[str] = []
+        self._title: str | None = None
+        self._text = ""
+        self._row: str | None = None
+        self._meaning = False
+        self.feed(html)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        if tag in ("abbr", "span") and "title" in a:
+            self._title, self._text = a["title"], ""
+        if tag == "tr":
+            self._row = a.get("data-category")
+        self._meaning = tag == "td" and "meaning" in (a.get("class") or "")
+        if tag == "a" and (a.get("href") or "").startswith("#failure-"):
+            self.failure_links.append(a["href"])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("abbr", "span") and self._title is not None and self._text.strip():
+            self.titles[self._text.strip()] = self._title
+            self._title = None
+        self._meaning = False
+
+    def handle_data(self, data: str) -> None:
+        self._text += data
+        if self._meaning and self._row is not None:
+            self.meanings[self._row] = data
+
+
+@SQLITE_ONLY
+def test_a_failures_text_stands_once_and_each_figure_and_category_says_what_it_is(service):
+    alice = service.client(service.token("user", "alice"))
+    job = submit(alice, nodes=8, procs_per_node=1, max_restarts=0)  # more nodes than registered: left be
+    agent = service.client(service.token("agent", "node-a"))
+    register_agent(agent, "node-a")
+    give_attempt(service, job["id"], "node-a")
+    detail = "rank 0 exit code 1 (the one failure)"
+    assert report_failure(agent, "node-a", job["id"], detail).is_success
+    assert alice.get(f"/api/v1/jobs/{job['id']}").json()["state"] == "failed"
+    html = alice.get(f"/jobs/{job['id']}").text
+    # Its text is the failures table's alone: the job's reason ("failed after 0 restarts: ...") and the
+    # attempt's row refer to it there, and its diagnosis (from no output: the detail, cut) is not repeated.
+    assert html.count(detail) == 1 and 'id="failure-0"' in html
+    page = Explained(html)
+    assert page.failure_links == ["#failure-0", "#failure-0"]
+    assert 'id="reason">failed after 0 restarts: <a href="#failure-0">' in html
+    # Each figure and category says what it is where it stands.
+    labels = {"ETT": "ett", "at full speed": "full_speed", "slow": "slow", "wall": "wall", "queued": "queued",
+              "time to start": "time_to_start", "restarts": "restarts", "MTBF": "mtbf", "committed": "committed",
+              "last step": "last_step", "mean blocking": "mean_blocking", "mean commit": "mean_commit",
+              "interval": "interval", "recommended interval": "recommended_interval",
+              "time to recover": "time_to_recover", "lost steps": "lost_steps",
+              **{c: c for c in CATEGORIES}}  # the timeline's legend  # fmt: skip
+    assert {label: page.titles.get(label) for label in labels} == {label: MEANINGS[m] for label, m in labels.items()}
+    assert page.meanings == {c: MEANINGS[c] for c in CATEGORIES}
+
+
 @SQLITE_ONLY
 def test_query_token_becomes_an_httponly_cookie_and_leaves_the_address(service):
     job = replayed_job(service, time.time() - 200)
@@ -237,6 +309,10 @@ def test_job_page_in_headless_chromium_draws_lanes_and_failure_marks(service, tm
     page = PageDom(dom)
     assert {a: set(runs) for a, runs in page.lanes.items()} == LANES
     assert page.failure_marks == {0: "exit", 1: "hang"}
+    assert page.figures["checkpoint_interval_steps"] == "5 steps"  # the job's unit, its time beside
+    explained = Explained(dom)  # as the browser holds them: what a pointer over each label shows
+    assert explained.titles["at full speed"] == MEANINGS["full_speed"] and explained.titles["slow"] == MEANINGS["slow"]
+    assert explained.meanings["idle"] == MEANINGS["idle"]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 

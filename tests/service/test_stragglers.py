@@ -1,12 +1,11 @@
-"""Straggler detection (service/jobs/stragglers.py) and slow time (service/accounting/engine.py)
-on made-up timings: the rules, one by one."""
+"""Straggler detection (service/stragglers/scoring.py) on made-up timings: the rules, one by one,
+each threshold with a case on each side of it. Slow time: tests/service/test_slow_time.py."""
 
 import random
 
 import pytest
 
-from service.accounting.engine import JobAccount
-from service.jobs.stragglers import Timing, find_stragglers
+from service.stragglers.scoring import Timing, find_stragglers
 
 
 def windows(world: int, values: dict[int, list[float]], duration: float = 0.1, default: float = 0.01) -> list[Timing]:
@@ -64,39 +63,32 @@ def test_noise_of_a_healthy_job_is_never_flagged():
         assert find_stragglers(windows(4, values), 4) == []
 
 
-def account_of(durations: list[float], rolled_back_to: int | None = None) -> JobAccount:
-    account = JobAccount()
-    account.apply_steps(0, [(i + 1, 100.0 + i, d) for i, d in enumerate(durations)])
-    a = account.attempts[0]
-    if rolled_back_to is not None:
-        kept = durations[:rolled_back_to]
-        a.rolled_back_to, a.wasted_steps = rolled_back_to, len(durations) - rolled_back_to
-        a.wasted_seconds = sum(durations) - sum(kept)
-    return account
-
-
-def test_slow_time_is_the_steps_excess_over_the_ideal_step():
-    a = account_of([0.1] * 20 + [0.3] * 10).attempts[0]
-    assert a.ideal_step_seconds == pytest.approx(0.1)
-    assert a.slow_seconds == pytest.approx(10 * 0.2)
-    shuffled = [0.3] * 10 + [0.1] * 20  # the same steps in any order: the same figures
-    assert account_of(shuffled).attempts[0].slow_seconds == pytest.approx(a.slow_seconds)
-
-
-def test_rolled_back_steps_are_wasted_not_slow_and_few_steps_tell_no_ideal():
-    a = account_of([0.1] * 20 + [0.3] * 10, rolled_back_to=25).attempts[0]
-    assert a.slow_seconds == pytest.approx(5 * 0.2)
-    assert account_of([0.1] * 5 + [0.5]).attempts[0].slow_seconds == 0.0
-
-
-def test_an_account_keeps_its_slow_time_through_its_stored_form():
-    account = account_of([0.1] * 20 + [0.3] * 10)
-    again = JobAccount.from_dict(account.to_dict())
-    assert again.attempts[0].slow_seconds == pytest.approx(account.attempts[0].slow_seconds)
-
-
 def test_a_slowdown_shorter_than_the_machines_noise_is_no_straggler():
     # A healthy rank of a job of 50 ms steps starved of its core for 0.75 s (three windows of five
     # steps) on a shared machine: not flagged. The same for 1.5 s (six windows) is a straggler.
     assert find_stragglers(windows(2, {1: [0.05] * 3}, duration=0.05), 2) == []
     assert [s.rank for s in find_stragglers(windows(2, {1: [0.05] * 6}, duration=0.05), 2)] == [1]
+
+
+def test_a_rank_is_slow_from_one_and_a_half_times_its_peers_work_not_below():
+    # Lags of 20 and 30 ms in a step of 100 ms: both over 15% of it; the ratios 1.4x and 1.6x.
+    assert find_stragglers(windows(4, {2: [0.07] * 4}, default=0.05), 4) == []
+    assert [s.rank for s in find_stragglers(windows(4, {2: [0.08] * 4}, default=0.05), 4)] == [2]
+
+
+def test_a_lag_is_worth_a_flag_from_fifteen_percent_of_the_step_not_below():
+    # 8x and 9x its peers' work, lags of 14 and 16 ms in a step of 100 ms.
+    assert find_stragglers(windows(4, {1: [0.016] * 4}, default=0.002), 4) == []
+    assert [s.rank for s in find_stragglers(windows(4, {1: [0.018] * 4}, default=0.002), 4)] == [1]
+
+
+def test_a_slowdown_is_a_straggler_from_a_second_and_a_half_not_below():
+    # Three windows of five steps of 90 ms last 1.35 s; of 110 ms, 1.65 s.
+    assert find_stragglers(windows(2, {1: [0.06] * 3}, duration=0.09), 2) == []
+    assert [s.rank for s in find_stragglers(windows(2, {1: [0.06] * 3}, duration=0.11), 2)] == [1]
+
+
+def test_three_slow_windows_in_a_row_flag_two_do_not_however_long_they_last():
+    # Steps of a second: two windows last 10 s, far over MIN_SLOW_SECONDS.
+    assert find_stragglers(windows(2, {1: [0.1, 0.1, 0.1, 0.5, 0.5]}, duration=1.0), 2) == []
+    assert [s.rank for s in find_stragglers(windows(2, {1: [0.1, 0.1, 0.5, 0.5, 0.5]}, duration=1.0), 2)] == [1]
