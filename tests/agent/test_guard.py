@@ -60,6 +60,7 @@ def test_the_guard_and_the_rank_runner_import_only_what_they_need():
              "agent.confinement.job_user"}
     assert not heavy & set(loaded)
     # Of the library, only the protocol's names (exit codes, file names), its rule for blanking
-    # secrets (the runner blanks them as it copies the rank's output) and what its package needs.
+    # secrets (the runner blanks them as it copies the rank's output; an event's declared fields,
+    # which that rule keeps, come with it: standard library only) and what its package needs.
     assert {m for m in loaded if m.split(".")[0] == "ett"} == {"ett", "ett.errors", "ett.protocol",
-                                                               "ett.protocol.redaction"}
+                                                               "ett.protocol.redaction", "ett.protocol.event_fields"}

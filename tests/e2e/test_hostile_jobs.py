@@ -9,13 +9,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import select
 
 from ett.protocol import CONTROL_DIR, LOGS_DIR, RANKS_FILE, rank_log
 from service.models import JobEvent, RankLog
 from tests.support.cluster import TERMINAL, Cluster, cluster, events
+from tests.support.hostile import checkpoint_dir, run, the_agent_lives_and_another_owners_job_succeeds
 from tests.support.job_user import job_python, open_folder
 from tests.support.waiting import wait_for
 
@@ -144,26 +144,10 @@ def node() -> Iterator[tuple[Cluster, Path]]:
             yield c, python
 
 
-def run(c: Cluster, owner: httpx.Client, python: Path, script: str, *args: str, **spec) -> str:
-    response = owner.post("/api/v1/jobs", json={
-        "name": script.removesuffix(".py"), "nodes": 1, "procs_per_node": 1, "max_restarts": 0,
-        "hang_timeout_seconds": None, "entrypoint": [str(python), str(c.root / "scripts" / script), *args], **spec})
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
 
 
-def checkpoint_dir(c: Cluster, owner: str, job_id: str) -> Path:
-    return c.root / "checkpoints" / owner / job_id
 
 
-def the_agent_lives_and_another_owners_job_succeeds(c: Cluster, python: Path) -> None:
-    assert c.agents["node-a"].poll() is None, c.logs()
-    bob = c.service.client(c.service.token("user", "bob"))
-    job_id = run(c, bob, python, "bystander.py")
-    job = wait_for(lambda: (j := bob.get(f"/api/v1/jobs/{job_id}").json())["state"] in TERMINAL and j, 120,
-                   "bob's job to end")
-    assert job["state"] == "succeeded", c.logs()
-    assert (checkpoint_dir(c, "bob", job_id) / "ran").exists()
 
 
 def test_a_line_nested_past_any_parser_and_then_a_cancel(node):

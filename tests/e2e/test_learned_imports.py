@@ -12,6 +12,7 @@ from sqlalchemy import select
 from agent.warm.servers import SCRIPT_BASE_IMPORTS, imports_key
 from service.models import Job
 from tests.support.cluster import cluster
+from tests.support.job_user import open_folder
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -70,8 +71,9 @@ def test_a_script_without_warm_imports_restarts_from_the_base_server_until_the_l
     (folder / "jobhelper.py").write_text(HELPER)
     (site / "warmgate.py").write_text(GATE.format(gate=str(tmp_path / "gate")))
     monkeypatch.setenv("PYTHONPATH", str(site))  # the agents', so their warm servers' and ranks'
-    (tmp_path / "cluster").mkdir()
-    with cluster(tmp_path / "cluster") as c:
+    # A short root: a warm server's socket path must fit sun_path (107 bytes), which pytest's own
+    # folder for a test of this name, nested in a worker's, does not leave room for.
+    with open_folder("ett-warm-") as root, cluster(root) as c:
         c.start_agents("node-a", "node-b")
         job_id = c.submit(name="learner", nodes=2, procs_per_node=1, max_restarts=2, hang_timeout_seconds=120,
                           entrypoint=["python", str(folder / "learner.py")],

@@ -14,14 +14,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import select
 
 from agent.confinement.uid_files import remove_files_of
 from agent.confinement.uid_ipc import objects_of, remove_ipc_of
 from service.models import Owner
-from tests.support.cluster import TERMINAL, Cluster, cluster
+from tests.support.cluster import Cluster, cluster
+from tests.support.hostile import run, the_agent_lives_and_another_owners_job_succeeds
 from tests.support.job_user import job_python, open_folder
 from tests.support.waiting import wait_for
 
@@ -106,12 +106,6 @@ def node() -> Iterator[tuple[Cluster, Path]]:
                 remove_ipc_of(UID_BASE + number)
 
 
-def run(c: Cluster, owner: httpx.Client, python: Path, script: str, *args: str, **spec) -> str:
-    response = owner.post("/api/v1/jobs", json={
-        "name": script.removesuffix(".py"), "nodes": 1, "procs_per_node": 1, "max_restarts": 0,
-        "hang_timeout_seconds": None, "entrypoint": [str(python), str(c.root / "scripts" / script), *args], **spec})
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
 
 
 def said(c: Cluster, owner: str, job_id: str, name: str):
@@ -123,14 +117,6 @@ def uid_of(c: Cluster, owner: str) -> int:
         return UID_BASE + session.scalars(select(Owner.id).where(Owner.name == owner)).one()
 
 
-def the_agent_lives_and_another_owners_job_succeeds(c: Cluster, python: Path) -> None:
-    assert c.agents["node-a"].poll() is None, c.logs()
-    bob = c.service.client(c.service.token("user", "bob"))
-    job_id = run(c, bob, python, "bystander.py")
-    job = wait_for(lambda: (j := bob.get(f"/api/v1/jobs/{job_id}").json())["state"] in TERMINAL and j, 120,
-                   "bob's job to end")
-    assert job["state"] == "succeeded", c.logs()
-    assert (c.root / "checkpoints" / "bob" / job_id / "ran").exists()
 
 
 def test_files_and_ipc_objects_of_the_jobs_uid_go_with_its_last_attempt(node):

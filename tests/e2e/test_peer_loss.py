@@ -144,6 +144,10 @@ def test_a_fenced_node_back_stops_its_old_ranks_before_new_work_and_its_late_eve
         start(c, "node-0", "node-1", "node-2")
         job_id = c.submit(**spec)
         wait_for(lambda: len(rank0_steps(c, job_id)) >= 5, 120, "5 steps of the first attempt")
+        # Some of the node's own rank's steps in before it is cut off (its forwarder lists a new
+        # spool once it has settled for a second): those are kept, what it writes after the fence not.
+        wait_for(lambda: [e for e in events(c, job_id, "step") if e.source == "rank:1"], 60,
+                 "rank 1's first steps")
         cut = c.job(job_id)["attempts"][0]["nodes"][1]
         old_ranks = pids_with_env(JobEnv.JOB_ID, job_id)
         spool = AttemptPaths.of(c.root / cut / "spool", job_id, 0).events_dir / rank_spool(1)

@@ -7,6 +7,7 @@ import pytest
 
 from agent.warm.servers import imports_key
 from tests.support.cluster import cluster
+from tests.support.job_user import open_folder
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -35,8 +36,9 @@ IMPORTS = ["idna", "torch.nn.parallel"]
 def test_the_idle_spare_starts_the_running_jobs_warm_server_before_any_failure(tmp_path):
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "held.py").write_text(SCRIPT)
-    (tmp_path / "cluster").mkdir()
-    with cluster(tmp_path / "cluster") as c:
+    # A short root: a warm server's socket path must fit sun_path (107 bytes), which pytest's own
+    # folder for a test of this name, nested in a worker's, does not leave room for.
+    with open_folder("ett-warm-") as root, cluster(root) as c:
         c.start_agents("node-0", "node-1", "node-2")
         job_id = c.submit(name="held", nodes=2, procs_per_node=1, hang_timeout_seconds=120, warm_imports=IMPORTS,
                           entrypoint=["python", str(tmp_path / "job" / "held.py")])  # fmt: skip
