@@ -22,14 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-from sqlalchemy import select
-
 from agent.confinement.cgroups import agent_cgroup_name
 from ett.protocol import JobEnv
-from recovery import TORCHRUN, baseline_service_events, read_spool, trainer_flags, watch_torchrun_log
+from recovery import (TORCHRUN, baseline_service_events, finished_job_report, read_spool, trainer_flags,
+                      watch_torchrun_log)
 from service.accounting.engine import Event
 from service.accounting.memory import MemoryJob
-from service.models import JobEvent
 from tests.support.cluster import cluster, events, trainer_job
 from tests.support.postgres import free_port
 from tests.support.processes import pids_in_cgroups_of, pids_with_env
@@ -62,13 +60,7 @@ def run_ett(args, root: Path) -> tuple[dict, list[Event]]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        job = c.wait_job(job_id, timeout=1800)
-        if job["state"] != "succeeded":
-            raise SystemExit(f"ETT job {job['state']}: {job.get('reason')}\n{c.logs()}")
-        with c.service.context.sessions() as session:
-            rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job["id"])).all()
-            found = [Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, dict(r.data)) for r in rows]
-        return c.report(job["id"]), found
+        return finished_job_report(c, job_id)
 
 
 class TorchrunNode:

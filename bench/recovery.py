@@ -81,13 +81,18 @@ def run_ett(args, root: Path) -> tuple[dict, list[Event]]:
     with cluster(root) as c:
         for n in range(args.nodes):
             c.start_agent(f"node-{n}", slots=args.procs)
-        job = c.wait_job(c.submit(**spec), timeout=1800)
-        if job["state"] != "succeeded":
-            raise SystemExit(f"ETT job {job['state']}: {job.get('reason')}\n{c.logs()}")
-        with c.service.context.sessions() as session:
-            rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job["id"])).all()
-            events = [Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, dict(r.data)) for r in rows]
-        return c.report(job["id"]), events
+        return finished_job_report(c, c.submit(**spec))
+
+
+def finished_job_report(c, job_id: str) -> tuple[dict, list[Event]]:
+    """The job's report and its events once it has succeeded (SystemExit, with the logs, if not)."""
+    job = c.wait_job(job_id, timeout=1800)
+    if job["state"] != "succeeded":
+        raise SystemExit(f"ETT job {job['state']}: {job.get('reason')}\n{c.logs()}")
+    with c.service.context.sessions() as session:
+        rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id)).all()
+        events = [Event(r.kind, r.ts, r.attempt, r.source, r.seq, r.step, dict(r.data)) for r in rows]
+    return c.report(job_id), events
 
 
 def read_spool(path: Path) -> list[dict]:
