@@ -93,6 +93,7 @@ def job_env(command: LaunchCommand, paths: AttemptPaths) -> dict[str, str]:
         JobEnv.CHECKPOINT_SNAPSHOT_COPIES: str(ckpt.snapshot_copies) if ckpt.snapshots and ckpt.local_dir else None,
         JobEnv.FAULTS: json.dumps(library_faults) if library_faults else None,
         JobEnv.LEARN_IMPORTS: "1" if learns_imports(command) else None,
+        JobEnv.FULL_WORLD_SIZE: str(command.full_nnodes * command.nproc_per_node) if command.full_nnodes else None,
     }
     return {name: value for name, value in env.items() if value is not None}
 

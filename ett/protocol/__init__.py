@@ -150,3 +150,6 @@ class JobEnv:
     FAULTS = "ETT_FAULTS"
     # "1": this node's local rank 0 writes what it imported to IMPORTS_FILE (above).
     LEARN_IMPORTS = "ETT_LEARN_IMPORTS"
+    # An elastic job (spec `elastic.min_nodes`) running on fewer nodes than its full size: the world
+    # size it has at full size (WORLD_SIZE is the present one). Unset: the present size is the full.
+    FULL_WORLD_SIZE = "ETT_FULL_WORLD_SIZE"

@@ -71,6 +71,8 @@ class LaunchCommand(AttemptCommand):
     node_rank: int = Field(ge=0)
     nnodes: int = Field(ge=1)
     nproc_per_node: int = Field(ge=1)
+    # An elastic job's full size in nodes where this attempt runs on fewer (`nnodes`); None: the same.
+    full_nnodes: int | None = Field(None, ge=1)
     master_addr: str
     master_port: int = Field(ge=1, le=65535)
     # Who submitted the job, and the number the service gave that owner: an agent started as root
@@ -94,6 +96,8 @@ class LaunchCommand(AttemptCommand):
             raise ValueError("a launch names a trainer or an entrypoint (which wins when both are given)")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} is not below nnodes {self.nnodes}")
+        if self.full_nnodes is not None and self.full_nnodes < self.nnodes:
+            raise ValueError(f"full_nnodes {self.full_nnodes} is below nnodes {self.nnodes}")
         return self
 
 
