@@ -37,6 +37,7 @@ from ett.protocol.event_fields import (
     FIELD_NAMES,
     CkptCommittedData,
     CkptFailedData,
+    ElasticData,
     InitStartData,
     RestoreEndData,
     StepData,
@@ -96,6 +97,8 @@ class EventWriter:
     def emit(self, kind: Literal["ckpt_failed"], step: int, **data: Unpack[CkptFailedData]) -> None: ...
     @overload
     def emit(self, kind: Literal["step_timing"], step: int, **data: Unpack[StepTimingData]) -> None: ...
+    @overload
+    def emit(self, kind: Literal["elastic"], step: None = None, **data: Unpack[ElasticData]) -> None: ...
 
     def emit(self, kind: str, step: int | None = None, **data: Any) -> None:
         fields = FIELD_NAMES.get(kind)

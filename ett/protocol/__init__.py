@@ -11,7 +11,7 @@ from collections.abc import Mapping
 # -- event kinds (docs/events.md) -------------------------------------------------------------
 # Written by a rank (the library, the trainer): timings, saves and restores.
 RANK_KINDS = frozenset({"init_start", "init_end", "restore_start", "restore_end", "step", "ckpt_start", "ckpt_staged",
-                        "ckpt_committed", "ckpt_failed", "train_end", "step_timing"})  # fmt: skip
+                        "ckpt_committed", "ckpt_failed", "train_end", "step_timing", "elastic"})  # fmt: skip
 # Written by a node's agent: its ranks' start, exit and hang.
 AGENT_KINDS = frozenset({"workers_launched", "worker_exited", "hang_detected"})
 # Written by the service: allocation, failure, stop and finish of attempts and jobs.

@@ -113,6 +113,14 @@ class JobFinishedData(TypedDict, total=False):
     state: str
 
 
+class ElasticData(TypedDict, total=False):
+    """Rank 0 of an elastic job's run (spec `elastic`), once it knows what it can keep the same at
+    fewer ranks (docs/library.md, "Elastic jobs"): the service shrinks the job only to these."""
+
+    world_sizes: Required[list[int]]  # the world sizes below the full one it can go on at, ascending
+    full_world_size: Required[int]
+
+
 class CheckpointIntervalData(TypedDict, total=False):
     interval_steps: int  # a running `auto` job's new interval
     from_step: int
@@ -124,7 +132,7 @@ EVENT_FIELDS: dict[str, type] = {
     "init_start": InitStartData, "init_end": NoData, "restore_start": NoData, "restore_end": RestoreEndData,
     "step": StepData, "ckpt_start": NoData, "ckpt_staged": NoData, "ckpt_committed": CkptCommittedData,
     "ckpt_failed": CkptFailedData, "train_end": NoData, "step_timing": StepTimingData,
-    "workers_launched": WorkersLaunchedData, "worker_exited": WorkerExitedData, "hang_detected": HangDetectedData,
+    "elastic": ElasticData, "workers_launched": WorkersLaunchedData, "worker_exited": WorkerExitedData, "hang_detected": HangDetectedData,
     "attempt_allocated": AttemptAllocatedData, "attempt_failed": AttemptFailedData,
     "attempt_stopped": AttemptStoppedData, "job_finished": JobFinishedData,
     "checkpoint_interval": CheckpointIntervalData,
