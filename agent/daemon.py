@@ -16,6 +16,7 @@ import queue
 import random
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,7 +33,7 @@ from agent.node.health import HealthCheck
 from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import allocation_problem, slurm_job_id, termination
-from agent.warm.servers import WarmServers
+from agent.warm.servers import WarmServers, socket_folder
 from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
 from ett.protocol.messages import IntervalCommand, LaunchCommand, WarmCommand, command_adapter
 
@@ -51,10 +52,11 @@ class Agent:
             raise JobUserError(problem)  # before it makes anything on the node; said in the allocation's output
         # Its placer (agent.confinement.placement) listens beside the warm servers' sockets, in a folder of root's.
         # What a job's uid owns in its own folders is never swept as leftovers (agent.confinement.uid_files).
-        self.cgroups = (NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir), settings.data_dir / "warm",
+        sockets = self._socket_folder()
+        self.cgroups = (NodeCgroups(agent_cgroup_name(settings.name, settings.data_dir), sockets,
                                     (settings.data_dir, settings.local_checkpoint_root, settings.checkpoint_root))
                         if os.geteuid() == 0 else None)
-        self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups)
+        self.warm = WarmServers(settings.data_dir, ["trainer.train", "torch.distributed.run"], self.cgroups, sockets)
         self.health = HealthCheck(settings.health_check, settings.health_check_interval_seconds)
         self.supervisor = Supervisor(settings.spool_root, settings.name, settings.stop_grace_seconds,
                                      settings.local_checkpoint_root, self.warm if settings.warm_start else None,
@@ -74,6 +76,16 @@ class Agent:
         self._report_now = threading.Event()
         self._heartbeats_done = threading.Event()
         self._forwarding_done = threading.Event()
+
+    def _socket_folder(self) -> Path:
+        """Where the warm servers listen (agent.warm.servers.socket_folder); said once here when it
+        cannot be made, as every launch then starts fresh."""
+        try:
+            return socket_folder(self.settings.data_dir)
+        except OSError as exc:
+            log.warning("no folder for the warm servers' sockets (%s: %s): every launch here starts fresh (no warm "
+                        "start); give the agent a shorter --data-dir", exc.filename, exc.strerror)
+            return (self.settings.data_dir / "warm").resolve()
 
     def run(self) -> None:
         make_passable(self.settings.spool_root)  # whatever the umask: the job's user goes through them

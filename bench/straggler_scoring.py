@@ -4,11 +4,13 @@ at 2,048 and 16,384 ranks, against the rule it replaced.
 A migrated database (SQLite in a temporary folder; PostgreSQL with `--backend postgresql`, a
 server of its own) holds one running attempt of `--ranks` ranks, rank 1 three times slower. Each
 round stores one new window of every rank's `step_timing` (not timed), and times a pass of the
-watch (service/stragglers/watch.py: its read of what arrived, the scoring, and the flag it
-records when rank 1 becomes a straggler) until the window is scored (a pass reads for
+watch (service/stragglers/watch.py: its read of what arrived and the scoring; the pass after the
+one that finds rank 1 a straggler records its flag) until the window is scored (a pass reads for
 PASS_SECONDS at most: a big window takes several), then a pass with nothing new. The rule before
 (the newest 60 steps read back and each rank compared with a median of its peers, in the
-scheduler's transaction) is timed on the same windows with `--before`.
+scheduler's transaction) is timed on the same windows with `--before`. Each pass's CPU time (its
+thread's) is given beside its wall time: on a loaded machine the wall time holds other processes'
+turns on the cores, the CPU time only the pass's own work; so are the collector's pauses in passes.
 
     .venv/bin/python bench/straggler_scoring.py --ranks 2048 16384 --windows 8 --before 2048
 """
@@ -83,10 +85,28 @@ def rule_before(timings: list[Timing], world: int) -> list[int]:
     return found
 
 
-def timed(fn) -> tuple[float, object]:
-    start = time.perf_counter()
+CPU: dict[str, list[float]] = {}  # each timed thing's CPU seconds, beside its wall seconds
+PAUSES: list[float] = []  # the collector's pauses in the timed passes
+
+
+def timed(fn, name: str = "") -> tuple[float, object]:
+    start, cpu = time.perf_counter(), time.thread_time()
+    TIMING.append(name)
     result = fn()
+    TIMING.pop()
+    CPU.setdefault(name, []).append(time.thread_time() - cpu)
     return time.perf_counter() - start, result
+
+
+TIMING: list[str] = []  # what is being timed now, if anything
+COLLECTION_START: list[float] = [0.0]
+
+
+def collector_pauses(phase: str, info: dict) -> None:
+    if phase == "start":
+        COLLECTION_START[0] = time.perf_counter()
+    elif TIMING:
+        PAUSES.append(time.perf_counter() - COLLECTION_START[0])
 
 
 def run(url: str, ranks: int, windows: int, before: bool) -> dict:
@@ -94,19 +114,32 @@ def run(url: str, ranks: int, windows: int, before: bool) -> dict:
     sessions = make_session_factory(engine)
     settings = Settings(database_url=url, data_dir=Path(tempfile.gettempdir()))
     job_id, _ = setup(sessions, ranks)
-    watch, passes, idle, counts, flagged = Watch(), [], [], [], []
+    watch, counts, wall = Watch(), [], {}
     watch.run(sessions, settings, time.time())  # the attempt's score made (its spec read once)
     [score] = watch.scores.values()
+
+    def one_pass(kind: str) -> None:
+        """A timed pass, listed as `kind`, or as the pass that finds a straggler or writes its flag."""
+        unrecorded = len(watch.unrecorded)
+        seconds, found = timed(lambda: watch.run(sessions, settings, time.time()), "pass")
+        if found:
+            kind = "the pass that finds"
+        elif len(watch.unrecorded) < unrecorded:
+            kind = "the pass that writes the flag"
+        wall.setdefault(kind, []).append(seconds)
+        CPU.setdefault(f"{kind}, CPU", []).append(CPU["pass"].pop())
+
     for i in range(1, windows + 1):
         store_window(sessions, job_id, 5 * i, range(ranks))
         count = 0
         while score.done_step != 5 * i:  # the passes it takes to read and score the window
-            seconds, found = timed(lambda: watch.run(sessions, settings, time.time()))
-            (flagged if found else passes).append(seconds)
+            one_pass("a pass")
             count += 1
         counts.append(count)
-        idle.append(timed(lambda: watch.run(sessions, settings, time.time()))[0])
-    out = {"ranks": ranks, "a pass": passes, "the pass that flags": flagged, "nothing new": idle, "passes": counts}
+        one_pass("nothing new")
+    out = {"ranks": ranks, "passes": counts, "collector pauses": PAUSES[:]} | wall
+    out |= {name: CPU.pop(name) for name in list(CPU) if name.endswith(", CPU")}
+    PAUSES.clear()
     if before:
         def before_pass() -> list[int]:
             with sessions() as s:
@@ -127,6 +160,7 @@ def main() -> None:
     # collections rare, the young generation collected on a clock (not here: a pass is short).
     gc.freeze()
     gc.set_threshold(200_000, 10, 10)
+    gc.callbacks.append(collector_pauses)
     print(f"load average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f}, {args.backend}")
     with tempfile.TemporaryDirectory(prefix="ett-bench-scoring-") as root:
         for ranks in args.ranks:
@@ -142,7 +176,9 @@ def main() -> None:
                 result = run(url, ranks, args.windows, ranks in args.before)
             line = [f"{result['ranks']:>6} ranks:"]
             line.append(f"a window read and scored in {min(result['passes'])}-{max(result['passes'])} passes")
-            for name in ("a pass", "the pass that flags", "nothing new", "before"):
+            for name in ("a pass", "a pass, CPU", "the pass that finds", "the pass that finds, CPU",
+                         "the pass that writes the flag", "the pass that writes the flag, CPU", "nothing new",
+                         "nothing new, CPU", "before", "collector pauses"):
                 if result.get(name):
                     ms = [1000 * s for s in result[name]]
                     p90 = sorted(ms)[int(0.9 * (len(ms) - 1))]

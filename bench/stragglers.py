@@ -206,6 +206,7 @@ def main() -> None:
         said = "-"
         if flag:
             said = f"rank {flag['rank']} on {flag['node']} at step {flag['flagged_step']}, {flag['action']}"
+            said += f": {flag['reason']}" if flag.get("reason") else ""  # why `replace` kept it where it ran
         print(f"  {policy:8} {r['state']:10} {r['attempts']:>8} {r['wall']:>8.1f} {r['ett']:>6.1f} "
               f"{r['full_speed']:>6.1f} {r['slow']:>7.1f}  {said}")
     print(f"  replace / report: wall {results['replace']['wall'] / results['report']['wall']:.2f}x")

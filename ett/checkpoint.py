@@ -271,10 +271,13 @@ class Checkpointer:
             self.in_flight.result()
             self.in_flight = None
 
-    def restore(self, state: dict) -> tuple[int, LoadReport]:
+    def restore(self, state: dict, other_sizes: bool = False) -> tuple[int, LoadReport]:
         """Load the checkpoint to resume from into `state`, from whichever tier holds the newest
         (ett/checkpoints/state_load.py's rules for all); returns its step (0: none) and what did not match:
-        saved entries `state` has no place for, and entries of `state` the checkpoint lacks."""
+        saved entries `state` has no place for, and entries of `state` the checkpoint lacks.
+        `other_sizes`: an elastic run's (ett/elastic.py), whose state is the same at any world size,
+        loads a persistent checkpoint saved at another, resharded by DCP. A snapshot is per rank and
+        kept per world size (ett/snapshots/folder.py): at another size none is offered."""
         self.wait_for_staging()
         chosen = [None]
         if self.rank == 0:
@@ -291,7 +294,8 @@ class Checkpointer:
             return 0, LoadReport()
         folder = Path(chosen[0])
         manifest = read_manifest(folder)
-        if manifest["world_size"] != self.world_size:
+        resharded = manifest["world_size"] != self.world_size
+        if resharded and not other_sizes:
             raise UsageError(f"checkpoint.resume_from: {folder} was written by {manifest['world_size']} ranks, "
                               f"this run has {self.world_size}; the data position and RNG states are per rank")
         self.events.emit("restore_start")
@@ -302,7 +306,12 @@ class Checkpointer:
         planner.report.differed = manifest.get(rank_values.MANIFEST_KEY, [])
         logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,
                     reader.bytes_read["local"], reader.bytes_read["persistent"])
-        return self._restored(manifest["step"], reader.source, planner.report), planner.report
+        if resharded:
+            logger.warning("the checkpoint of step %d was saved by %d ranks, loaded resharded by %d; snapshots "
+                           "taken at %d ranks cannot be loaded at %d", manifest["step"], manifest["world_size"],
+                           self.world_size, manifest["world_size"], self.world_size)
+        saved_at = {"saved_world_size": manifest["world_size"]} if resharded else {}
+        return self._restored(manifest["step"], reader.source, planner.report, **saved_at), planner.report
 
     def _newest_snapshot(self) -> int | None:
         """The newest step of which every rank's snapshot is held, on its node or a peer's, unless
@@ -311,14 +320,15 @@ class Checkpointer:
             return None
         return self.snapshots.restore_step(self.group)
 
-    def _restored(self, step: int, source: str, report: LoadReport) -> int:
-        """A restore done, from any tier: said alike, with what did not match."""
+    def _restored(self, step: int, source: str, report: LoadReport, **saved_at: int) -> int:
+        """A restore done, from any tier: said alike, with what did not match (and `saved_world_size`
+        where it was saved at another size)."""
         if source in ("local-snapshot", "peer-snapshot"):
             logger.info("resumed from the snapshot of step %d (%s)", step,
                         "its own node's" if source == "local-snapshot" else "a peer node's copy")
         if report:
             logger.warning("restore of step %d (%s): %s", step, source, report.describe())
-        self.events.emit("restore_end", step=step, source=source, **report.event_fields())
+        self.events.emit("restore_end", step=step, source=source, **report.event_fields(), **saved_at)
         self._retire_newer_than(step)
         return step
 

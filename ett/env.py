@@ -35,10 +35,17 @@ class JobEnvironment:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    # An elastic job on fewer ranks than its full size (docs/library.md, "Elastic jobs"): that size.
+    full_world_size: int = 1
     learn_imports: bool = False  # the agent asks what the script imported (ett/imports.py)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "JobEnvironment":
+        world_size = _int(environ, "WORLD_SIZE", 1, 1)
+        full_world_size = _int(environ, JobEnv.FULL_WORLD_SIZE, world_size, 1)
+        if full_world_size < world_size:
+            raise UsageError(f"environment variable {JobEnv.FULL_WORLD_SIZE}: must be >= WORLD_SIZE ({world_size}), "
+                             f"got {full_world_size}")
         return cls(
             job_id=environ.get(JobEnv.JOB_ID) or None,
             attempt=_int(environ, JobEnv.ATTEMPT, 0, 0),
@@ -50,6 +57,7 @@ class JobEnvironment:
             keep=_int(environ, JobEnv.CHECKPOINT_KEEP, None, 1),
             rank=_int(environ, "RANK", 0, 0),
             local_rank=_int(environ, "LOCAL_RANK", 0, 0),
-            world_size=_int(environ, "WORLD_SIZE", 1, 1),
+            world_size=world_size,
+            full_world_size=full_world_size,
             learn_imports=environ.get(JobEnv.LEARN_IMPORTS) == "1",
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """What a job's script imported, for its agents to warm its next attempts (docs/agent.md, "Warm start").
 
 When its agent asks (ETT_LEARN_IMPORTS: a `python SCRIPT` job that names no `warm_imports`), each
-node's local rank 0 writes, once after its first step, the modules of installed packages and of the
+node's local rank 0 writes, once at `ett.init`, the modules of installed packages and of the
 standard library it has loaded (ett/protocol, IMPORTS_FILE). They are the leaves of their package
 trees (importing `a.b.c` imports `a` and `a.b`) in the order they were first loaded, so a warm
 server that imports them in that order loads what the script did, lazily loaded submodules
@@ -30,11 +30,11 @@ from ett.protocol import (
     IMPORTS_MAX_NAMES,
     MODULE_NAME_MAX_CHARS,
     MODULE_NAME_PATTERN,
+    acts_at_import,
 )
 
 logger = logging.getLogger("ett")
 _NAME = re.compile(MODULE_NAME_PATTERN, re.ASCII)
-_MAIN_NAMES = ("__main__", "__mp_main__")
 
 
 def _beneath(path: str, folders: list[str]) -> bool:
@@ -87,8 +87,8 @@ def installed_imports(script: str | None) -> list[str]:
     tops: dict[str, bool] = {}
     kept: list[str] = []
     for name, module in list(sys.modules.items()):
-        if name in _MAIN_NAMES or len(name) > MODULE_NAME_MAX_CHARS or not _NAME.fullmatch(name):
-            continue
+        if len(name) > MODULE_NAME_MAX_CHARS or not _NAME.fullmatch(name) or acts_at_import(name):
+            continue  # `__main__` (the script) among them: a warm server imports none of these
         file = module.__dict__.get("__file__") if isinstance(module, types.ModuleType) else None
         top = name.partition(".")[0]
         if top not in tops:

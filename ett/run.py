@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ett.checkpoint import CheckpointConfig, Checkpointer
+from ett.elastic import ElasticPlan
 from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.events import EventWriter
@@ -80,12 +82,14 @@ class Step:
         self.loss: Any = None
         self._start = 0.0
         self._slept = 0.0  # an injected slowdown's sleep (ett/faults.py, slow)
+        self.saving = 0.0  # seconds blocked on a save inside the step (run.checkpoint, run.wait_for_staging)
 
     def __enter__(self) -> "Step":
         fault = self.run._faults.pop(self.step, None)
         if fault is not None:  # a drill's: as the step's own code would fail
             set_off(fault, self.run.rank)
         self._start = time.perf_counter()
+        self.run._open_step = self
         self.run._sync.begin()  # its clock points, its collectives' waits (ett/timing.py)
         slow = self.run._slowdown
         if slow is not None and self.step >= slow[0] and self.run._own_seconds:
@@ -101,6 +105,7 @@ class Step:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         span = self.run._sync.end()
+        self.run._open_step = None
         if exc_type is None:  # a step that raised did not happen
             self.run._step_done(self, time.perf_counter() - self._start, span)
 
@@ -115,6 +120,8 @@ class Run(FrameworkHooks):
         self.attempt: int = env.attempt
         self.rank: int = env.rank
         self.world_size: int = env.world_size
+        self.full_world_size: int = env.full_world_size  # above world_size: an elastic job shrunk
+        self.elastic_plan: ElasticPlan | None = None  # run.elastic's: checkpoints of other sizes are loaded
         # The job's folder wins over the script's: the service chose it (and keeps jobs apart).
         self.checkpoint_dir: str | None = env.checkpoint_dir or (str(checkpoint_dir) if checkpoint_dir else None)
         self.resume_from: str | None = env.resume_from
@@ -141,9 +148,12 @@ class Run(FrameworkHooks):
         self._ddp_watch = DDPWatch(self._sync) if self.in_job and self.world_size > 1 else None
         self._timing = TimingWindow(self._events.emit) if self.in_job else None
         self._steps_done = 0
-        # Where this node's local rank 0 says what the script imported, once its first step is done,
-        # when its agent asks: the job's next attempts start warm with them (ett/imports.py).
-        self._imports_to = env.event_dir if env.learn_imports and env.local_rank == 0 else None
+        # This node's local rank 0 says what the script imported, here, when its agent asks: the job's
+        # next attempts start warm with them (ett/imports.py). A script has imported its frameworks by
+        # now; said at its first step, the server of them (seconds of imports) was not ready for a
+        # failure soon after it (the HF example's restart forked from the base server, 10.1 s against 1.9 s).
+        if env.learn_imports and env.local_rank == 0 and env.event_dir:
+            write_imports(env.event_dir)
         # The job's planned steps, where the script knows them: the service weighs a straggler's
         # cost over the steps left (service/stragglers/). The trainer and the Trainer set it.
         self.total_steps: int | None = None
@@ -151,7 +161,7 @@ class Run(FrameworkHooks):
         self._last_step: int | None = None
         self._init_marked = False
         self._pid = os.getpid()
-        self._open_step: Step | None = None  # begun by begin_step, not ended yet
+        self._open_step: Step | None = None  # entered (with run.step, begin_step), not ended yet
         self.keys_not_restored: list[str] = []  # what run.restore found saved that `state` has no place for
         self.keys_missing: list[str] = []  # what `state` gave run.restore that the checkpoint lacks
         self._closed = False
@@ -216,10 +226,21 @@ class Run(FrameworkHooks):
         (`run.keys_missing`); both are logged and in the `restore_end` event (ett/checkpoints/state_load.py)."""
         if not self._config.dir:
             return 0
-        step, report = self._get_checkpointer().restore(state)  # what did not match is logged there
+        # What did not match is logged there; a declared elastic run loads a save of another size.
+        step, report = self._get_checkpointer().restore(state, other_sizes=self.elastic_plan is not None)
         self.keys_not_restored, self.keys_missing = report.not_restored, report.missing
         self._last_step = step
         return step
+
+    def elastic(self, global_batch: int, micro_batch: int) -> ElasticPlan:
+        """Declares that this run keeps its training the same at fewer ranks (ett/elastic.py): the
+        plan of this rank at its present size; rank 0 says the sizes (`elastic`) once. Call it
+        before run.restore, which then loads a checkpoint saved at another size."""
+        plan = ElasticPlan.declare(global_batch, micro_batch, self.world_size, self.full_world_size, self.rank)
+        if self.elastic_plan is None and self.rank == 0:
+            self._events.emit("elastic", world_sizes=plan.world_sizes, full_world_size=plan.full_world_size)
+        self.elastic_plan = plan
+        return plan
 
     def restored(self, step: int, source: str = "persistent") -> None:
         """For a framework that loads its own checkpoints (the Hugging Face Trainer): marks the
@@ -250,9 +271,9 @@ class Run(FrameworkHooks):
                 data["tokens"] = int(step.tokens)
             if step.loss is not None:
                 data["loss"] = float(step.loss.detach() if hasattr(step.loss, "detach") else step.loss)
+            if step.saving > 0:
+                data["saving"] = step.saving
             self._events.emit("step", step=step.step, **data)
-        if self._steps_done == 1 and self._imports_to is not None:  # after its event: no step is longer for it
-            write_imports(self._imports_to)
 
     def checkpoint(self, step: int, state: dict[str, Any], force: bool = False, stop: bool | None = None,
                    wait_for_staging: bool = True) -> bool:
@@ -269,9 +290,10 @@ class Run(FrameworkHooks):
         checkpointer, started = self._get_checkpointer(), False
         stop = self.should_stop() if stop is None else self._agree_stop(stop)
         if force or stop or self.checkpoint_due(step):
-            started = checkpointer.save(step, state)
-            if wait_for_staging or stop:
-                checkpointer.wait_for_staging()
+            with self._saving():
+                started = checkpointer.save(step, state)
+                if wait_for_staging or stop:
+                    checkpointer.wait_for_staging()
         checkpointer.snapshot(step, state)  # with a node-local folder: the fast tier, every step it can
         if stop:
             logger.warning("SIGTERM: stopped after step %d and its checkpoint", step)
@@ -282,7 +304,19 @@ class Run(FrameworkHooks):
         """Returns once a save started by run.checkpoint(..., wait_for_staging=False) has copied
         the state: it may change again."""
         if self._checkpointer is not None:
-            self._checkpointer.wait_for_staging()
+            with self._saving():
+                self._checkpointer.wait_for_staging()
+
+    @contextmanager
+    def _saving(self) -> Iterator[None]:
+        """Times a save's blocking inside the open step (none: between steps, nothing to take off):
+        the step event's `saving`, booked as checkpoint time and never again as slow time."""
+        step, start = self._open_step, time.perf_counter()
+        try:
+            yield
+        finally:
+            if step is not None:
+                step.saving += time.perf_counter() - start
 
     @property
     def sigterm_received(self) -> bool:

@@ -128,11 +128,12 @@ def _wait_warm(data_dirs: list[Path], uid: int, agents: list[subprocess.Popen], 
     as on a cluster whose agents were up before the job came: a job allocated earlier would wait
     for them inside its window. Returns the seconds waited; gives up quietly after `timeout` (the
     job then starts cold)."""
-    from agent.warm.servers import socket_path
+    from agent.warm.servers import socket_folder, socket_path
 
+    sockets = [socket_path(socket_folder(folder), uid) for folder in data_dirs]  # where each agent binds them
     started = time.monotonic()
     while time.monotonic() - started < timeout and any(agent.poll() is None for agent in agents):
-        if all(socket_path(folder, uid).exists() for folder in data_dirs):
+        if all(sock.exists() for sock in sockets):
             break
         time.sleep(0.1)
     return time.monotonic() - started

@@ -22,6 +22,17 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
+def _sizes(report: dict[str, Any]) -> list[str]:
+    """An elastic job's sizes, where an attempt ran on fewer nodes than its full size (docs/ett.md,
+    "Reduced capacity"); nothing for a job that never shrank."""
+    sizes = report.get("attempt_sizes", [])  # a service from before #51 sends none
+    if not any(s["nodes"] and s["full_nodes"] and s["nodes"] < s["full_nodes"] for s in sizes):
+        return []
+    said = ", ".join(f"attempt {s['attempt']}: {s['nodes']} of {s['full_nodes']} nodes" for s in sizes if s["nodes"])
+    reduced = _seconds(report["reduced_capacity_seconds"])
+    return [f"capacity {report['capacity_percent']:.1f}%  reduced capacity {reduced}  sizes: {said}"]
+
+
 def report_table(report: dict[str, Any], max_failures: int | None = None) -> str:
     wall = report["wall_seconds"]
     lines = [
@@ -30,6 +41,7 @@ def report_table(report: dict[str, Any], max_failures: int | None = None) -> str
         f"  time to start {_seconds(report['time_to_start_seconds'])}",
         f"at full speed {report['full_speed_percent']:.1f}%  slow {_seconds(report['slow_seconds'])}"
         "  ideal step " + ("-" if report["ideal_step_seconds"] is None else f"{report['ideal_step_seconds']:.3f} s"),
+        *_sizes(report),
         "",
         f"  {'category':16} {'seconds':>10} {'share':>7}",
     ]

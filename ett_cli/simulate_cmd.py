@@ -21,6 +21,7 @@ from service.accounting.simulate import (
     tier_models,
     young_interval_seconds,
 )
+from service.accounting.simulate_elastic import ElasticModel, elastic_vs_waiting
 from service.accounting.simulate_stragglers import StragglerModel, straggler_sweep
 
 HELP = {
@@ -78,6 +79,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "of several sizes (service/accounting/simulate_stragglers.py)")
     parser.add_argument("--straggler-rate", type=float, default=StragglerModel.rate_per_node_day,
                         help="slowdowns starting per node per day (default %(default)g)")
+    parser.add_argument("--elastic-vs-waiting", action="store_true", help="a fleet with few spares: the same work "
+                        "and failures, the job waiting for a spare against going on at fewer nodes and growing back "
+                        "(service/accounting/simulate_elastic.py); --days is the work, at full size")
+    parser.add_argument("--spares", type=int, default=ElasticModel.spares, help="spare nodes of the fleet "
+                        "(default %(default)d)")
+    parser.add_argument("--spare-wait-seconds", type=float, default=ElasticModel.spare_wait_seconds,
+                        help="a failed node is a spare again this long after it failed (default %(default)g)")
+    parser.add_argument("--min-nodes", type=int, default=None, help="the elastic job's smallest size (default: "
+                        "half its nodes)")
     parser.add_argument("--all-failures", action="store_true", help="list every failure (default: the first 5)")
     parser.add_argument("--json", action="store_true", help="print the raw report")
     parser.set_defaults(run=run)
@@ -177,6 +187,28 @@ def print_stragglers(model: FleetModel, rate: float) -> None:
               f"{replace.restart_seconds / 3600:>12.1f}")
 
 
+def print_elastic(m: ElasticModel) -> None:
+    f = m.fleet
+    print(f"ett simulate --elastic-vs-waiting: the work of {f.days:g} days of a {f.nodes:,}-node job "
+          f"({f.nodes * f.gpus_per_node:,} GPUs) at full size, MTBF {f.mtbf_seconds / 3600:.2f} h, every failure "
+          f"takes its node out; spares {m.spares}, a failed node a spare again after "
+          f"{m.spare_wait_seconds / 3600:g} h; elastic down to {m.floor:,} nodes; seed {f.seed}")  # fmt: skip
+    runs = elastic_vs_waiting(m)
+    rows = [
+        ("wall time (days)", lambda r: f"{r.report['wall_seconds'] / 86400:.2f}"),
+        ("ETT", lambda r: f"{r.report['ett_percent']:.2f}%"),
+        ("capacity", lambda r: f"{r.report['capacity_percent']:.2f}%"),
+        ("reduced capacity (h)", lambda r: f"{r.report['reduced_capacity_seconds'] / 3600:.2f}"),
+        ("recovery (h)", lambda r: f"{r.report['seconds']['recovery'] / 3600:.1f}"),
+        ("failures", lambda r: f"{len(r.report['failures'])}"),
+        ("restarts", lambda r: f"{r.report['restarts']}"),
+        ("attempts at reduced size", lambda r: f"{r.reduced_attempts}"),
+    ]  # fmt: skip
+    print(f"\n  {'':26}" + "".join(f"{r.policy:>12}" for r in runs))
+    for name, cell in rows:
+        print(f"  {name:26}" + "".join(f"{cell(r):>12}" for r in runs))
+
+
 def run(args: argparse.Namespace) -> int:
     if (args.service or args.from_job) and not args.token:
         print("ett simulate: --service and --from-job need a token (--token or ETT_TOKEN)", file=sys.stderr)
@@ -201,6 +233,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"ett simulate: {exc}", file=sys.stderr)
         return 2
     end_ts = time.time()
+    if args.elastic_vs_waiting:
+        try:
+            elastic = ElasticModel(model, args.spares, args.spare_wait_seconds, args.min_nodes)
+        except ValueError as exc:
+            print(f"ett simulate: {exc}", file=sys.stderr)
+            return 2
+        print_elastic(elastic)
+        return 0
     if args.stragglers:
         print_stragglers(model, args.straggler_rate)
         return 0

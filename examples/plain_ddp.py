@@ -1,13 +1,18 @@
-"""A plain PyTorch DDP training loop with ETT: accounting, checkpoints and exact resume.
+"""A plain PyTorch DDP training loop with ETT: accounting, checkpoints, exact resume, and elastic:
+as an elastic job it goes on at fewer ranks with the same training (docs/library.md, "Elastic jobs").
 
     torchrun --nproc-per-node 2 examples/plain_ddp.py --checkpoint-dir /tmp/ddp --interval 5
     ett submit examples/jobs/plain_ddp.toml             # the same script as an ETT job
 
-Every batch is drawn from a generator seeded by (step, rank), so the data needs no state of its
-own; the model has dropout, so resume must restore each rank's RNG to be exact.
+Each step trains on the same global batch at any size: its samples are numbered globally
+(run.elastic), each drawn from a generator seeded by its number, so the data needs no state of its
+own; a rank at less than full size accumulates the gradients of several micro batches. The model
+has dropout, whose masks are drawn per micro batch (seeded by its first sample), not per rank: the
+same at any size, and on resume.
 """
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -20,9 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 import ett
 
 
-def batch(step: int, rank: int, batch_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1_000_003 * step + rank)
-    inputs_BD = torch.randn(batch_size, 32, generator=generator)
+def micro_batch(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples of these global numbers: sample n is the same wherever, and whenever, it is drawn."""
+    inputs_BD = torch.stack([torch.randn(32, generator=torch.Generator().manual_seed(n)) for n in indices])
     targets_B1 = inputs_BD[:, :4].sum(dim=1, keepdim=True).sin()
     return inputs_BD, targets_B1
 
@@ -42,27 +47,39 @@ def train(args: argparse.Namespace) -> None:
                 model(torch.zeros(1, 32)).sum().mul(0.0).backward()
             model.zero_grad(set_to_none=True)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            torch.manual_seed(1 + rank)  # each rank its own dropout masks
 
         def training_state() -> dict:
             # As DCP takes it: state dicts, taken anew for each save (`optimizer.state_dict()` is a
-            # new dict each call, its moments there once the first step made them).
-            return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": ett.RNGState(rank)}
+            # new dict each call, its moments there once the first step made them). Nothing in it
+            # is per rank, so a checkpoint loads at any size.
+            return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
+        # Samples per step at any size, and per forward: this rank's share at its present size. Said
+        # before restore, which then loads a checkpoint saved at another size.
+        plan = run.elastic(global_batch=args.global_batch or 16 * run.full_world_size, micro_batch=16)
         state = training_state()
         start = run.restore(state)  # the model's tensors in place; the optimizer's moments added to its dict
         if start:
             optimizer.load_state_dict(state["optim"])
         run.total_steps = args.steps  # the service weighs a straggler's cost over the steps left
         for step in range(start + 1, args.steps + 1):
-            with run.step(step, tokens=16 * dist.get_world_size()) as s:
-                inputs_BD, targets_B1 = batch(step, rank)
-                loss = F.mse_loss(model(inputs_BD), targets_B1)
+            with run.step(step, tokens=plan.global_batch) as s:
                 optimizer.zero_grad()
-                loss.backward()
+                loss_sum = torch.zeros(())
+                for i, indices in enumerate(plan.sample_indices(step)):
+                    last = i == plan.accumulation_steps - 1  # DDP all-reduces once, after the last backward
+                    with contextlib.nullcontext() if last else model.no_sync():
+                        torch.manual_seed(indices[0])  # this micro batch's dropout masks, at any size
+                        inputs_BD, targets_B1 = micro_batch(indices)
+                        loss = F.mse_loss(model(inputs_BD), targets_B1)
+                        # DDP averages over the ranks: scaled by 1/accumulation, the step's gradient
+                        # is the mean over the global batch's micro batches, as at full size.
+                        (loss / plan.accumulation_steps).backward()
+                    loss_sum += loss.detach()
                 optimizer.step()
                 time.sleep(args.step_seconds)
-                s.loss = loss.item()
+                dist.all_reduce(loss_sum)  # the global batch's loss, the same at any size
+                s.loss = loss_sum.item() / plan.micro_batches
             run.checkpoint(step, training_state(), force=step == args.steps)
 
     if args.out and rank == 0:
@@ -74,6 +91,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--checkpoint-dir", default=None, help="outside ETT: where to save and resume from")
     parser.add_argument("--interval", type=int, default=5, help="outside ETT: save every N steps")
+    parser.add_argument("--global-batch", type=int, default=0,
+                        help="samples per step at any size (default: 16 a rank at the job's full size)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step, to stand for real compute")
     parser.add_argument("--out", default=None, help="rank 0 writes the final parameters here (torch.save)")
     args = parser.parse_args()

@@ -70,6 +70,8 @@ class Node(Base):
     # Why it takes no new work until its agent shows it runs nothing of the attempt it was declared
     # lost for (service/jobs/peer_loss.py, "fencing"); None: not fenced.
     fenced: Mapped[str | None] = mapped_column(String(512), default=None)
+    # The job whose straggler's replacement holds this spare (state `reserved`, service/stragglers/spares.py).
+    reserved_for: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"), default=None)
 
 
 class Owner(Base):
@@ -139,6 +141,10 @@ class Attempt(Base):
     interval_steps: Mapped[int | None]
     # Sequence number of the last event the service emitted for this attempt.
     service_seq: Mapped[int] = mapped_column(default=0)
+    # An elastic job's full size in nodes where this attempt runs on fewer (service/jobs/elastic.py),
+    # and the largest size it was weighed growing back to (each size is weighed once).
+    full_nodes: Mapped[int | None] = mapped_column(default=None)
+    grow_weighed: Mapped[int | None] = mapped_column(default=None)
 
     job: Mapped[Job] = relationship(back_populates="attempts")
     nodes: Mapped[list["AttemptNode"]] = relationship(
@@ -209,6 +215,7 @@ class AgentCommand(Base):
 # condition: a partial index serves only queries that state its condition in the same words.
 RANK0_STEPS = text("kind = 'step' AND source = 'rank:0'")
 STEP_TIMINGS = text("kind = 'step_timing'")  # every rank's windows (service/stragglers/)
+ELASTIC_SIZES = text("kind = 'elastic'")  # the sizes a job's run declared (service/jobs/elastic.py)
 
 
 class JobEvent(Base):
@@ -223,6 +230,7 @@ class JobEvent(Base):
               sqlite_where=RANK0_STEPS),  # fmt: skip
         Index("ix_events_step_timings", "job_id", "attempt", "step", postgresql_where=STEP_TIMINGS,
               sqlite_where=STEP_TIMINGS),  # fmt: skip
+        Index("ix_events_elastic", "job_id", postgresql_where=ELASTIC_SIZES, sqlite_where=ELASTIC_SIZES),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)

@@ -32,6 +32,7 @@ class NodeState(enum.StrEnum):
     idle = "idle"
     busy = "busy"
     leaving = "leaving"  # its agent is stopping (SIGTERM): never given new work, gone when it stops
+    reserved = "reserved"  # a spare held for a straggler's replacement (service/stragglers/spares.py)
     lost = "lost"
 
 

@@ -278,9 +278,9 @@ def test_each_room_of_the_agent_is_small_and_says_what_it_owns():
 
 # The library's rooms and modules, lowest first: each imports only what is at or below its own
 # rank. Its public modules (`ett.run`, `ett.checkpoint`, `ett.state`) keep their names.
-ETT_ORDER = ("ett.errors", "ett.paths", "ett.protocol", "ett.imports", "ett.events", "ett.waits", "ett.timing",
-             "ett.state", "ett.checkpoints", "ett.snapshots", "ett.checkpoint", "ett.env", "ett.faults", "ett.framework",
-             "ett.run", "ett.integrations")  # fmt: skip
+ETT_ORDER = ("ett.errors", "ett.paths", "ett.elastic", "ett.protocol", "ett.imports", "ett.events", "ett.waits",
+             "ett.timing", "ett.state", "ett.checkpoints", "ett.snapshots", "ett.checkpoint", "ett.env", "ett.faults",
+             "ett.framework", "ett.run", "ett.integrations")  # fmt: skip
 ETT_ROOMS = ("ett.protocol", "ett.checkpoints", "ett.snapshots", "ett.integrations")
 
 

@@ -62,6 +62,32 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def not_elastic_because(self) -> str | None:
+        """Why a step would not be the same split over fewer ranks, or None (docs/trainer.md, "Elastic")."""
+        if self.model.dropout > 0:
+            return f"model.dropout {self.model.dropout} draws each rank's own masks"
+        if self.model.ffn_type == "moe" and self.moe.aux_free_bias:
+            return "moe.aux_free_bias moves the router's bias after every forward, not once a step"
+        return None
+
+    def fit_to(self, world_size: int, full_world_size: int) -> str | None:
+        """A run on fewer ranks than its full size (validated at that size): refused where it cannot
+        keep its training the same; parallel.ep kept where it divides the present size, else the
+        largest below it that divides both it and moe.num_experts (the experts resharded on load).
+        Says so when ep changed."""
+        if world_size == full_world_size:
+            return None
+        if (why := self.not_elastic_because()) is not None:
+            raise ConfigError(f"this run has {world_size} of its {full_world_size} ranks and cannot keep its "
+                              f"training the same at fewer: {why}")
+        ep = self.parallel.ep
+        experts = self.moe.num_experts if self.model.ffn_type == "moe" else 1
+        fitted = max(d for d in range(1, ep + 1) if world_size % d == 0 and experts % d == 0)
+        if fitted == ep:
+            return None
+        self.parallel.ep = fitted
+        return f"parallel.ep {ep} does not divide {world_size} ranks: expert parallelism {fitted}, experts resharded"
+
     def validate(self, world_size: int) -> None:
         try:
             for section in dataclasses.fields(self):

@@ -2,8 +2,11 @@
 standard library's source files (or any folder of .py files).
 
 The sorted files form one byte stream cut into windows of seq_len + 1 bytes. Each epoch visits
-the windows in a seeded permutation; data-parallel rank r takes every world_size-th window of
-it. Every rank consumes the same number of batches, so the position (epoch, batch) is one pair
+the windows in a seeded permutation, a global batch of full world size x batch_size windows a
+step, split over the ranks and their micro batches by global index (ett/elastic.py): at full
+size rank r takes every world_size-th window, at fewer ranks each rank takes the micro batches of
+several full-size ranks, so a step trains on the same windows at any size. Every rank consumes
+one step's batches at a time, so the position (epoch, batch) is one pair, the same at any size,
 that the checkpoint stores; the loader reads only the bytes of the windows it serves.
 """
 
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ett.elastic import ElasticPlan
 
 logger = logging.getLogger(__name__)
 
@@ -74,13 +79,16 @@ class SourceCorpus:
 
 
 class ByteBatchLoader:
-    """Stateful (DCP) loader of (inputs_BT, targets_BT) batches for one data-parallel rank."""
+    """Stateful (DCP) loader of (inputs_BT, targets_BT) batches for one data-parallel rank;
+    `full_world_size`: the data-parallel size whose global batch it keeps (None: world_size)."""
 
-    def __init__(self, corpus: SourceCorpus, batch_size: int, seq_len: int, rank: int, world_size: int, seed: int):
-        self.corpus, self.batch_size, self.seq_len = corpus, batch_size, seq_len
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+    def __init__(self, corpus: SourceCorpus, batch_size: int, seq_len: int, rank: int, world_size: int, seed: int,
+                 full_world_size: int | None = None):
+        self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
+        full = full_world_size or world_size
+        self.plan = ElasticPlan.declare(full * batch_size, batch_size, world_size, full, rank)
         self.num_windows = (corpus.num_bytes - 1) // seq_len
-        self.batches_per_epoch = self.num_windows // (world_size * batch_size)
+        self.batches_per_epoch = self.num_windows // self.plan.global_batch
         if self.batches_per_epoch == 0:
             raise ValueError(f"train.batch_size: the corpus ({corpus.num_bytes} bytes) is too small for one batch")
         self.epoch, self.batch = 0, 0
@@ -88,14 +96,25 @@ class ByteBatchLoader:
 
     def _epoch_order(self) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.num_windows, generator=generator)[self.rank :: self.world_size]
+        return torch.randperm(self.num_windows, generator=generator)
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro batches of the next step (plan.accumulation_steps of them)."""
         if self.batch == self.batches_per_epoch:
             self.epoch, self.batch = self.epoch + 1, 0
             self._order = self._epoch_order()
-        windows = self._order[self.batch * self.batch_size : (self.batch + 1) * self.batch_size].tolist()
+        # The step's windows are positions batch * global_batch ... of the epoch's order.
+        step_positions = self.plan.sample_indices(self.batch + 1)
+        micro_batches = [self._read(self._order[positions].tolist()) for positions in step_positions]
         self.batch += 1
+        return micro_batches
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next step's batch, at full size (no accumulation)."""
+        [batch] = self.next_step()
+        return batch
+
+    def _read(self, windows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.seq_len
         data = b"".join(self.corpus.read(w * T, T + 1) for w in windows)
         tokens_BT1 = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(len(windows), T + 1).long()

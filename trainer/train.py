@@ -89,7 +89,7 @@ class Training:
     metrics: MetricsLogger
 
 
-def build(cfg: JobConfig) -> Training:
+def build(cfg: JobConfig, full_world_size: int) -> Training:
     device = init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     setup_logging(cfg.log, rank)
@@ -101,8 +101,9 @@ def build(cfg: JobConfig) -> Training:
     model = parallelize(model, build_mesh(cfg.parallel, world_size, device.type), cfg.parallel)
     betas = (cfg.train.beta1, cfg.train.beta2)
     optimizer = build_optimizer(model, cfg.parallel, cfg.train.lr, cfg.train.weight_decay, betas)
+    # The global batch of the full size at any size (docs/trainer.md, "Elastic"): a rank of fewer accumulates.
     data = ByteBatchLoader(SourceCorpus(cfg.data.root), cfg.train.batch_size, cfg.train.seq_len, rank, world_size,
-                           cfg.data.seed)  # fmt: skip
+                           cfg.data.seed, full_world_size)  # fmt: skip
     progress = TrainProgress()
     state = {"app": ModelOptimizerState(model, optimizer), "data": data, "rng": RNGState(rank), "progress": progress}
     metrics = MetricsLogger(cfg.log, model, cfg.train.seq_len, world_size, device)
@@ -112,22 +113,31 @@ def build(cfg: JobConfig) -> Training:
 
 
 def train(cfg: JobConfig, run: ett.Run, t: Training) -> int:
+    rank, plan = dist.get_rank(), t.data.plan
+    if (why := cfg.not_elastic_because()) is None:  # the sizes it keeps the same at; a checkpoint of another size loads
+        run.elastic(global_batch=plan.global_batch, micro_batch=plan.micro_batch)
+    else:
+        logger.info("not elastic (an elastic job runs at full size only): %s", why)
     # Restore: model, optimizer, data position, RNG states and step of the newest good checkpoint.
     t.progress.step = run.restore(t.state)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * world_size
+    tokens_per_step = plan.global_batch * cfg.train.seq_len
     run.total_steps = cfg.train.steps
     stopped = False
     try:
         for step in range(t.progress.step + 1, cfg.train.steps + 1):
             with run.step(step, tokens=tokens_per_step) as s:
-                inputs_BT, targets_BT = (x.to(t.device) for x in t.data.next_batch())
+                micro_batches = t.data.next_step()
                 lr = cfg.train.lr_at(step)
                 for group in t.optimizer.param_groups:
                     group["lr"] = lr
-                logits_BTV, aux_loss = t.model(inputs_BT)
-                loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
-                (loss + aux_loss).backward()
+                loss = torch.zeros((), device=t.device)
+                for inputs_BT, targets_BT in micro_batches:
+                    logits_BTV, aux_loss = t.model(inputs_BT.to(t.device))
+                    micro_loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.to(t.device).flatten())
+                    # FSDP averages over the ranks: scaled by 1/accumulation, the gradient is the
+                    # mean over the global batch's micro batches, as at full size.
+                    ((micro_loss + aux_loss) / len(micro_batches)).backward()
+                    loss += micro_loss.detach() / len(micro_batches)
                 # This rank's forward and backward are done: its work is the step so far less its
                 # waits in their collectives (FSDP2's all-gathers and reduce-scatters, the experts'
                 # all-to-all of token counts), which the library times (ett/waits.py). What follows
@@ -162,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         with ett.init(stop_on_sigterm=True) as run:
             with run.initializing():
                 cfg = parse_args(sys.argv[1:] if argv is None else argv)
-                cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+                cfg.validate(run.full_world_size)
+                if (ep_changed := cfg.fit_to(run.world_size, run.full_world_size)) is not None:
+                    logger.warning("%s", ep_changed)
                 run.configure_checkpoints(cfg.checkpoint)
                 if not torch.cuda.is_available():  # a CPU run (see init_distributed); CUDA has its caching allocator
                     keep_freed_memory()
-                training = build(cfg)
+                training = build(cfg, run.full_world_size)
             return train(cfg, run, training)
     except ett.Stopped:  # the run, closing after train() agreed on a stop
         return EXIT_STOPPED

@@ -42,6 +42,7 @@ from agent.confinement.job_user import JobUser, make_passable
 from agent.confinement.placement import Placer, PlacementRefused
 from agent.confinement.uid_files import MAX_DEPTH, folders_inodes, held_files, remove_files_of
 from agent.confinement.uid_ipc import remove_ipc_of
+from agent.confinement.uid_keys import clear_keys_of
 from agent.confinement.uid_sweep import cgroup_of, parent_pid, processes_of, sweep_uid, uids_of
 
 log = logging.getLogger(__name__)
@@ -204,25 +205,27 @@ class NodeCgroups:
                 log.warning("killed %d processes of uid %d that outlived its last attempt here: %s", len(killed),
                             user.uid, sorted(killed)[:20])
             try:
-                self._remove_leftovers(user.uid, spare)
+                self._remove_leftovers(user, spare)
             except OSError as exc:  # a file system failing under it ends no attempt and not the agent
                 log.warning("uid %d: its leftover files and IPC objects not removed: %s", user.uid, exc)
 
-    def _remove_leftovers(self, uid: int, spare: set[int]) -> None:
+    def _remove_leftovers(self, user: JobUser, spare: set[int]) -> None:
         """What is not a process, of a uid of one owner's alone whose processes are gone but the
-        warm servers (`spare`) and their keepers: what it owns in the shared temporary folders, but
-        what those hold open or mapped, and its System V IPC objects. Left while a process of the
-        uid runs elsewhere (another agent's on the same machine, as in the tests): they may be its."""
-        since = time.time_ns()  # what changes from now on is not the swept attempt's (uid_files)
+        warm servers (`spare`) and their keepers: what it owns in the shared temporary folders and
+        its message queues, but what those hold open or mapped, its System V IPC objects and the
+        keys in its user keyrings. Left while a process of the uid runs elsewhere (another agent's on
+        the same machine, as in the tests): they may be its."""
+        uid, since = user.uid, time.time_ns()  # what changes from now on is not the swept attempt's (uid_files)
         left = processes_of(uid)
         if others := [pid for pid in left if pid not in spare and parent_pid(pid) not in spare]:
             log.info("uid %d: files and IPC objects kept, its processes %s run elsewhere", uid, others[:20])
             return
         files = remove_files_of(uid, held_files(left), folders_inodes(self.keep_out), since)
         ipc = remove_ipc_of(uid)
-        if files.removed or ipc:
-            log.info("removed %d files and %d System V IPC objects of uid %d that outlived its last attempt here",
-                     files.removed, ipc, uid)
+        keys = clear_keys_of(uid, user.gid)
+        if files.removed or ipc or keys:
+            log.info("removed %d files and %d System V IPC objects of uid %d that outlived its last attempt here%s",
+                     files.removed, ipc, uid, ", and cleared its keyrings" if keys else "")
         if files.left:
             log.warning("uid %d: %d of its folders not looked into (deeper than %d, or out of time): left",
                         uid, files.left, MAX_DEPTH)

@@ -1,7 +1,10 @@
 """What a job's uid leaves in the node's shared temporary folders, removed after its owner's last
 attempt on the node (agent.confinement.cgroups): /dev/shm (POSIX shared memory and semaphores,
-PyTorch's shared tensors), /tmp and /var/tmp, POSIX message queues. Its processes are gone by then
-(agent.confinement.uid_sweep); these would hold memory and disk for good.
+PyTorch's shared tensors), /tmp, /var/tmp and /run/lock (anyone may write in each), POSIX message
+queues. Its processes are gone by then (agent.confinement.uid_sweep); these would hold memory and
+disk for good. The message queues are walked in a mount of their file system that is attached
+nowhere (fsmount: no process sees it, it goes with its descriptor): most nodes mount none at
+/dev/mqueue, and a queue lives without one (a review's job left one where none was mounted).
 
 Root walks each folder from a held descriptor, never following a link (each folder opened with
 O_NOFOLLOW from its parent's descriptor, its owner and mode read from the descriptor), staying on
@@ -20,6 +23,7 @@ is counted, for the log.
 """
 
 import contextlib
+import ctypes
 import os
 import stat
 import time
@@ -27,7 +31,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-SHARED_FOLDERS = (Path("/dev/shm"), Path("/tmp"), Path("/var/tmp"), Path("/dev/mqueue"))
+SHARED_FOLDERS = (Path("/dev/shm"), Path("/tmp"), Path("/var/tmp"), Path("/run/lock"))
+MQUEUE_FOLDER = Path("/dev/mqueue")  # where the node mounts its queues, if it does: walked where no fsmount is
+# fsopen, fsconfig, fsmount: one number on every architecture (Linux 5.2 on); flags and command.
+SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 430, 431, 432
+FS_CLOEXEC, FSCONFIG_CMD_CREATE = 1, 6
+_libc = ctypes.CDLL(None, use_errno=True)
 MAX_DEPTH = 64
 WALK_SECONDS = 5.0
 FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -82,9 +91,10 @@ class _Walk:
         return (stat.S_ISDIR(st.st_mode) and st.st_dev == device and inode(st) not in self.keep_out
                 and (st.st_uid == self.uid or bool(st.st_mode & stat.S_IWOTH)))
 
-    def folder(self, top: Path) -> None:
+    def folder(self, top: Path | int) -> None:
+        """Walks `top`, a path or a held folder's descriptor (taken over: closed here)."""
         try:
-            fd = os.open(top, FOLDER)
+            fd = os.open(top, FOLDER) if isinstance(top, Path) else top
         except OSError:
             return  # none here, or a link (/var/tmp to /tmp, say): not walked through
         device = os.fstat(fd).st_dev
@@ -156,12 +166,33 @@ class _Walk:
         self._push(stack, inner, name if self.theirs(st) else None)
 
 
+def message_queues() -> int | Path:
+    """The node's POSIX message queues: a descriptor of a mount of their file system attached nowhere
+    (above), or MQUEUE_FOLDER where the kernel makes none (older than 5.2, no right to)."""
+    fs = _libc.syscall(SYS_FSOPEN, b"mqueue", FS_CLOEXEC)
+    if fs < 0:
+        return MQUEUE_FOLDER
+    try:
+        mount = _libc.syscall(SYS_FSMOUNT, fs, FS_CLOEXEC, 0) \
+            if _libc.syscall(SYS_FSCONFIG, fs, FSCONFIG_CMD_CREATE, None, None, 0) == 0 else -1
+    finally:
+        os.close(fs)
+    if mount < 0:
+        return MQUEUE_FOLDER
+    try:  # its root, as a folder to list (fsmount gives a descriptor of a place, not an open folder)
+        return os.open(".", FOLDER, dir_fd=mount)
+    except OSError:
+        return MQUEUE_FOLDER
+    finally:
+        os.close(mount)
+
+
 def remove_files_of(uid: int, spare_files: set[tuple[int, int]], keep_out: set[tuple[int, int]],
-                    changed_since_ns: int, folders: Iterable[Path] = SHARED_FOLDERS,
+                    changed_since_ns: int, folders: Iterable[Path] | None = None,
                     seconds: float = WALK_SECONDS) -> Removed:
-    """Removes what `uid` owns in `folders` but what is spared (above); how many, and how many
-    folders were left unseen."""
+    """Removes what `uid` owns in `folders` (None: SHARED_FOLDERS and the message queues) but what is
+    spared (above); how many, and how many folders were left unseen."""
     walk = _Walk(uid, spare_files, keep_out, changed_since_ns, time.monotonic() + seconds)
-    for folder in folders:
+    for folder in (*SHARED_FOLDERS, message_queues()) if folders is None else folders:
         walk.folder(folder)
     return walk.result

@@ -26,6 +26,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -217,6 +218,10 @@ class NodeEventLog:
         self.seq += 1
 
 
+# What a JSON escape of half a UTF-16 pair looks like (D800 to DFFF); a pair is one character once parsed.
+LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]", re.ASCII)
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e400: no JSON the service can be sent
@@ -231,10 +236,12 @@ def _no_constant(name: str) -> float:
 def parse_event(raw: bytes) -> dict[str, Any] | None:
     """The event on a spool line, or None when the line is not a JSON object (or was released).
     A job's line may nest deeper than the parser recurses, or hold NaN or a number past a float's
-    range (which Python reads and no JSON encoder writes: one such event stopped forwarding for
-    every job of the node, found by review): no event either."""
+    range, or half of a UTF-16 pair (`"\\ud800"`), which Python reads and no encoder of UTF-8 JSON writes:
+    a NaN, then half a pair, stopped forwarding for every job of the node (found by reviews): no event either."""
     try:
         event = json.loads(raw, parse_float=_finite, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
+        if LONE_SURROGATE_ESCAPE.search(raw):  # rare: only then is the parsed event encoded to look
+            json.dumps(event, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return None
     return event if isinstance(event, dict) else None

@@ -37,8 +37,8 @@ from ett.protocol.redaction import Redactor, Secrets
 log = logging.getLogger(__name__)
 PIECE_BYTES = 64 << 10
 # A rank's number as ett.protocol.rank_log writes it: "rank-00.log" or a digit of another script is
-# not rank 0's log.
-RANK_LOG_NAME = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.log$")
+# not rank 0's log, nor "rank-0.log\n" (`$` would take a newline at the end: \Z does not).
+RANK_LOG_NAME = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.log\Z", re.ASCII)
 REFUSED_PIECE = re.compile(r"\blogs\.(\d+)\.")  # a 422 names the piece it refused
 Send = Callable[[list[dict[str, Any]]], httpx.Response]
 

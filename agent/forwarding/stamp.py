@@ -20,8 +20,8 @@ from ett.protocol.event_fields import CkptCommittedData
 
 log = logging.getLogger(__name__)
 # A rank's number as ett.protocol.rank_spool writes it: "rank-00.jsonl" or a digit of another script
-# is not rank 0's spool.
-RANK_SPOOL_NAME = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.jsonl$")
+# is not rank 0's spool, nor "rank-0.jsonl\n" (`$` would take a newline at the end: \Z does not).
+RANK_SPOOL_NAME = re.compile(r"^rank-(0|[1-9][0-9]{0,8})\.jsonl\Z", re.ASCII)
 
 
 class Stamper:

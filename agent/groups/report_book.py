@@ -68,11 +68,17 @@ class ReportBook:
                 self._held.pop(key, None)
 
     def acknowledge(self, sent: list[AttemptReport]) -> None:
+        """An ended attempt's report, once answered, is sent no more; a running one's imports (what its
+        script loaded, for the job's spares to warm now) are said once."""
         with self._lock:
             for report in sent:
-                if report.state != "running" and self._reports.get(report.key) is report:
+                if self._reports.get(report.key) is not report:
+                    continue
+                if report.state != "running":
                     del self._reports[report.key]
                     self._kernel_from.pop(report.key, None)
+                elif report.imports:
+                    self._reports[report.key] = report.model_copy(update={"imports": []})
 
 
 def attempt_report(job_id: str, attempt: int, state: str, end: GroupEnd | None,

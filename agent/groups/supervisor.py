@@ -61,7 +61,7 @@ class Supervisor:
         # reported before its processes are gone), so an attempt never starts beside the last one.
         self.held: dict[AttemptKey, tuple[LaunchCommand, float]] = {}
         self.reports = ReportBook()
-        # What each running script's first step imported (agent/warm/learned.py), once read; [] when
+        # What each running script had imported at its `ett.init` (agent/warm/learned.py), once read; [] when
         # its file was no list: its ending report tells the service, for the job's next launches.
         self.learned: dict[AttemptKey, list[str]] = {}
 
@@ -227,9 +227,8 @@ class Supervisor:
         changed = False
         for key, group in list(self.groups.items()):
             self._guarded(group, group.poll)
-            if learns_imports(group.command) and key not in self.learned:
-                self._learn_imports(group)
-            if (group.reported_state, group.outcome) != group.told:  # a failure's cause may be corrected too
+            learned = learns_imports(group.command) and key not in self.learned and self._learn_imports(group)
+            if learned or (group.reported_state, group.outcome) != group.told:  # a cause may be corrected too
                 self._report(group)
                 changed = True
             if group.state.is_terminal:
@@ -271,11 +270,12 @@ class Supervisor:
             log.exception("attempt %s/%d: failed on what its job wrote", *group.command.key)
             group.fail_on_its_files(f"{type(exc).__name__}: {exc}")
 
-    def _learn_imports(self, group: WorkerGroup) -> None:
+    def _learn_imports(self, group: WorkerGroup) -> bool:
         """Reads what the group's script imported once its local rank 0 has written it, and starts a
         warm server of those imports now, for a restart to fork from once it listens (until then it
-        forks from the base server). Asked while the group runs, which may have been forked from the
-        base server: the server it forked from is never the one stopped on the way (in_use)."""
+        forks from the base server); True when it learned some, which the next report carries (for the
+        job's spares). Asked while the group runs, which may have been forked from the base server: the
+        server it forked from is never the one stopped on the way (in_use)."""
         key = group.command.key
         try:
             names = read_learned_imports(group.paths)
@@ -283,15 +283,16 @@ class Supervisor:
             log.warning("attempt %s/%d: its %s is not read: %s", *key, IMPORTS_FILE, exc)
             names = []
         if names is None:
-            return  # not written yet
+            return False  # not written yet
         self.learned[key] = names
         if names and self.warm is not None:
             self.warm.for_user(group.run_as, names, in_use(self.groups.values())).ensure_running()
             log.info("attempt %s/%d: its script's %d imports learned; a warm server of them starts", *key, len(names))
+        return bool(names)
 
     def _report(self, group: WorkerGroup) -> None:
         command = group.command
-        imports = self.learned.get(command.key) if group.reported_state != "running" else None
+        imports = self.learned.get(command.key)  # while it runs too: said once (ReportBook.acknowledge)
         group.told = group.reported_state, group.outcome
         report = attempt_report(command.job_id, command.attempt, group.told[0], group.told[1], imports)
         self.reports.set(command.key, report)

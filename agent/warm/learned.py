@@ -1,7 +1,8 @@
 """What a job's script imported, as its first attempt's local rank 0 wrote it (ett/imports.py), read by
 the agent, which is root, as the job's hostile input: a regular file of one link, opened without
 following a link, at most IMPORTS_FILE_MAX_BYTES read, every name a dotted ASCII identifier of at
-most MODULE_NAME_MAX_CHARS, at most IMPORTS_MAX_NAMES of them. Anything else is no list at all.
+most MODULE_NAME_MAX_CHARS that does nothing but define itself when imported (ett.protocol.acts_at_import:
+no `__main__`, no antigravity), at most IMPORTS_MAX_NAMES of them. Anything else is no list at all.
 
 The agent itself imports nothing of it: the names go to a warm server, which runs as the job's user
 and imports them from its own installed paths (`python -P`: never the job's folder), and to the
@@ -19,6 +20,7 @@ from ett.protocol import (
     IMPORTS_MAX_NAMES,
     MODULE_NAME_MAX_CHARS,
     MODULE_NAME_PATTERN,
+    acts_at_import,
 )
 
 _NAME = re.compile(MODULE_NAME_PATTERN, re.ASCII)
@@ -43,11 +45,13 @@ def module_names(raw: bytes) -> list[str]:
     for name in names:
         if not isinstance(name, str) or len(name) > MODULE_NAME_MAX_CHARS or not _NAME.fullmatch(name):
             raise NotImports(f"{str(name)[:MODULE_NAME_MAX_CHARS]!r} is not a module name")
+        if acts_at_import(name):  # the job's library never writes one: the list is forged
+            raise NotImports(f"{name!r} acts when imported")
     return list(dict.fromkeys(names))
 
 
 def read_learned_imports(paths: AttemptPaths) -> list[str] | None:
-    """The attempt's learned imports; None while its file is not there (its first step is not done).
+    """The attempt's learned imports; None while its file is not there (its `ett.init` has not come).
     OSError: it is there and is no regular file of one link; NotImports: it is no list of imports."""
     try:
         fd = open_job_file(paths.events_dir / IMPORTS_FILE, os.O_RDONLY)

@@ -27,8 +27,11 @@ The server starts with one OpenMP/BLAS thread, so the imports start no thread po
 only the calling thread); each rank sets its own thread count. It never forks stale code
 (agent.warm.fresh): once a file of a module it holds has changed since it imported it, it refuses
 that request and every later one (the asker starts a fresh interpreter), and exits (STALE_EXIT)
-when what it forked has ended, for the agent to start a fresh server at once. The agent also
-replaces it when the job's interpreter or environment is no longer the one it was started with.
+when what it forked has ended, for the agent to start a fresh server at once. It also looks while
+idle (every STALE_CHECK_SECONDS) and says so at once on the pipe the agent gave it ($STALE_FD_ENV):
+the agent then starts its successor while the running attempt's ranks, forked from this one, train
+on, so that a restart after an edit forks from fresh code instead of waiting for fresh imports. The
+agent also replaces it when the job's interpreter or environment is no longer the one it was started with.
 """
 
 import contextlib
@@ -53,6 +56,11 @@ from agent.warm.fresh import Fingerprint, shadowed
 
 MAX_REQUEST_BYTES = 1 << 20
 STALE_EXIT = 75  # its code changed under it: the agent starts a fresh one at once, not after a pause
+# How often an idle server stats its modules' files (30 ms for the trainer's 2,000 on a loaded 2-core
+# node): an edit is seen within this, and a successor's imports (5-20 s) start then, not at the restart.
+STALE_CHECK_SECONDS = 2.0
+STALE_FD_ENV = "ETT_WARM_STALE_FD"  # the pipe on which it tells the agent it went stale (agent.warm.servers)
+STALE_WORD = b"s"
 
 
 def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str | None = None) -> bool:
@@ -67,7 +75,8 @@ def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str
     return python is not None and os.path.realpath(python) == os.path.realpath(sys.executable)
 
 
-def serve(socket_path: Path, modules: list[str], imports: list[str] | None = None) -> None:
+def serve(socket_path: Path, modules: list[str], imports: list[str] | None = None, stale_fd: int | None = None
+          ) -> None:
     # It outlives its user's jobs (the sweep spares it and its keepers): a rank of that user that
     # attached to it (ptrace, /proc/PID/mem) would leave code running after its job. Its keepers
     # inherit this; each rank undoes it for itself (_run_rank).
@@ -104,6 +113,9 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
     os.rename(bound, socket_path)
     stale = None
     while stale is None:
+        if not select.select([listener], [], [], STALE_CHECK_SECONDS)[0]:
+            stale = fingerprint.changed()  # idle: an edit seen now gets its successor started now
+            continue
         conn, _ = listener.accept()
         fds: list[int] = []
         try:
@@ -123,6 +135,8 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
                 raise ValueError(f"{shadow}, beside the script, stands in for a module this server holds")
             if os.fork() == 0:
                 listener.close()
+                if stale_fd is not None:  # the agent's word, not its ranks' to forge
+                    os.close(stale_fd)
                 _keep(conn, fds, request)
         except (OSError, ValueError, KeyError) as exc:
             print(f"agent.warm: request refused: {exc}", file=sys.stderr, flush=True)
@@ -132,9 +146,14 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
                 os.close(fd)
     # Stale: it takes no more requests, and exits (STALE_EXIT, for the agent to start a fresh one)
     # once its keepers are gone: its exit would kill them, and the ranks of a launch forked from it.
-    print("agent.warm: stale; exiting once the processes forked from it have ended", file=sys.stderr, flush=True)
+    print(f"agent.warm: stale ({stale} changed since this server imported it); exiting once the processes "
+          "forked from it have ended", file=sys.stderr, flush=True)
     listener.close()
-    socket_path.unlink(missing_ok=True)
+    socket_path.unlink(missing_ok=True)  # before the agent hears of it: its successor binds here
+    if stale_fd is not None:
+        with contextlib.suppress(OSError):  # the agent gone: so is this server, by its parent-death signal
+            os.write(stale_fd, STALE_WORD)
+        os.close(stale_fd)
     with contextlib.suppress(ChildProcessError):
         os.wait()  # with SIGCHLD ignored: returns once every child has ended (wait(2))
     sys.exit(STALE_EXIT)
@@ -260,4 +279,5 @@ if __name__ == "__main__":
         sys.exit("usage: python -P -m agent.warm.server SOCKET MODULE... [--imports IMPORT...]")
     args = sys.argv[2:]
     cut = args.index("--imports") if "--imports" in args else len(args)
-    serve(Path(sys.argv[1]), args[:cut], args[cut + 1:])
+    said = os.environ.pop(STALE_FD_ENV, None)  # before the imports: nothing they start inherits it by name
+    serve(Path(sys.argv[1]), args[:cut], args[cut + 1:], int(said) if said else None)

@@ -2,21 +2,32 @@
 started, started again when it died or went stale, replaced when the job's interpreter or
 environment is no longer the one it was started with, stopped."""
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
+import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from agent.confinement.cgroup_end import PROCS
 from agent.confinement.cgroups import NodeCgroups
-from agent.confinement.job_user import RunAs
+from agent.confinement.job_user import PASSABLE, RunAs
 from agent.warm.client import python_module
-from agent.warm.server import STALE_EXIT
+from agent.warm.server import STALE_EXIT, STALE_FD_ENV, STALE_WORD
 
 RESTART_PAUSE_SECONDS = 10.0
+# Stale servers kept for what they forked, at most, per server: an edit retires one, and a successor
+# with nothing forked exits at once when it goes stale too. Past it, a word on the pipe waits there
+# (a module of the job's, imported in the server as its user, could write it): at most this many more
+# processes, and the stale one is replaced when it exits, as before.
+MAX_RETIRED = 2
 SOCKET_PATH_MAX_BYTES = 107  # sun_path
+LONGEST_SOCKET = f"{2**32 - 1}/w-{'0' * 10}.sock"  # below the sockets' folder: a uid's, a server of a job's imports
+SHORT_ROOT_AS_ROOT = Path("/run/ett-warm")  # root's alone to write; a tmpfs, emptied at boot
 
 log = logging.getLogger(__name__)
 # What every PyTorch script on ETT's library loads, whatever else it imports (the plain DDP example's
@@ -27,10 +38,31 @@ SCRIPT_BASE_IMPORTS = ["torch.nn.parallel", "ett.run"]
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
-def socket_path(data_dir: Path, uid: int) -> Path:
-    """Where the warm server of a job user, under an agent with this data folder, listens once its
-    imports are done."""
-    return (data_dir / "warm" / str(uid) / "warm.sock").resolve()
+def socket_folder(data_dir: Path) -> Path:
+    """Where an agent with this data folder puts its warm servers' sockets and its cgroup placer's:
+    DATA_DIR/warm, unless a socket there could be past sun_path's 107 bytes (a deep --data-dir, pytest's
+    folders), which no server could bind: then a short folder of its own, named after that one,
+    /run/ett-warm/HASH as root, TMPDIR/ett-warm-UID/HASH else. Such a folder is made where missing
+    and taken only as the agent's: a folder, no link, its owner's alone to write (OSError else)."""
+    folder = (data_dir / "warm").resolve()
+    if len(os.fsencode(folder / LONGEST_SOCKET)) <= SOCKET_PATH_MAX_BYTES:
+        return folder
+    euid = os.geteuid()
+    root = SHORT_ROOT_AS_ROOT if euid == 0 else Path(tempfile.gettempdir()) / f"ett-warm-{euid}"
+    short = root / hashlib.sha1(os.fsencode(folder)).hexdigest()[:12]
+    for path in (root, short):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            os.chmod(path, PASSABLE)  # whatever the umask: a job's user passes through to its own folder
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != euid or st.st_mode & 0o022:
+            raise OSError(errno.EPERM, "not a folder of this agent's own (another user's, or a link)", str(path))
+    return short
+
+
+def socket_path(folder: Path, uid: int) -> Path:
+    """Where the warm server of a job user listens once its imports are done (`folder`: socket_folder's)."""
+    return folder / str(uid) / "warm.sock"
 
 
 def imports_key(imports: list[str]) -> str:
@@ -41,7 +73,9 @@ def imports_key(imports: list[str]) -> str:
 class WarmServer:
     """The agent's handle on one job user's warm server: started, started again when it died (at
     once when it went stale), stopped. Called from the monitor loop only: the thread that forks a child owns its
-    parent-death signal."""
+    parent-death signal. A server that says it went stale while what it forked runs on (a module it
+    holds was edited under a running attempt) is retired: kept until that ends, while its successor
+    starts importing at once, on the same socket path."""
 
     def __init__(self, socket_path: Path, modules: list[str], log_path: Path, run_as: RunAs = RunAs(),
                  cgroup: Path | None = None, imports: list[str] | None = None) -> None:
@@ -49,6 +83,8 @@ class WarmServer:
         self.imports = imports or []  # a job's own imports: the server then starts its scripts
         self.cgroup = cgroup  # its user's warm/ cgroup (agent.confinement.cgroups), if the machine gives one
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stale_pipe: int | None = None  # the read end of the pipe on which the running one says it went stale
+        self._retired: list[subprocess.Popen[bytes]] = []  # stale ones, until what they forked has ended
         self._next_start = 0.0
         self._env: dict[str, str] | None = None  # what it was started with
         self._trouble: str | None = None  # why its last start failed (its folder is its user's to fill)
@@ -85,6 +121,11 @@ class WarmServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
+    @property
+    def pids(self) -> set[int]:
+        """The live server's and its retired predecessors' (their keepers are their children)."""
+        return {proc.pid for proc in [self._proc, *self._retired] if proc is not None and proc.poll() is None}
+
     def ensure_running(self) -> None:
         """Starts it if it is not running (and its pause after a failed start is over). What its
         user left in its folder (a folder where the socket goes, say) stops this server from
@@ -97,6 +138,12 @@ class WarmServer:
             self._trouble, self._next_start = str(exc), time.monotonic() + RESTART_PAUSE_SECONDS
 
     def _ensure_running(self) -> None:
+        self._retired = [proc for proc in self._retired if proc.poll() is None]
+        if self._proc is not None and len(self._retired) < MAX_RETIRED and self._said_stale():
+            log.info("warm server %s: a module it held changed (see %s); a fresh one starts now, the old one exits "
+                     "once what it forked has ended", self.socket_path, self.log_path)
+            self._retired.append(self._proc)
+            self._proc, self._next_start = None, 0.0
         if not self._socket_fits or (self._proc is not None and self._proc.poll() is None):
             return
         stale = self._proc is not None and self._proc.returncode == STALE_EXIT
@@ -111,13 +158,23 @@ class WarmServer:
         self._env = self.environment()
         self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
         self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
-        with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
-            self._proc = subprocess.Popen(
-                [*python_module(self.run_as.python, "agent.warm.server"), str(self.socket_path), *self.modules,
-                 *(["--imports", *self.imports] if self.imports else [])],
-                env=self._env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
-            )  # fmt: skip
+        self._close_stale_pipe()
+        said, tell = os.pipe()
+        os.set_blocking(said, False)
+        try:
+            with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
+                self._proc = subprocess.Popen(
+                    [*python_module(self.run_as.python, "agent.warm.server"), str(self.socket_path), *self.modules,
+                     *(["--imports", *self.imports] if self.imports else [])],
+                    env=self._env | {STALE_FD_ENV: str(tell)}, pass_fds=(tell,), stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
+                )  # fmt: skip
+        except BaseException:
+            os.close(said)
+            raise
+        finally:
+            os.close(tell)
+        self._stale_pipe = said
         if self.cgroup is not None:  # long before its imports are done and it forks anything
             try:
                 (self.cgroup / PROCS).write_text(str(self._proc.pid))
@@ -126,10 +183,28 @@ class WarmServer:
                 raise
         self._next_start, self._trouble = time.monotonic() + RESTART_PAUSE_SECONDS, None
 
+    def _said_stale(self) -> bool:
+        """Whether the running server said it went stale: it listens no more (its socket is gone), and
+        exits once what it forked has ended. Its pipe, which nothing it forks holds: no job can say it."""
+        if self._stale_pipe is None or self._proc is None or self._proc.poll() is not None:
+            return False
+        try:
+            return os.read(self._stale_pipe, 1) == STALE_WORD
+        except BlockingIOError:
+            return False
+
+    def _close_stale_pipe(self) -> None:
+        if self._stale_pipe is not None:
+            os.close(self._stale_pipe)
+            self._stale_pipe = None
+
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()  # keepers and ranks follow through their parent-death signals
-            self._proc.wait()
+        for proc in [self._proc, *self._retired]:
+            if proc is not None and proc.poll() is None:
+                proc.kill()  # keepers and ranks follow through their parent-death signals
+                proc.wait()
+        self._retired = []
+        self._close_stale_pipe()
         try:
             self.socket_path.unlink(missing_ok=True)
         except OSError as exc:  # its user's folder: whatever lies there is left there
@@ -144,8 +219,10 @@ class WarmServers:
 
     MAX_SERVERS = 4
 
-    def __init__(self, data_dir: Path, modules: list[str], cgroups: NodeCgroups | None = None) -> None:
+    def __init__(self, data_dir: Path, modules: list[str], cgroups: NodeCgroups | None = None,
+                 sockets: Path | None = None) -> None:
         self.data_dir, self.modules, self.cgroups = data_dir, modules, cgroups
+        self.sockets = sockets or (data_dir / "warm").resolve()  # socket_folder's
         self._servers: dict[tuple[int, str], WarmServer] = {}  # by uid and imports, least recently used first
 
     def kept(self, run_as: RunAs, imports: list[str] | None = None) -> WarmServer | None:
@@ -178,7 +255,7 @@ class WarmServers:
             if self.cgroups is not None and run_as.user is not None:
                 owner = self.cgroups.owner(run_as.user.uid)
                 cgroup = owner / "warm" if owner is not None else None
-            sock = socket_path(self.data_dir, uid)
+            sock = socket_path(self.sockets, uid)
             if imports:  # torchrun, and the job's imports
                 sock = sock.with_name(f"w-{key[1]}.sock")
             modules = ["torch.distributed.run"] if imports else self.modules
@@ -197,7 +274,7 @@ class WarmServers:
 
     def pids(self) -> set[int]:
         """The live servers' pids (their keepers are their children)."""
-        return {pid for server in self._servers.values() if (pid := server.pid) is not None}
+        return {pid for server in self._servers.values() for pid in server.pids}
 
     def ensure_running(self) -> None:
         for server in self._servers.values():

@@ -121,8 +121,8 @@ def service_url(environ: Mapping[str, str]) -> str:
 
 
 # -- what a job's script imported, learned for its warm restarts (docs/agent.md, "Warm start") --
-# A `python SCRIPT` job that names no `warm_imports`: each node's local rank 0 writes, once after
-# its first step, the modules of installed packages it imported, {"modules": [...]}, in the order
+# A `python SCRIPT` job that names no `warm_imports`: each node's local rank 0 writes, once at its
+# `ett.init`, the modules of installed packages it imported, {"modules": [...]}, in the order
 # they were loaded (ett/imports.py). Its agent reads it as hostile input, bounded (agent/warm/learned.py)
 # and starts a warm server of them at once; the service keeps it for the job's next attempts.
 IMPORTS_FILE = "imports.json"  # in EVENTS_DIR
@@ -131,6 +131,19 @@ MODULE_NAME_MAX_CHARS = 128
 IMPORTS_FILE_MAX_BYTES = 256 << 10  # the rank keeps its list within it, the agent reads no more
 # A dotted name of ASCII identifiers: nothing else is ever passed on or imported.
 MODULE_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+# Modules that act when imported, which a warm server (which imports the names it is given, as the
+# job's user, for good) must never import: a package's `__main__` (runs its program with the server's
+# arguments: unittest's parsed them and ended the server, venv's and ensurepip's install), and the
+# standard library's that open a browser (antigravity), print (this, __hello__, __phello__), start a
+# program (idlelib.idle, turtledemo) or run tests (test.autotest). Found by review (#48). A script
+# that imports one of them imports it itself, cold; never learned, never named.
+ACTS_AT_IMPORT = frozenset({"antigravity", "this", "__hello__", "__phello__", "idlelib", "turtledemo", "test"})
+
+
+def acts_at_import(name: str) -> bool:
+    """Whether importing the module `name` (a dotted name) does more than define it (above)."""
+    parts = name.split(".")
+    return parts[0] in ACTS_AT_IMPORT or parts[-1] in ("__main__", "__mp_main__")
 
 
 # -- the job's environment, set by the agent for every rank (docs/library.md) -----------------

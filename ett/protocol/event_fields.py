@@ -33,12 +33,18 @@ class RestoreEndData(TypedDict, total=False):
     missing_count: int
     differed: list[str]  # differed between ranks when saved; one rank's copy restored
     differed_count: int
+    # An elastic run's persistent checkpoint saved at another world size, resharded on load: that size.
+    saved_world_size: int
 
 
 class StepData(TypedDict, total=False):
     duration: Required[float]  # seconds
     tokens: int  # all ranks'
     loss: float | None  # null: a NaN or infinite loss, as the service stores it
+    # Seconds of the step spent blocked on a save (run.checkpoint or run.wait_for_staging inside it,
+    # as the built-in trainer waits for the copy in the step after a save): booked as checkpoint
+    # time, never again as slow time (docs/ett.md, "Slow time").
+    saving: float
 
 
 class CkptCommittedData(TypedDict, total=False):
@@ -93,6 +99,7 @@ class HangDetectedData(TypedDict, total=False):
 
 class AttemptAllocatedData(TypedDict, total=False):
     nodes: list[str]
+    full_nodes: int  # an elastic job's full size where this attempt runs on fewer nodes
     slurm_job_id: str  # a Slurm job's (docs/slurm.md)
     slurm_nodes: list[str]
 

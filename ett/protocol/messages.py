@@ -10,14 +10,23 @@ report is read strictly: the service is the one that must not guess.
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, model_validator
 
-from ett.protocol import FAULT_ACTIONS, IMPORTS_MAX_NAMES, MODULE_NAME_MAX_CHARS, MODULE_NAME_PATTERN
+from ett.protocol import FAULT_ACTIONS, IMPORTS_MAX_NAMES, MODULE_NAME_MAX_CHARS, MODULE_NAME_PATTERN, acts_at_import
 
 # Node names and job ids: used in paths, so no "/" and no "..".
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 JobId = Annotated[str, Field(pattern=NAME_PATTERN.pattern)]
-ModuleName = Annotated[str, StringConstraints(max_length=MODULE_NAME_MAX_CHARS, pattern=MODULE_NAME_PATTERN)]
+
+
+def _imported_quietly(name: str) -> str:
+    if acts_at_import(name):
+        raise ValueError(f"{name} acts when imported (a program, a browser, a print): no warm server imports it")
+    return name
+
+
+ModuleName = Annotated[str, StringConstraints(max_length=MODULE_NAME_MAX_CHARS, pattern=MODULE_NAME_PATTERN),
+                       AfterValidator(_imported_quietly)]
 REPORT_DETAIL_CHARS = 512
 
 

@@ -87,12 +87,19 @@ class Secrets:
         """An event's `data` with every secret in it blanked, at any depth: in strings, in names but
         the kind's declared fields' (a name may be a secret: {"note": {SECRET: 1}}) and in numbers outside its
         declared fields (a secret of digits written as a number becomes the blank), but for the fields
-        KEPT_AS_SENT; the top's declared names and numbers stay, as the service reads them typed.
+        KEPT_AS_SENT. The top's declared names stay, as the service reads them typed, and so do its
+        declared numbers but one that is a secret written as a number (`"tokens": 48151623`, 48151623.0
+        too), which is dropped: the blank is no number, and the field is the accounting's (a step
+        whose duration is dropped is no step, and is refused and set aside). A declared number
+        holding a secret among other digits is kept: a secret of 4 digits ("2024") would otherwise
+        erase the counts that hold them (120245 tokens).
         Changed in place, without recursion (a job's JSON may nest as deep as its parser allows)."""
         if self._pattern is None:
             return data
         kept = KEPT_AS_SENT.get(kind, frozenset())
         declared = FIELD_NAMES.get(kind, frozenset())
+        for key in [key for key in declared if self._is_a_secret(data.get(key))]:
+            del data[key]
         stack: list[dict[str, Any] | list[Any]] = [data]
         while stack:
             node = stack.pop()
@@ -111,6 +118,13 @@ class Secrets:
                 elif isinstance(value, dict | list):
                     stack.append(value)
         return data
+
+    def _is_a_secret(self, value: object) -> bool:
+        """Whether a number, as JSON writes it (an integral float also without its ".0"), is a secret."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        texts = [str(value)] + ([str(int(value))] if isinstance(value, float) and value.is_integer() else [])
+        return any(self.blank(text) == REDACTED for text in texts)
 
     def hold_from(self, text: str) -> int:
         """Where the longest end of `text` begins that a secret begins with (but is not all of),

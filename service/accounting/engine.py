@@ -1,19 +1,14 @@
 """The ETT engine: the accounting table of docs/ett.md as a fold over events.
 
 No database and no HTTP. A job's state (`JobAccount`) is bounded: one `AttemptSummary` per
-attempt, whatever the number of steps, so a report costs O(attempts). Every field is folded
-with min, max or a sum, so the state does not depend on the order events arrive in. Two things
-need more than a summary, and are injected:
-
-- the checkpoints (a start is paired with its staged/committed by (attempt, step)): a
-  `CheckpointRecord` per checkpoint, kept by the caller (a dict here, a table in the service);
-- a rollback discovered late (a restore arriving after the steps it rolls back): the sum of an
-  attempt's step durations above a step, from a `StepLookup` (an in-memory index here, an
-  indexed SQL SUM in the service). `JobAccount.settle` asks for it only when an attempt's
-  rollback point changes.
-
-Deduplication on (attempt, source, seq) is the caller's job: `apply` must see each event once.
-`MemoryJob` bundles all of it for tests, benchmarks and tools.
+attempt, whatever the number of steps, so a report costs O(attempts). Every field is folded with
+min, max or a sum, so the state does not depend on the order events arrive in. Injected, as they
+need more than a summary: the checkpoints (a start paired with its staged/committed by (attempt,
+step)), a `CheckpointRecord` each, kept by the caller (a dict here, a table in the service); and
+for a rollback discovered late (a restore arriving after the steps it rolls back) an attempt's step
+time above a step, from a `StepLookup` (an index here, an indexed SQL SUM in the service), asked by
+`JobAccount.settle` only when a rollback point changes. Deduplication on (attempt, source, seq) is
+the caller's: `apply` must see each event once. `MemoryJob` bundles all of it for tests and tools.
 """
 
 import operator
@@ -22,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ett.protocol import CHECKPOINT_KINDS
-from service.accounting.step_times import Verdict, add_save, add_steps, copy_windows, judge, new_windows
+from service.accounting.step_times import Verdict, add_steps, copy_windows, judge, new_windows, step_saving
 
 CATEGORIES = ("productive", "wasted", "checkpoint_save", "restore", "init", "recovery", "idle")
 TIMING_SOURCE = "rank:0"  # timings come from rank 0; allocation, failure and finish from the service
@@ -86,6 +81,8 @@ class AttemptSummary:
     attempt: int
     allocated_at: float | None = None
     first_seen_at: float | None = None  # stands in for allocated_at until that event arrives
+    nodes: int | None = None  # how many its allocation named (docs/ett.md, "Reduced capacity")
+    full_nodes: int | None = None  # an elastic job's full size, where this attempt ran on fewer
     failed_at: float | None = None
     failure_cause: str | None = None
     failure_detail: str | None = None  # the scheduler's one line: "rank 1 exit code 1", ...
@@ -130,6 +127,9 @@ class AttemptSummary:
         if self.restored_step is not None:
             return self.restored_step
         return 0 if self.steps else None
+
+    def rolled_back(self, step: int) -> bool:  # a later attempt went back below its `step` (JobAccount.settle)
+        return self.rolled_back_to is not None and step > self.rolled_back_to
 
     def slow_time(self) -> Verdict:  # its pace, slow time and lasting slowdowns (docs/ett.md, "Slow time")
         return judge(self.step_windows, self.rolled_back_to)
@@ -189,12 +189,12 @@ class JobAccount:
             else:
                 self._apply_rank0(a, e)
 
-    def apply_steps(self, attempt: int, steps: Sequence[tuple[int, float, float]]) -> None:
+    def apply_steps(self, attempt: int, steps: Sequence[tuple[int, float, float, float]]) -> None:
         """Fold rank 0's (new, deduplicated) step events of one attempt, given as (step, ts,
-        duration): the same as `apply` on each, in one pass over the batch."""
+        duration, saving): the same as `apply` on each, in one pass over the batch."""
         if not steps:
             return
-        numbers, ends, durations = zip(*steps)
+        numbers, ends, durations, savings = zip(*steps)
         last_end = max(ends)
         a = self.seen(attempt, min(ends), last_end)
         a.steps += len(steps)
@@ -202,14 +202,15 @@ class JobAccount:
         a.first_step_start = _min(a.first_step_start, min(map(operator.sub, ends, durations)))
         a.last_step_end = _max(a.last_step_end, last_end)
         a.last_step = max(a.last_step or 0, max(numbers))
-        add_steps(a.step_windows, list(zip(numbers, durations, strict=True)))
-        if a.rolled_back_to is not None:
-            wasted = [d for s, d in zip(numbers, durations, strict=True) if s > a.rolled_back_to]
-            a.wasted_steps += len(wasted)
-            a.wasted_seconds += sum(wasted)
+        add_steps(a.step_windows, list(zip(numbers, durations, savings, strict=True)))
+        wasted = [d for s, d in zip(numbers, durations, strict=True) if a.rolled_back(s)]
+        a.wasted_steps += len(wasted)
+        a.wasted_seconds += sum(wasted)
 
     def _apply_service(self, a: AttemptSummary, e: Event) -> None:
         if e.kind == "attempt_allocated":
+            if a.allocated_at is None or e.ts < a.allocated_at:  # the first allocation tells its size
+                a.nodes, a.full_nodes = len(e.data.get("nodes") or ()) or None, e.data.get("full_nodes")
             a.allocated_at = _min(a.allocated_at, e.ts)
         elif e.kind == "attempt_failed":
             # The earliest report wins; at the same time the root cause (a signal or hang over a
@@ -233,7 +234,7 @@ class JobAccount:
             if a.restore_ended_at is None or (e.ts, -(e.step or 0)) > (a.restore_ended_at, -(a.restored_step or 0)):
                 a.restore_ended_at, a.restored_step = e.ts, e.step or 0
         elif e.kind == "step":
-            self.apply_steps(e.attempt, [(e.step or 0, e.ts, float(e.data.get("duration", 0.0)))])
+            self.apply_steps(e.attempt, [(e.step or 0, e.ts, float(e.data.get("duration", 0.0)), step_saving(e.data))])
 
     @staticmethod
     def _apply_checkpoint(a: AttemptSummary, e: Event, c: CheckpointRecord) -> None:
@@ -260,8 +261,6 @@ class JobAccount:
                 count, seconds = f"{name}_count", f"{name}_seconds"
                 setattr(a, count, getattr(a, count) + (after is not None) - (before is not None))
                 setattr(a, seconds, getattr(a, seconds) + (after or 0.0) - (before or 0.0))
-                if name == "blocking":  # booked as checkpoint time: never again as slow (step_times.py)
-                    add_save(a.step_windows, c.step, (after or 0.0) - (before or 0.0))
         if c.committed_at is not None and not was_committed:
             a.committed += 1
             a.last_committed_step = _max(a.last_committed_step, c.step)

@@ -48,17 +48,19 @@ def fold(
     duration: Callable[[E], float],
     event: Callable[[E], Event],
     record: Callable[[E], CheckpointRecord],
+    saving: Callable[[E], float] = lambda _e: 0.0,
 ) -> None:
-    """Applies new (deduplicated) events to the account. `duration`: a step's length; `event`:
+    """Applies new (deduplicated) events to the account. `duration`: a step's length; `saving`: the
+    seconds of it blocked on a save (service/accounting/step_times.py); `event`:
     the Event of one applied alone; `record`: the checkpoint record a checkpoint event updates.
     The caller settles the account afterwards."""
-    steps: dict[int, list[tuple[int, float, float]]] = defaultdict(list)  # rank 0's, per attempt
+    steps: dict[int, list[tuple[int, float, float, float]]] = defaultdict(list)  # rank 0's, per attempt
     seen: dict[int, list[float]] = defaultdict(list)  # the other ranks' and the agents' times, per attempt
     others: list[E] = []
     for e in events:
         if e.source == TIMING_SOURCE:
             if e.kind == "step":
-                steps[e.attempt].append((e.step or 0, e.ts, duration(e)))
+                steps[e.attempt].append((e.step or 0, e.ts, duration(e), saving(e)))
             else:
                 others.append(e)
         elif e.source == "service":

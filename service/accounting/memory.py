@@ -10,6 +10,7 @@ from typing import Any
 from service.accounting.engine import TIMING_SOURCE, CheckpointRecord, Event, JobAccount
 from service.accounting.fold import fold
 from service.accounting.report import build_report
+from service.accounting.step_times import step_saving
 
 
 def _duration(e: Event) -> float:
@@ -49,7 +50,8 @@ class MemoryJob:
             self.events[e.key] = e
             if e.kind == "step" and e.source == TIMING_SOURCE:
                 self._steps[e.attempt].append((e.step or 0, _duration(e)))
-        fold(self.account, fresh.values(), duration=_duration, event=lambda e: e, record=self._record)
+        fold(self.account, fresh.values(), duration=_duration, event=lambda e: e, record=self._record,
+             saving=lambda e: step_saving(e.data))
         self.account.settle(self)
         return len(fresh), duplicates
 

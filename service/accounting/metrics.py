@@ -63,6 +63,10 @@ class EttCollector(Collector):
             ("ett_ratio", "Share of the job's wall time in kept training steps (0-1)."),
             ("full_speed_ratio", "The ETT ratio less the slow share: kept steps at the ideal step time (0-1)."),
             ("slow_seconds", "Kept steps' time above each attempt's ideal step (docs/ett.md, Slow time)."),
+            ("capacity_ratio", "Productive node-seconds over wall x the full size (0-1): the ETT ratio less the "
+                               "reduced share."),
+            ("reduced_capacity_seconds", "Productive seconds short of the full size: (N - n) / N of each productive "
+                                         "second on n of N nodes (docs/ett.md, Reduced capacity)."),
             ("wall_seconds", "The job's accounted wall time: first allocation to finish (or now)."),
             ("queued_seconds", "Time from submission to the first allocation."),
             ("time_to_start_seconds", "First allocation to the first step's start."),
@@ -105,6 +109,8 @@ class EttCollector(Collector):
                 "ett_ratio": r["ett_percent"] / 100.0,
                 "full_speed_ratio": r["full_speed_percent"] / 100.0,
                 "slow_seconds": r["slow_seconds"],
+                "capacity_ratio": r["capacity_percent"] / 100.0,
+                "reduced_capacity_seconds": r["reduced_capacity_seconds"],
                 "wall_seconds": r["wall_seconds"],
                 "queued_seconds": r["queued_seconds"],
                 "time_to_start_seconds": r["time_to_start_seconds"],

@@ -11,6 +11,9 @@ to `job_finished`, or now). Inside it, by the table of docs/ett.md:
     recovery    a failed attempt's last completed activity -> the next allocation
                 (to now while the job waits for it; nothing once the job has finished)
     idle        the rest of the span
+
+Beside the categories, not one of them: an attempt on n of the job's N nodes books (N - n) / N of
+each of its productive seconds as reduced capacity (docs/ett.md, "Reduced capacity").
 """
 
 import math
@@ -108,6 +111,18 @@ def attempt_seconds(span: AttemptSpan, job_finished: bool) -> dict[str, float]:
     return seconds
 
 
+def capacity_of(a: AttemptSummary) -> float:
+    """The share of the job's full size the attempt ran at: 1 unless its allocation named a larger full size."""
+    return min(1.0, a.nodes / a.full_nodes) if a.nodes and a.full_nodes else 1.0
+
+
+def attempt_sizes(spans: list[AttemptSpan], productive: list[float]) -> list[dict[str, Any]]:
+    """Each attempt's size (n of N nodes; None where its allocation named none) and its reduced capacity."""
+    return [{"attempt": a.attempt, "nodes": a.nodes, "full_nodes": a.full_nodes or a.nodes,
+             "reduced_capacity_seconds": kept * (1.0 - capacity_of(a))}
+            for a, kept in zip((s.summary for s in spans), productive, strict=True)]  # fmt: skip
+
+
 def window_of(account: JobAccount, now: float) -> tuple[float, float] | None:
     starts = [a.start for a in account.attempts.values() if a.start is not None]
     if not starts:
@@ -177,12 +192,15 @@ def build_report(
     window = window_of(account, now)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     spans: list[AttemptSpan] = []
+    productive: list[float] = []  # each span's
     wall = 0.0
     if window is not None:
         wall = window[1] - window[0]
         spans = attempt_spans(account, window[1])
         for span in spans:
-            for k, v in attempt_seconds(span, account.finished_at is not None).items():
+            by_category = attempt_seconds(span, account.finished_at is not None)
+            productive.append(by_category["productive"])
+            for k, v in by_category.items():
                 seconds[k] += v
     queue_end = window[0] if window is not None else ended_at if ended_at is not None else now
     failures = failures_of(spans)
@@ -195,6 +213,8 @@ def build_report(
     verdicts = [(a.attempt, a.slow_time()) for a in attempts]
     slow = min(seconds["productive"], sum(v.slow_seconds for _, v in verdicts))
     ideal = next((v.ideal_step_seconds for _, v in reversed(verdicts) if v.ideal_step_seconds is not None), None)
+    sizes = attempt_sizes(spans, productive)
+    reduced = sum(s["reduced_capacity_seconds"] for s in sizes)
     return {
         "job_id": job_id,
         "state": state,
@@ -207,6 +227,11 @@ def build_report(
         "slow_seconds": slow,
         "full_speed_percent": 100.0 * (seconds["productive"] - slow) / wall if wall > 0 else 0.0,
         "ideal_step_seconds": ideal,
+        # Productive seconds short of the full size, and productive node-seconds over wall x the full
+        # size: ETT% less the reduced share (docs/ett.md, "Reduced capacity").
+        "reduced_capacity_seconds": reduced,
+        "capacity_percent": 100.0 * (seconds["productive"] - reduced) / wall if wall > 0 else 0.0,
+        "attempt_sizes": sizes,
         # Lasting changes in an attempt's pace; job_report (accounts.py) says a straggler's or the whole job's.
         "slowdowns": [{"attempt": n, **asdict(s)} for n, v in verdicts for s in v.slowdowns],
         "time_to_start_seconds": min(first_steps) - window[0] if first_steps and window else None,

@@ -3,9 +3,12 @@ pace and noise, and a slowdown of the whole job found against its own history.
 
 An attempt's step times are kept in windows of WINDOW_STEPS consecutive step numbers (twice as
 wide, merged in pairs, each time the attempt outgrows MAX_WINDOWS): each window's steps, seconds
-and squared seconds; beside them its first WARMUP_STEPS steps and its saves' blocking per window.
-All of it is sums, a lowest-N set and a min/max, so it is bounded and the same in whatever order
-the events arrive (JSON, see `new_windows`). `judge` applies the rule to it:
+and squared seconds; beside them its first WARMUP_STEPS steps, the seconds its steps spent blocked
+on a save (a step event's `saving`), and the stride of its step numbers (their greatest common
+difference: a script that counts micro-batches numbers its steps 4 apart; windows are then judged
+merged so that each spans WINDOW_STEPS steps). All of it is sums, a lowest-N set, a gcd and a
+min/max, so it is bounded and the same in whatever order the events arrive (JSON, see
+`new_windows`). `judge` applies the rule to it:
 
 1. leave out warm-up (the attempt's first WARMUP_STEPS steps: it restores, if at all, before
    them), windows with steps a later attempt rolled back (wasted, not slow), and windows holding
@@ -17,14 +20,15 @@ the events arrive (JSON, see `new_windows`). `judge` applies the rule to it:
    of the windows' means. Google's goodput takes the mean of the steps under median + 3 MAD; a
    window's mean, not a step, so a job's own every-Nth-step work is part of its pace, and a
    quartile, not the median, so an attempt slow for most of its windows still shows its pace;
-4. a window whose mean, less its saves' blocking (booked already as checkpoint time), is above
-   pace + band is slow: what it took above the pace, less that blocking, is slow time;
+4. a window whose mean, less the time its steps spent blocked on saves (booked already as
+   checkpoint time), is above pace + band is slow: what it took above the pace, less that, is slow time;
 5. LASTING_WINDOWS slow windows in a row after a steady one: a lasting slowdown (its since step,
    its factor over the pace), which the report tells apart from a straggler.
 """
 
 import heapq
 import math
+from math import gcd
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +45,12 @@ BAND_FLOOR = 0.05  # ...and beyond 5% of the pace
 LASTING_WINDOWS = 3  # this many slow windows in a row, after a steady one: a lasting slowdown
 
 
+def step_saving(data: dict[str, Any]) -> float:
+    """The seconds a step event says its step spent blocked on a save (`saving`; 0 when absent)."""
+    saving = data.get("saving")
+    return float(saving) if isinstance(saving, (int, float)) and 0 < saving < math.inf else 0.0
+
+
 def new_windows() -> dict[str, Any]:
     """An attempt's step-time summary: window width, first and last step, windows (index ->
     [steps, seconds, squared seconds]), the earliest steps ([step, seconds]), saves (index -> blocking)."""
@@ -52,30 +62,28 @@ def copy_windows(w: dict[str, Any]) -> dict[str, Any]:
                 saves=dict(w["saves"]))
 
 
-def add_steps(w: dict[str, Any], steps: Sequence[tuple[int, float]]) -> None:
-    """Fold (step, seconds) pairs, each step once."""
+def add_steps(w: dict[str, Any], steps: Sequence[tuple[int, float] | tuple[int, float, float]]) -> None:
+    """Fold (step, seconds) or (step, seconds, seconds blocked on a save inside it), each step once."""
     if not steps:
         return
-    numbers = [s for s, _ in steps]
+    numbers = [s[0] for s in steps]
+    # The stride: the gcd of the differences to any one step of the attempt is that of all of them.
+    ref = w.setdefault("ref", numbers[0])
+    w["stride"] = gcd(w.get("stride", 0), *(abs(n - ref) for n in numbers))
     w["first"] = min(numbers) if w["first"] is None else min(w["first"], *numbers)
     w["last"] = max(numbers) if w["last"] is None else max(w["last"], *numbers)
     _widen(w)
     width, windows = w["width"], w["windows"]
-    for step, seconds in steps:
-        cell = windows.setdefault(str(step // width), [0, 0.0, 0.0])
+    for step, seconds, *saving in steps:
+        key = str(step // width)
+        cell = windows.setdefault(key, [0, 0.0, 0.0])
         cell[0] += 1
         cell[1] += seconds
         cell[2] += seconds * seconds
-    w["early"] = [list(p) for p in heapq.nsmallest(WARMUP_STEPS, [*map(tuple, w["early"]), *steps])]
-
-
-def add_save(w: dict[str, Any], step: int, blocking: float) -> None:
-    """Add (or, negative, take back) a save's blocking: it belongs to the step after the saved one
-    (where the built-in trainer waits for the copy; a script that saves between steps holds none of
-    it in a step, and its window is judged on less than it took: never booked twice)."""
-    if blocking:
-        key = str((step + 1) // w["width"])
-        w["saves"][key] = w["saves"].get(key, 0.0) + blocking
+        if saving and saving[0] > 0:  # booked as checkpoint time already: never again as slow
+            w["saves"][key] = w["saves"].get(key, 0.0) + saving[0]
+    pairs = [(s[0], s[1]) for s in steps]
+    w["early"] = [list(p) for p in heapq.nsmallest(WARMUP_STEPS, [*map(tuple, w["early"]), *pairs])]
 
 
 def _widen(w: dict[str, Any]) -> None:
@@ -131,22 +139,38 @@ class Verdict:
 NO_VERDICT = Verdict(None, 0.0, 0.0, ())
 
 
+def judged_width(w: dict[str, Any]) -> tuple[int, int]:
+    """The width of the windows as judged, and how many stored ones each merges: steps numbered
+    `stride` apart are judged in windows spanning WINDOW_STEPS of them (merged in powers of two)."""
+    merge = 1
+    while merge < (w.get("stride") or 1):
+        merge *= 2
+    return w["width"] * merge, merge
+
+
 def windows_of(w: dict[str, Any], rolled_back_to: int | None = None) -> list[Window]:
-    """The attempt's windows that tell (rule 1), oldest first."""
-    width = w["width"]
-    cells = {int(k): list(v) for k, v in w["windows"].items()}
+    """The attempt's windows that tell (rule 1), oldest first; their index in judged_width's units."""
+    width, merge = judged_width(w)
+    cells: dict[int, list[float]] = {}
+    for key, (n, s, ss) in w["windows"].items():
+        cell = cells.setdefault(int(key) // merge, [0, 0.0, 0.0])
+        cell[0], cell[1], cell[2] = cell[0] + n, cell[1] + s, cell[2] + ss
+    saves: dict[int, float] = {}
+    for key, seconds in w["saves"].items():
+        saves[int(key) // merge] = saves.get(int(key) // merge, 0.0) + seconds
     for step, seconds in w["early"]:
         cell = cells.get(int(step) // width)
         if cell is not None:
             cell[0], cell[1], cell[2] = cell[0] - 1, cell[1] - seconds, cell[2] - seconds * seconds
     cut = None if rolled_back_to is None else (rolled_back_to + 1) // width  # from it on: rolled back
+    expected = width / (w.get("stride") or 1)  # steps a full window holds
     found = []
     for index, (n, s, ss) in sorted(cells.items()):
         n = round(n)
-        if n < max(2, MIN_FILL * width) or (cut is not None and index >= cut):
+        if n < max(2, MIN_FILL * expected) or (cut is not None and index >= cut):
             continue
         variance = max(0.0, (ss - s * s / n) / (n - 1))
-        save = max(0.0, w["saves"].get(str(index), 0.0))
+        save = max(0.0, saves.get(index, 0.0))
         error = math.sqrt(variance / n) / (s / n) if s > 0 else 0.0
         found.append(Window(index, n, max(0.0, s - save), error, save > 0))
     return found
@@ -176,7 +200,7 @@ def judge(w: dict[str, Any], rolled_back_to: int | None = None) -> Verdict:
 def _lasting(w: dict[str, Any], rows: list[Window], slow: list[bool], booked: list[float], pace: float
              ) -> list[Slowdown]:
     """Rule 5: the runs of LASTING_WINDOWS or more slow windows that follow a steady one."""
-    found, start, width = [], None, w["width"]
+    found, start, width = [], None, judged_width(w)[0]
     for i in range(len(rows) + 1):
         if i < len(rows) and slow[i]:
             start = i if start is None else start

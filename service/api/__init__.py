@@ -2,11 +2,11 @@
 
 from fastapi import FastAPI
 
-from service.api import agents, events, jobs, logs, nodes, reports
+from service.api import agents, events, jobs, logs, nodes, reports, steps
 
 PREFIX = "/api/v1"
 # Matched in this order: the agents' endpoints, called thousands of times a second, first.
-ROUTERS = (agents.router, events.router, jobs.router, logs.router, nodes.router, reports.router)
+ROUTERS = (agents.router, events.router, jobs.router, logs.router, nodes.router, reports.router, steps.router)
 
 
 def include_api(app: FastAPI) -> None:

@@ -27,9 +27,11 @@ from typing import Any
 from sqlalchemy import JSON, Row, bindparam, func, insert, select, tuple_, type_coerce, update
 from sqlalchemy.orm import Session
 
+from ett.protocol.event_fields import EVENT_FIELDS
 from ett.protocol.redaction import Secrets
 from service.accounting.engine import CheckpointRecord, Event, JobAccount
 from service.accounting.fold import fold, is_checkpoint
+from service.accounting.step_times import step_saving
 from service.ingest.bound import take_past_bound
 from service.ingest.rows import (
     EventRow,
@@ -43,6 +45,11 @@ from service.ingest.rows import (
 from service.models import JOB_WORLD_SIZE, RANK0_STEPS, Checkpoint, Job, JobAccountRow, JobEvent
 from service.schemas.events import EventIn
 from service.settings import Settings
+
+
+# Each kind's fields an event must have (a step's duration): a declared number that is a secret is
+# dropped (ett/protocol/redaction.py), and an event without one of these is refused.
+REQUIRED_FIELDS: dict[str, frozenset[str]] = {kind: fields.__required_keys__ for kind, fields in EVENT_FIELDS.items()}
 
 
 class EventRejected(Exception):
@@ -102,6 +109,8 @@ def ingest(
         latest_ts = now + ahead - clock_offset
         if job_id in secrets and e.source.startswith("rank:"):
             secrets[job_id].blank_data(e.kind, e.data)
+            if missing := sorted(REQUIRED_FIELDS.get(e.kind, frozenset()) - e.data.keys()):  # a secret, dropped
+                raise EventRejected(i, f"data.{missing[0]}", "a secret of the job's env: dropped, its event with it")
         data, encoded = encode_data(e.data)
         if len(encoded) > max_bytes:
             raise EventRejected(i, "data", f"data is over the limit of {max_bytes} bytes")
@@ -192,7 +201,8 @@ def _account(session: Session, account_row: Row, new: list[Pending], records: "_
     """Folds a job's new events into its accounting row, returned as the row's new values, and
     their checkpoint events into `records`."""
     account = JobAccount.from_dict(account_row.account)
-    fold(account, new, duration=_step_duration, event=_event, record=lambda p: records.get(p.job_id, p.attempt, p.step))
+    fold(account, new, duration=_step_duration, event=_event, record=lambda p: records.get(p.job_id, p.attempt, p.step),
+         saving=lambda p: step_saving(p.data))
     account.settle(_SqlSteps(session, account_row.job_id))
     starts = [a.start for a in account.attempts.values() if a.start is not None]
     return {

@@ -34,7 +34,7 @@ from service.settings import Settings
 NEVER_RETRIED = frozenset({"import_error", "configuration"})
 # Told by the failure's cause alone.
 CAUSE_DIAGNOSES = {"hang": "hang", "node_lost": "node_lost", "time_limit": "time_limit", "preempted": "preempted",
-                   "terminated": "terminated", "straggler": "straggler"}
+                   "terminated": "terminated", "straggler": "straggler", "grow": "grow"}
 LogKey = tuple[str, int, int]  # (job id, attempt, rank)
 
 

@@ -169,10 +169,12 @@ class HeartbeatWriter:
                     evidence.append((node.id, before["health"], item))
                 for report in item.beat.attempts:
                     share = shares.get((node.id, report.job_id, report.attempt))
-                    # None: an ended attempt reported again, or none of this node's: nothing to do
-                    if share is not None and not scheduler.report_changes_nothing(
+                    # None: an ended attempt reported again, or none of this node's: nothing to do. A
+                    # running one's report that carries its script's imports is read (once: the agent
+                    # drops them once answered), for its spares to warm them (service/jobs/launch.py).
+                    if share is not None and (report.imports or not scheduler.report_changes_nothing(
                         share.state, share.attempt_state, report.state
-                    ):
+                    )):
                         changing.append((share.id, item, report))
                 recorded[i] = node.id
                 if node.fenced is not None:

@@ -3,10 +3,17 @@ owner, checkpoint folders and interval, timeouts and the faults meant for its ra
 spares that could take its next attempt are told to warm."""
 
 from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec, WarmCommand
+from service.agents import commands
 from service.jobs.checkpoints import job_checkpoint_dir, owner_area
-from service.models import Attempt, AttemptNode, Job, Node
+from service.jobs.owners import number_owner
+from service.jobs.placement import free_spare_nodes
+from service.models import ACTIVE_ATTEMPT_STATES, AgentCommand, Attempt, AttemptNode, Job, JobState, Node
 from service.settings import Settings
 
 # Spares told to warm per attempt, at most: a node loss's restart takes the first idle ones by name
@@ -27,7 +34,8 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
     )  # fmt: skip
     return LaunchCommand(
         type="launch", job_id=job.id, attempt=attempt.number, owner=job.owner, owner_number=owner_number,
-        node_rank=share.node_rank, nnodes=spec.nodes, nproc_per_node=per_node,
+        # An elastic job's smaller attempt runs on its own nodes and says its full size (docs/library.md).
+        node_rank=share.node_rank, nnodes=len(attempt.nodes), full_nnodes=attempt.full_nodes, nproc_per_node=per_node,
         master_addr=attempt.master_addr, master_port=attempt.master_port,
         trainer=TrainerSpec(**spec.trainer.model_dump()), entrypoint=spec.entrypoint, env=spec.env,
         warm_imports=spec.warm_imports or job.learned_imports or [],
@@ -58,3 +66,34 @@ def spare_warm_commands(job: Job, spares: Sequence[Node], owner_number: int) -> 
     )  # fmt: skip
     chosen = sorted(spares, key=lambda node: node.name)[:min(spec.nodes, WARM_SPARES_MAX)]
     return [(node, command) for node in chosen]
+
+
+def warm_spares(session: Session, settings: Settings, now: float) -> None:
+    """Each scheduler pass: every running attempt's spares (the first idle nodes by name that could take
+    its next one, as spare_warm_commands chooses them) told what to warm, each once per attempt and
+    command: a node that turned idle after the attempt started, which its start could not tell, and
+    every spare again once the job's imports are learned (in its first attempt, at its `ett.init`:
+    its next one forks from them on a spare too). What was told is read from the commands queued since
+    the attempt started (agent_commands): no state of its own, whichever service process ticks."""
+    fresh = datetime.fromtimestamp(now, UTC) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    running = session.scalars(select(Attempt).join(Job).where(Attempt.state.in_(ACTIVE_ATTEMPT_STATES),
+                                                              Job.state == JobState.running)).all()
+    wanted: list[tuple[Attempt, Node, WarmCommand]] = []
+    for attempt in running:
+        job = attempt.job
+        if job.spec.env:
+            continue  # never starts warm
+        spares = session.scalars(free_spare_nodes(attempt, fresh).order_by(Node.name).limit(WARM_SPARES_MAX)).all()
+        if spares:
+            owner = number_owner(session, job.owner)
+            wanted += [(attempt, node, command) for node, command in spare_warm_commands(job, spares, owner)]
+    if not wanted:
+        return
+    since = min(attempt.allocated_at for attempt, _, _ in wanted)
+    told = session.execute(select(AgentCommand.node_id, AgentCommand.payload, AgentCommand.created_at).where(
+        AgentCommand.node_id.in_({node.id for _, node, _ in wanted}), AgentCommand.created_at >= since)).all()
+    for attempt, node, command in wanted:
+        payload = command.model_dump(mode="json")
+        if not any(n == node.id and p == payload and at >= attempt.allocated_at for n, p, at in told):
+            commands.enqueue(session, node, command)
+

@@ -4,13 +4,23 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
-from service.models import Attempt, Checkpoint, Job, JobState
+from service.models import Attempt, Checkpoint, Job, JobState, Node, NodeState
 from service.settings import Settings
 
 
 def needs_attempt(session: Session, job: Job, settings: Settings, now: float) -> bool:
     """Whether the job wants its next attempt now: queued, or its last attempt over, its backoff
-    past and every share of it stopped."""
+    past and every share of it stopped. As it says yes, the spare held for its replacement is
+    handed over (service/stragglers/spares.py): idle for the allocation that asked, which serves
+    restarts before queued jobs."""
+    ready = _ready(session, job, settings, now)
+    if ready and job.attempts and job.attempts[-1].cause == "straggler":
+        for spare in session.scalars(select(Node).where(Node.state == NodeState.reserved, Node.reserved_for == job.id)):
+            spare.state, spare.reserved_for = NodeState.idle, None
+    return ready
+
+
+def _ready(session: Session, job: Job, settings: Settings, now: float) -> bool:
     if job.state == JobState.queued:
         return True
     if job.state != JobState.running or not job.attempts:
@@ -18,8 +28,9 @@ def needs_attempt(session: Session, job: Job, settings: Settings, now: float) ->
     last = job.attempts[-1]
     if last.state in ACTIVE or last.ended_at is None:
         return False
-    # A lost node is no crash loop of the job's: the next attempt runs without it, at once.
-    backoff_over = (last.cause == "node_lost" or made_progress(session, last)
+    # A lost node is no crash loop of the job's: the next attempt runs without it, at once; nor is
+    # an elastic job's growing back, which stopped it at a checkpoint (service/jobs/elastic.py).
+    backoff_over = (last.cause in ("node_lost", "grow") or made_progress(session, last)
                     or now >= last.ended_at.timestamp() + settings.restart_backoff_seconds)
     # Wait for the survivors to stop, so they can be reused and hold no stale ranks.
     return backoff_over and all(s.state not in ACTIVE for s in last.nodes)

@@ -19,11 +19,12 @@ from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
 from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_restart_reason, reported_failure,
                                     without_logs)
+from service.jobs.elastic import elastic_size, weigh_growing
 from service.jobs.intervals import retune_auto_intervals
-from service.jobs.launch import launch_command, learn_imports, spare_warm_commands
+from service.jobs.launch import launch_command, learn_imports, spare_warm_commands, warm_spares
 from service.jobs.owners import number_owner
 from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers
-from service.jobs.placement import rank_order
+from service.jobs.placement import assignable, rank_order
 from service.jobs.rendezvous import free_master_port
 from service.jobs.restarts import needs_attempt
 from service.jobs.service_events import emit
@@ -183,15 +184,16 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
         _lose(session, share.node, [share], detail, settings, now)
     _give_up_unconfirmed_stops(session, settings, now)
     _allocate(session, settings, now)
+    warm_spares(session, settings, now)  # the spares that turned idle since, or that learned imports concern
+    for attempt, why in weigh_growing(session, settings, now):  # an elastic job's smaller attempt grows back
+        fail_attempt(session, attempt, "grow", why, now)
     retune_auto_intervals(session, settings, now)
 
 
 def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> None:
     deadline = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
-    silent = session.scalars(
-        select(Node).where(Node.state != NodeState.lost, Node.last_heartbeat_at < deadline)
-        .with_for_update(skip_locked=True)
-    ).all()  # fmt: skip
+    silent = session.scalars(select(Node).where(Node.state != NodeState.lost, Node.last_heartbeat_at < deadline)
+                             .with_for_update(skip_locked=True)).all()  # fmt: skip
     for node in silent:
         detail = f"agent {node.name} sent no heartbeat for {settings.heartbeat_timeout_seconds:g} s"
         shares = session.scalars(select(AttemptNode).where(AttemptNode.node_id == node.id,
@@ -240,11 +242,8 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         if not needs_attempt(session, job, settings, now):
             continue
         if idle is None:
-            idle = list(session.scalars(
-                select(Node).where(Node.state == NodeState.idle, Node.last_heartbeat_at >= fresh,
-                                   Node.health.is_(None), Node.drained.is_(None), Node.fenced.is_(None))
-                .order_by(Node.name).with_for_update(skip_locked=True)
-            ))  # fmt: skip
+            idle = list(session.scalars(select(Node).where(*assignable(fresh)).order_by(Node.name)
+                                        .with_for_update(skip_locked=True)))  # fmt: skip
         spec = job.spec
         # A Slurm job runs on its allocation's agents alone, and they on nothing else.
         serves = job.id if spec.slurm is not None else None
@@ -252,40 +251,43 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
             continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
         avoided = {a.failed_node_id for a in job.attempts if a.cause == "straggler"}  # service/stragglers/
         fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node and n.id not in avoided]
-        if len(fitting) < spec.nodes and avoided:  # the spare was taken meanwhile: back where it ran, not stranded
+        size, reason = elastic_size(session, job, fitting, avoided)  # all its nodes, or an elastic job's fewer
+        if size is None and avoided:  # the spare was taken meanwhile: back where it ran, not stranded
             fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node]
-        if len(fitting) < spec.nodes:  # gang: all nodes or none; smaller jobs behind may still fit
+            size, reason = elastic_size(session, job, fitting, set())
+        if size is None:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
                 slots = spec.procs_per_node
                 if slots not in capacity:
                     capacity[slots] = fleet_capacity(session, slots, fresh)
-                registered, able = capacity[slots]
-                reason = waiting_reason(spec.nodes, spec.procs_per_node, len(fitting), registered, able)
-                if job.reason != reason:  # written when it changes, not every tick
-                    job.reason = reason
+                reason = waiting_reason(spec.nodes, slots, len(fitting), *capacity[slots])
+            if reason and job.reason != reason:  # written when it changes, not every tick
+                job.reason = reason
             continue
-        nodes = rank_order(job, fitting, spec.nodes)
-        _start_attempt(session, settings, job, nodes, now, spares=[n for n in fitting if n not in nodes])
+        nodes = rank_order(job, fitting, size)
+        _start_attempt(session, settings, job, nodes, now, [n for n in fitting if n not in nodes], reason or None)
         idle = [node for node in idle if node not in nodes]
 
 
 def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float,
-                   spares: Sequence[Node] = ()) -> None:
-    """Allocates the attempt on `nodes` and tells each its share; `spares`, idle nodes that could
-    take its next attempt, warm its server meanwhile (a node loss's restart then forks there)."""
-    number = len(job.attempts)
+                   spares: Sequence[Node] = (), reason: str | None = None) -> None:
+    """Allocates the attempt on `nodes` (fewer than the job's: an elastic job's, `reason` says why) and tells
+    each its share; `spares`, idle nodes that could take its next attempt, warm its server meanwhile."""
+    number, full = len(job.attempts), job.spec.nodes
     attempt = Attempt(
         job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,
         master_port=free_master_port(session, settings, nodes[0].address, job),
-        resume_from=newest_checkpoint(session, job.id),
+        resume_from=newest_checkpoint(session, job.id), full_nodes=full if len(nodes) < full else None,
     )  # fmt: skip
     for rank, node in enumerate(nodes):
         attempt.nodes.append(AttemptNode(node=node, node_rank=rank))
         node.state = NodeState.busy
-    job.state, job.restarts, job.reason = JobState.running, number, None
+    job.state, job.restarts, job.reason = JobState.running, number, reason
     session.add(attempt)
     session.flush()
     allocated = AttemptAllocatedData(nodes=[n.name for n in nodes])
+    if attempt.full_nodes is not None:
+        allocated |= AttemptAllocatedData(full_nodes=attempt.full_nodes)
     if job.slurm_allocations:  # where it runs in Slurm's terms too
         slurm = job.slurm_allocations[-1]
         allocated |= AttemptAllocatedData(slurm_job_id=slurm.slurm_job_id, slurm_nodes=slurm.slurm_nodes)

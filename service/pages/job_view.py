@@ -15,6 +15,9 @@ MEANINGS = {
     "full_speed": "ETT less the slow share: the kept steps counted at the ideal step time (the 10th percentile "
                   "of an attempt's step times; docs/ett.md, Slow time)",
     "slow": "the kept steps' time above the ideal step time: a slow rank, data loader or link",
+    "capacity": "ETT less the reduced share: the kept steps' node-seconds over the wall time at the job's full size",
+    "reduced_capacity": "kept steps on fewer nodes than the job's full size, counted at the share missing: "
+                        "(N - n) / N of each second on n of N nodes",
     "wall": "from the first allocation to the end of the job (or now)",
     "queued": "from submission to the first allocation",
     "time_to_start": "from the first allocation to the first step's start",

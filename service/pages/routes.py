@@ -20,6 +20,7 @@ from service.accounting.accounts import (
     job_report,
 )
 from service.accounting.engine import CATEGORIES
+from service.accounting.steps import step_curve
 from service.api.routing import SessionRoute
 from service.context import SessionDep
 from service.jobs.catalog import visible_job, visible_jobs
@@ -27,6 +28,7 @@ from service.jobs.logs import failure_tails
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
 from service.pages.job_view import MEANINGS, checkpoint_intervals, reason_of
+from service.pages.step_chart import build_step_chart
 from service.pages.timeline import build_timeline, frame_of
 from service.pages.timeline_data import checkpoint_saves, step_time
 
@@ -100,7 +102,8 @@ def job_page(request: Request, job_id: str, session: SessionDep, caller: PageCal
     context = {"caller": caller, "job": job, "report": report, "timeline": timeline,
                "restored": account.restored_steps(), "failure_logs": failure_tails(session, job),
                "reason": reason_of(job.reason, failures), "failed": {f["attempt"] for f in failures},
-               "intervals": checkpoint_intervals(job, account, report)}  # fmt: skip
+               "intervals": checkpoint_intervals(job, account, report),
+               "chart": build_step_chart(step_curve(session, job.id, account), report["attempt_sizes"])}  # fmt: skip
     return render(request, "job.html", context)
 
 

@@ -29,12 +29,26 @@ STEP_KINDS = frozenset({"step", "restore_end", "ckpt_start", "ckpt_staged", "ckp
 MAX_BATCH = 20_000
 
 
+# A declared number is bounded (#48): the accounting sums and divides them, and a job writes them. An
+# int is a count, step, pid or code: 0 to 2**53 (held exactly by every JSON reader, and a BIGINT); a
+# float is seconds: 0 to a billion (31 years), finite. A loss is any float: a diverged run's NaN or
+# infinity is real, and its step must still count (stored as null, service/ingest/rows.py).
+DECLARED_INT_MAX = 2**53
+DECLARED_SECONDS_MAX = 1e9
+_BOUNDED: dict[Any, Any] = {
+    int: Annotated[int, Field(ge=0, le=DECLARED_INT_MAX)],
+    float: Annotated[float, Field(ge=0, le=DECLARED_SECONDS_MAX, allow_inf_nan=False)],
+    list[int]: list[Annotated[int, Field(ge=0, le=DECLARED_INT_MAX)]],
+}
+
+
 def _data_validator(fields: type) -> SchemaValidator:
-    """A kind's fields (ett/protocol/event_fields.py) as pydantic checks them, strictly (no coercion):
-    the same TypedDict, as typing_extensions makes it (pydantic takes no `typing.TypedDict` below
-    Python 3.12). Its core validator: 0.3 to 0.4 us for a rank's data, under a tenth of an event's check."""
+    """A kind's fields (ett/protocol/event_fields.py) as pydantic checks them, strictly (no coercion),
+    their numbers bounded (above): the same TypedDict, as typing_extensions makes it (pydantic takes no
+    `typing.TypedDict` below Python 3.12). Its core validator: 0.3 to 0.4 us for a rank's data, under a
+    tenth of an event's check."""
     required = fields.__required_keys__  # type: ignore[attr-defined]
-    hints = {name: (Required if name in required else NotRequired)[hint]
+    hints = {name: (Required if name in required else NotRequired)[_BOUNDED.get(hint, hint)]
              for name, hint in get_type_hints(fields).items()}  # fmt: skip
     typed = typing_extensions.TypedDict(fields.__name__, hints)  # type: ignore[operator]
     return TypeAdapter(with_config(ConfigDict(strict=True))(typed)).validator  # type: ignore[return-value]
@@ -162,6 +176,15 @@ class SlowdownOut(BaseModel):
     cause: str  # whole_job (every rank slower alike) or straggler (a rank flagged in the attempt)
 
 
+class AttemptSizeOut(BaseModel):
+    """The nodes an attempt ran on, of the job's full size (docs/ett.md, "Reduced capacity")."""
+
+    attempt: int
+    nodes: int | None  # None: its allocation named none (an older event)
+    full_nodes: int | None
+    reduced_capacity_seconds: float  # its productive seconds x (full - nodes) / full
+
+
 class EttReport(BaseModel):
     job_id: str
     state: str
@@ -172,6 +195,9 @@ class EttReport(BaseModel):
     slow_seconds: float  # productive time above the ideal step (docs/ett.md, "Slow time")
     full_speed_percent: float  # ETT% less the slow share
     ideal_step_seconds: float | None  # the latest attempt's ideal step that tells one
+    reduced_capacity_seconds: float  # productive seconds short of the full size (docs/ett.md, "Reduced capacity")
+    capacity_percent: float  # productive node-seconds over wall x the full size: ETT% less the reduced share
+    attempt_sizes: list[AttemptSizeOut] = []
     stragglers: list[StragglerOut] = []
     slowdowns: list[SlowdownOut] = []
     time_to_start_seconds: float | None

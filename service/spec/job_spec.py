@@ -13,12 +13,12 @@ from pydantic import (
 )
 
 from ett.protocol import FAULT_ACTIONS
+from ett.protocol.messages import ModuleName
 from service.spec import Strict
 from service.spec.notify import NotifySpec
 
 JobName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-ModuleName = Annotated[str, StringConstraints(max_length=128, pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")]
 OverrideValue = str | int | float | bool
 # Variables a job's `env` may not set: they change how the interpreter or the dynamic loader starts
 # (a listed entrypoint would run code the entrypoint policy never saw: PYTHONWARNINGS with BROWSER
@@ -120,6 +120,12 @@ class SlurmSpec(Strict):
         return options
 
 
+class ElasticSpec(Strict):
+    """Run on fewer nodes than `nodes` rather than wait for a spare (docs/jobspec.md, "elastic")."""
+
+    min_nodes: Annotated[int, Field(ge=1, le=4096)]
+
+
 class JobSpec(Strict):
     name: JobName
     nodes: Annotated[int, Field(ge=1, le=4096)] = 1
@@ -148,6 +154,9 @@ class JobSpec(Strict):
     slurm: SlurmSpec | None = None
     # Webhooks the service calls, signed, on the job's events (docs/jobspec.md, "notify").
     notify: NotifySpec | None = None
+    # Set: with no spare free, a failure or an exclusion restarts the job at once on the nodes it
+    # has, down to `min_nodes`, at a size its run declared; it grows back when it pays (service/jobs/elastic.py).
+    elastic: ElasticSpec | None = None
 
     @property
     def world_size(self) -> int:
@@ -162,6 +171,20 @@ class JobSpec(Strict):
                 raise ValueError(f"env.{name}: refused: it changes how the interpreter, the loader or the shell "
                                  "starts, or the job's own ETT_ environment (docs/jobspec.md, \"env\")")
         return env
+
+    @field_validator("elastic")
+    @classmethod
+    def _elastic_within_the_job(cls, elastic: ElasticSpec | None, info: ValidationInfo) -> ElasticSpec | None:
+        if elastic is None:
+            return elastic
+        nodes = info.data.get("nodes")
+        if nodes is not None and elastic.min_nodes > nodes:
+            raise ValueError(f"elastic.min_nodes: {elastic.min_nodes} is above the job's nodes ({nodes}), its full "
+                             "size")
+        if info.data.get("slurm") is not None:
+            raise ValueError("elastic: a Slurm job runs on its allocation's nodes and is not elastic; leave out one of "
+                             "the two")
+        return elastic
 
     @field_validator("hang_timeout_seconds", mode="before")
     @classmethod

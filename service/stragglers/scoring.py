@@ -9,17 +9,19 @@ machine a 2 ms mark can read 6 ms), and so is a rank that was slow in a step or 
 (another process took its core for a moment). WINDOWS_IN_A_ROW such windows, lasting
 MIN_SLOW_SECONDS at least, make it a straggler.
 
-A window costs O(world log world): its values sorted once, each rank's peers' median is the
-median of that order without the rank, read in O(1), and only the ranks above the median can
-be slow, so the scan stops at the first one that is not (comparing every rank with a median of
-its peers took O(world^2): 0.65 s a scheduler tick at 2,048 ranks). An attempt's score
-(AttemptScore) keeps only its pending windows and each rank's current run of slow windows, so
-each window is scored once, when its last rank reports (bench/straggler_scoring.py).
+A window costs O(world log world), in numpy: its values sorted once, each rank's peers' median
+(the order's median without the rank) is one of three values read off that order, and the slow
+ranks are the top of it (comparing every rank with a median of its peers took O(world^2): 0.65 s
+a scheduler tick at 2,048 ranks). Each row is put in its window's columns as it is read (O(1)),
+so the pass that completes a 16,384-rank window does no Python work per rank. An attempt's score
+(AttemptScore) keeps only its pending windows, each rank's current run of slow windows and its
+first windows' work, so each window is scored once, when its last rank reports
+(bench/straggler_scoring.py).
 """
 
-import bisect
+import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -27,6 +29,10 @@ RELATIVE_LIMIT = 1.5
 STEP_SHARE = 0.15
 WINDOWS_IN_A_ROW = 3  # two flagged a healthy rank under CI's load once; three: by step S + 17 at the latest
 LOOKBACK_STEPS = 60  # the windows a fresh score reads (a service start): enough for WINDOWS_IN_A_ROW complete ones
+EARLY_WINDOWS = 3  # a rank's own baseline: its median over the attempt's first complete windows but one
+# A window still missing more ranks than this when a newer one is complete is passed over unread:
+# reading them again is a pass's worth of rows (READ_ROWS, service/stragglers/watch.py), no more.
+REREAD_RANKS = 512
 # A slowdown shorter than this is the machine's scheduling noise, not a straggler: a healthy rank of
 # a job of 50 ms steps, starved of its core for 0.8 s on a shared 2-core machine, was flagged (CI,
 # 2026-11-27). Steps of a real job last far longer: three windows of them pass this at once.
@@ -64,6 +70,7 @@ class Straggler:
     peer_seconds: float
     step_seconds: float  # the window's median step time
     total_steps: int | None = None  # the job's steps, as its ranks report them
+    baseline_seconds: float | None = None  # the rank's own median work early in the attempt (EARLY_WINDOWS)
 
 
 def peer_median(ordered: Sequence[float], i: int) -> float:
@@ -76,41 +83,85 @@ def peer_median(ordered: Sequence[float], i: int) -> float:
     return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
-def _slow_by(ranks: np.ndarray, values: np.ndarray, step_seconds: float) -> dict[int, float]:
-    """The ranks slow by `values` against their peers' median, with that median. Scanned from the
-    top of the order down: a lower value's peers' median is no lower, so the first index that is
-    not slow ends the scan, and equal values are slow alike (without either, the peers are the same)."""
-    ordered = np.sort(values).tolist()
-    cut = len(ordered)
-    while cut > 0:
-        peer = peer_median(ordered, cut - 1)
-        if ordered[cut - 1] - peer < STEP_SHARE * step_seconds or ordered[cut - 1] < RELATIVE_LIMIT * peer:
-            break
-        cut -= 1
-    if cut == len(ordered):
-        return {}
-    slow = values >= ordered[cut]
-    return {rank: peer_median(ordered, bisect.bisect_left(ordered, value))
-            for rank, value in zip(ranks[slow].tolist(), values[slow].tolist(), strict=True)}
+class Window:
+    """One window's timings, a slot per rank, filled as its rows are read (O(1) a row): scoring it
+    once complete is numpy's work on its columns, never a pass of Python over its world of rows
+    (that pass, 16,384 Timings at once, made a scoring pass's worst case: BENCHMARKS.md)."""
+
+    __slots__ = ("step", "duration", "value", "steady", "seen", "count", "total_steps")
+
+    def __init__(self, step: int, world: int) -> None:
+        self.step = step
+        self.duration, self.value, self.steady = np.empty(world), np.empty(world), np.empty(world)
+        self.seen = np.zeros(world, bool)
+        self.count = 0
+        self.total_steps: int | None = None
+
+    def put(self, t: Timing) -> None:
+        if not 0 <= t.rank < len(self.seen):
+            return  # no rank of this attempt's
+        if not self.seen[t.rank]:
+            self.seen[t.rank] = True
+            self.count += 1
+        self.duration[t.rank], self.value[t.rank], self.steady[t.rank] = t.duration, t.value, t.steady
+        if t.total_steps and (self.total_steps is None or t.total_steps > self.total_steps):
+            self.total_steps = t.total_steps
+
+    def missing(self) -> list[int]:
+        return np.flatnonzero(~self.seen).tolist()
+
+
+def _slow_by(values: np.ndarray, step_seconds: float) -> tuple[np.ndarray, np.ndarray]:
+    """Which `values` are slow against their peers' median (a mask), and the peers' median of each
+    slow one. A value's peers' median is one of three read off the sorted order (peer_median): a
+    value above the middle has the lower one, below it the upper one. The slow values are the top
+    of the order down to the first that is not: a lower value's peers' median is no lower, and
+    equal values are slow alike (without either, the peers are the same)."""
+    n = len(values)
+    slow, peers = np.zeros(n, bool), np.full(n, np.nan)
+    if n < 2:
+        return slow, peers
+    ordered = np.sort(values)
+    middle = (n - 1) // 2
+    at = np.where(np.arange(n) > middle, peer_median(ordered, n - 1), peer_median(ordered, 0))
+    at[middle] = peer_median(ordered, middle)
+    not_slow = np.flatnonzero((ordered - at < STEP_SHARE * step_seconds) | (ordered < RELATIVE_LIMIT * at))
+    cut = int(not_slow[-1]) + 1 if len(not_slow) else 0
+    if cut < n:
+        slow = values >= ordered[cut]
+        peers[slow] = at[np.searchsorted(ordered, values[slow], side="left")]
+    return slow, peers
+
+
+def _median(values: np.ndarray) -> float:
+    # np.median imports numpy.ma on its first call: 170 ms in the pass that scored the first window.
+    ordered, n = np.sort(values), len(values)
+    return float((ordered[(n - 1) // 2] + ordered[n // 2]) / 2) if n else 0.0
 
 
 def slow_in_window(window: Sequence[Timing]) -> list[Straggler]:
     """The ranks slow in one window every rank reported (one Timing each)."""
-    n = len(window)
-    step_seconds = float(np.median(np.fromiter((t.duration for t in window), float, n)))
-    ranks = np.fromiter((t.rank for t in window), np.int64, n)
-    values = np.fromiter((t.value for t in window), float, n)
-    by_value = _slow_by(ranks, values, step_seconds)
-    if not by_value:
-        return []
-    by_steady = _slow_by(ranks, np.fromiter((t.steady for t in window), float, n), step_seconds)
-    total = max((t.total_steps for t in window if t.total_steps), default=None)
-    found = []
+    columns = Window(window[0].step if window else 0, 1 + max((t.rank for t in window), default=-1))
     for t in window:
-        if t.rank in by_value and t.rank in by_steady:
-            peers = by_value[t.rank]
-            relative = t.value / peers if peers > 0 else float("inf")
-            found.append(Straggler(t.rank, t.step, t.step, relative, t.value, peers, step_seconds, total))
+        columns.put(t)
+    return slow_in(columns)
+
+
+def slow_in(window: Window) -> list[Straggler]:
+    """The ranks slow in a window, from its columns: O(world log world), in numpy."""
+    ranks = np.flatnonzero(window.seen)
+    duration, value, steady = (column[ranks] for column in (window.duration, window.value, window.steady))
+    step_seconds = _median(duration)
+    by_value, peers = _slow_by(value, step_seconds)
+    if not by_value.any():
+        return []
+    by_steady, _ = _slow_by(steady, step_seconds)
+    found = []
+    for i in np.flatnonzero(by_value & by_steady).tolist():
+        mine, theirs = float(value[i]), float(peers[i])
+        relative = mine / theirs if theirs > 0 else float("inf")
+        found.append(Straggler(int(ranks[i]), window.step, window.step, relative, mine, theirs, step_seconds,
+                               window.total_steps))
     return found
 
 
@@ -141,40 +192,55 @@ class Run:
 
 class AttemptScore:
     """One attempt's straggler score, fed its ranks' windows as they arrive (each once or more: a
-    window already scored is passed over)."""
+    window already scored is passed over). `from_start`: fed from the attempt's first window, so it
+    knows each rank's early work (its baseline)."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, from_start: bool = True) -> None:
         self.world = world
         self.done_step: int | None = None  # the newest window scored
-        self.pending: dict[int, dict[int, Timing]] = {}  # step -> rank -> its window, until all reported
+        self.pending: dict[int, Window] = {}  # step -> its window, until all ranks reported
         self.runs: dict[int, Run] = {}
+        self.early: list[np.ndarray] | None = [] if from_start else None  # the first complete windows' work
 
-    def add(self, timings: Iterable[Timing], reread: Callable[[int], Iterable[Timing]] | None = None
+    def add(self, timings: Iterable[Timing], reread: Callable[[int, list[int]], Iterable[Timing]] | None = None
             ) -> list[Straggler]:
         """Folds new windows in; the ranks that became stragglers in the windows they complete (each
-        once a run of slow windows). A window still incomplete when a newer one completes is read
-        again whole by `reread(step)`, where given (a row another writer committed late), and
-        scored if complete, else passed over, as its missing rank moved on."""
+        once a run of slow windows). A window still incomplete when a newer one completes has its
+        missing ranks read again by `reread(step, ranks)`, where given and at most REREAD_RANKS of
+        them (a row another writer committed late), and is scored if complete, else passed over,
+        as its missing ranks moved on."""
         for t in timings:
             if self.done_step is None or t.step > self.done_step:
-                self.pending.setdefault(t.step, {})[t.rank] = t
+                window = self.pending.get(t.step)
+                if window is None:
+                    window = self.pending[t.step] = Window(t.step, self.world)
+                window.put(t)
         found: list[Straggler] = []
-        while complete := [s for s, w in self.pending.items() if len(w) >= self.world]:
+        while complete := [s for s, w in self.pending.items() if w.count >= self.world]:
             newest = min(complete)
             for step in sorted(s for s in self.pending if s <= newest):
                 window = self.pending.pop(step)
-                if step < newest and reread is not None:
-                    window.update((t.rank, t) for t in reread(step))
-                if len(window) >= self.world:
+                if step < newest and reread is not None and len(missing := window.missing()) <= REREAD_RANKS:
+                    for t in reread(step, missing):
+                        window.put(t)
+                if window.count >= self.world:
                     self.done_step = step
-                    found += self._score(list(window.values()))
+                    found += self._score(window)
         if self.pending:  # a rank gone quiet: keep a bounded backlog
             for stale in [s for s in self.pending if s <= max(self.pending) - LOOKBACK_STEPS]:
                 del self.pending[stale]
         return found
 
-    def _score(self, window: list[Timing]) -> list[Straggler]:
-        slow = slow_in_window(window) if self.world >= 2 else []
+    def baseline(self, rank: int) -> float | None:
+        """The rank's median work over the attempt's first complete windows but one, where known."""
+        if not self.early or len(self.early) < 2:
+            return None
+        return statistics.median(float(window[rank]) for window in self.early[1:])
+
+    def _score(self, window: Window) -> list[Straggler]:
+        if self.early is not None and len(self.early) <= EARLY_WINDOWS:
+            self.early.append(window.value)
+        slow = slow_in(window) if self.world >= 2 else []
         runs = {}
         for s in slow:
             run = self.runs.get(s.rank)
@@ -188,7 +254,7 @@ class AttemptScore:
         for run in runs.values():
             if not run.told and (s := run.straggler()) is not None:
                 run.told = True  # once a run: a rank slow for hours is not told every window
-                became.append(s)
+                became.append(replace(s, baseline_seconds=self.baseline(s.rank)))
         return became
 
     def current(self) -> list[Straggler]:

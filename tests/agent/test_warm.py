@@ -17,7 +17,7 @@ import pytest
 
 from agent.confinement.job_user import RunAs
 from agent.warm.client import WarmProcess, python_module
-from agent.warm.servers import WarmServer, WarmServers
+from agent.warm.servers import WarmServer, WarmServers, socket_folder
 from tests.support.waiting import wait_for
 
 RANK_MODULE = textwrap.dedent("""
@@ -187,3 +187,33 @@ def test_a_jobs_script_is_forked_with_its_warm_imports_loaded_as_python_would_ru
     finally:
         server.stop()
 
+
+
+def test_a_data_folder_too_deep_for_a_socket_gets_a_short_folder_of_the_agents_own(tmp_path, monkeypatch):
+    """A warm socket under a deep --data-dir would be past sun_path's 107 bytes, where no server can
+    bind (warm start was then off, silently): the agent's sockets go to a short folder of its own,
+    named after its data folder, where a server listens and forks; one that is not the agent's
+    alone (anyone may write in it) is refused, never used."""
+    (tmp_path / "warm_rank_module.py").write_text(RANK_MODULE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    data = tmp_path / ("d" * 100)
+    data.mkdir()
+    folder = socket_folder(data)
+    assert not folder.is_relative_to(tmp_path) and socket_folder(data) == folder
+    server = WarmServers(data, ["warm_rank_module"], sockets=folder).for_user(RunAs())
+    assert len(os.fsencode((data / "warm" / str(os.geteuid()) / "warm.sock").resolve())) > 107
+    try:
+        server.ensure_running()
+        wait_for(server.socket_path.exists, 30, "the warm server to listen", explain=server.log_path.read_text)
+        assert server.socket_path.parent.parent == folder and server.usable
+        rank = WarmProcess(str(server.socket_path),
+                           [*python_module(sys.executable, "warm_rank_module"), str(tmp_path / "o"), "3", "0"])
+        assert rank.wait() == 3
+    finally:
+        server.stop()
+    folder.chmod(0o777)
+    try:
+        with pytest.raises(OSError, match="not a folder of this agent's own"):
+            socket_folder(data)
+    finally:
+        shutil.rmtree(folder)

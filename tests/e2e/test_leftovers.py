@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from agent.confinement.uid_files import remove_files_of
+from agent.confinement.uid_files import message_queues, remove_files_of
 from agent.confinement.uid_ipc import objects_of, remove_ipc_of
+from agent.confinement.uid_keys import KEY_USERS, clear_keys_of
 from service.models import Owner
 from tests.support.cluster import Cluster, cluster
 from tests.support.hostile import run, the_agent_lives_and_another_owners_job_succeeds
@@ -47,6 +48,17 @@ open(f"/tmp/{tag}-tree/a/b/file", "w").close()
 libc = ctypes.CDLL(None, use_errno=True)
 said("ipc.json", {"shm": libc.shmget(0, 1 << 20, 0o1000 | 0o600), "sem": libc.semget(0, 1, 0o1000 | 0o600),
                   "msg": libc.msgget(0, 0o1000 | 0o600)})
+"""
+# What the first review found outliving the uid: a file in /run/lock, a POSIX message queue (the node
+# mounts none at /dev/mqueue), a key in its user keyring and one in its user session keyring.
+LEAVE_MORE = HEAD + """
+tag = sys.argv[1]
+open(f"/run/lock/{tag}", "w").write("still here")
+libc, rt = ctypes.CDLL(None, use_errno=True), ctypes.CDLL("librt.so.1", use_errno=True)
+key = b"k" * 4000
+said("made.json", {"mq": rt.mq_open(f"/{tag}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None),
+                   "keys": [libc.syscall(248, b"user", tag.encode(), key, len(key), ctypes.c_int(ring))
+                            for ring in (-4, -5)]})  # add_key(2) into @u and @us
 """
 # The agent's placer socket, asked again and again to move this rank where it may not go.
 FLOOD = HEAD + """
@@ -82,7 +94,8 @@ said("memory.json", {"server_cmdline": open(f"/proc/{server}/cmdline", "rb").rea
                      "rank_dumpable": libc.prctl(3, 0, 0, 0, 0)})  # PR_GET_DUMPABLE
 """
 BYSTANDER = "import os; open(os.path.join(os.environ['ETT_CHECKPOINT_DIR'], 'ran'), 'w').close()\n"
-SCRIPTS = {"leave.py": LEAVE, "flood.py": FLOOD, "read_memory.py": READ_MEMORY, "warm.py": WARM,
+SCRIPTS = {"leave.py": LEAVE, "leave_more.py": LEAVE_MORE,
+           "flood.py": FLOOD, "read_memory.py": READ_MEMORY, "warm.py": WARM,
            "bystander.py": BYSTANDER}
 
 
@@ -104,6 +117,7 @@ def node() -> Iterator[tuple[Cluster, Path]]:
             for number in range(1, 4):
                 remove_files_of(UID_BASE + number, set(), set(), time.time_ns())
                 remove_ipc_of(UID_BASE + number)
+                clear_keys_of(UID_BASE + number, UID_BASE + number)
 
 
 
@@ -146,6 +160,37 @@ def test_files_and_ipc_objects_of_the_jobs_uid_go_with_its_last_attempt(node):
         for path in others:
             path.unlink(missing_ok=True)
         subprocess.run(["ipcrm", "-m", str(segment)], capture_output=True, check=False)
+    the_agent_lives_and_another_owners_job_succeeds(c, python)
+
+
+def key_bytes(uid: int) -> int:
+    """The bytes of keys the kernel charges to `uid` (0: none)."""
+    for line in KEY_USERS.read_text().splitlines():
+        if line.split(":")[0].strip() == str(uid):
+            return int(line.split()[-1].split("/")[0])
+    return 0
+
+
+def queues() -> list[str]:
+    folder = message_queues()
+    try:
+        return os.listdir(folder)
+    finally:
+        if isinstance(folder, int):
+            os.close(folder)
+
+
+def test_a_lock_file_a_message_queue_and_keys_of_the_jobs_uid_go_with_its_last_attempt(node):
+    c, python = node
+    tag = f"ett-leftover-{os.getpid()}-{random.randrange(10**6)}"
+    job_id = run(c, c.user, python, "leave_more.py", tag)
+    assert c.wait_job(job_id, timeout=120)["state"] == "succeeded", c.logs()
+    made = said(c, "alice", job_id, "made.json")
+    assert made["mq"] >= 0 and min(made["keys"]) > 0, made
+    lock = Path(f"/run/lock/{tag}")
+    wait_for(lambda: not lock.exists() and tag not in queues() and key_bytes(uid_of(c, "alice")) < 100, 30,
+             "alice's lock file, queue and keys gone",
+             explain=lambda: f"{lock.exists()} {tag in queues()} {key_bytes(uid_of(c, 'alice'))} {c.logs()[-2000:]}")
     the_agent_lives_and_another_owners_job_succeeds(c, python)
 
 

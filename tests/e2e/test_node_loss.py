@@ -6,23 +6,17 @@ the peers' copies, each spare in the lost node's rank, and ends bitwise equal to
 script run uninterrupted. Any node may go: the last of two, rank 0's of three, and, with two
 copies of each snapshot, two neighbours at once."""
 
-import contextlib
 import json
-import os
-import shutil
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from agent.confinement.cgroups import agent_cgroup_name
 from agent.files.spool import AttemptPaths
-from ett.protocol import JobEnv, rank_spool
+from ett.protocol import rank_spool
 from ett.snapshots.folder import SnapshotFolder, snapshots_root
 from tests.e2e.test_own_scripts import assert_same_parameters, plain_torchrun
 from tests.support.cluster import assert_categories_sum_to_wall, cluster, events, example_job
-from tests.support.processes import pids_in_cgroups_of, pids_with_env
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -56,21 +50,13 @@ def lose_nodes(tmp_path: Path, nodes: int, spares: int, lost: list[int], copies:
                 return min(newest) if min(newest) >= 10 else 0
 
             replicated_step = wait_for(replicated, 120, "each lost rank's snapshot of step 10 or later on a peer")
-            ranks = set()
-            for victim in (first_nodes[r] for r in lost):  # each node goes at once: agent, ranks, disk
-                ranks |= set(pids_with_env(JobEnv.CHECKPOINT_LOCAL_DIR, str(local[victim])))
-                ranks |= set(pids_in_cgroups_of(agent_cgroup_name(victim, c.root / victim)))
-                ranks.add(c.agents[victim].pid)
-            for pid in ranks:
-                with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile is gone all the same
-                    os.kill(pid, signal.SIGKILL)
+            # Each node goes at once: its agent, its ranks, its disk (rank 0's spool stays on its node's disk).
+            killed = set().union(*(c.lose_node(first_nodes[r], job_id) for r in lost))
             # Rank 0 alone writes step events: with its node, its last ones may not have reached
             # the service. Its spool on its node says which step it last finished.
             spool = AttemptPaths.of(c.root / first_nodes[0] / "spool", job_id, 0).events_dir / rank_spool(0)
             last_of_first = max(e["step"] for e in map(json.loads, spool.read_text().splitlines()) if e["kind"] == "step")
-            for r in lost:
-                shutil.rmtree(local[first_nodes[r]])
-            assert len(ranks) > len(lost), "the lost nodes' ranks were not found"
+            assert len(killed) > len(lost), "the lost nodes' ranks were not found"
 
             job = c.wait_job(job_id, timeout=300)
             assert job["state"] == "succeeded", c.logs()

@@ -35,13 +35,14 @@ pytestmark = pytest.mark.slow
 KILL = {"attempt": 0, "rank": 1, "at_step": 13, "action": "kill"}
 
 
-def plain_torchrun(script: str, *args: str, ranks: int = 2) -> None:
-    """The script under plain torchrun on one node with `ranks` ranks: no ETT variable set. Output
-    goes to files, not pipes: a rank left behind must not keep the test waiting for their end."""
+def plain_torchrun(script: str, *args: str, ranks: int = 2, env: dict[str, str] | None = None) -> None:
+    """The script under plain torchrun on one node with `ranks` ranks: no ETT variable set but those of
+    `env` (ETT_EVENT_DIR: its events, the losses of its steps). Output goes to files, not pipes: a
+    rank left behind must not keep the test waiting for their end."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                str(REPO / "examples" / script), *args]
     marker = uuid.uuid4().hex  # on torchrun and its ranks (each in a session of its own)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_")} | {"OWN_SCRIPT_RUN": marker}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_")} | {"OWN_SCRIPT_RUN": marker, **(env or {})}
     with tempfile.TemporaryFile("w+") as output:
         process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True, cwd=REPO)
         try:

@@ -16,8 +16,12 @@ import idna        # an installed package
 import mylocal     # the job's own module, beside the script
 import certifi     # the job's own too: a file beside the script named like an installed package
 import extra_mod   # from the folder the script added
+import os
 import ett
 with ett.init() as run:
+    # Said at once, before any step: a warm server of them imports while the script builds and trains.
+    said = os.path.exists(os.path.join(os.environ["ETT_EVENT_DIR"], "imports.json"))
+    assert said == (os.environ["LOCAL_RANK"] == "0")
     for step in (1, 2):
         with run.step(step):
             pass
@@ -43,7 +47,7 @@ def run_script(tmp_path, local_rank: int) -> list[str] | None:
 
 def test_the_installed_modules_a_script_loaded_are_said_and_never_its_own(tmp_path):
     names = run_script(tmp_path, local_rank=0)
-    assert names is not None, "no list written after the first step"
+    assert names is not None, "no list written at ett.init"
     tops = {name.partition(".")[0] for name in names}
     assert "idna" in tops and "torch" in tops
     assert "ett" in tops  # an editable install: found by its own finder, as the warm server finds it

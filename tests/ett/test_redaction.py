@@ -44,8 +44,8 @@ def test_every_secret_of_an_events_data_is_blanked_at_any_depth_but_a_path_the_s
     assert data["path"] == f"/ckpt/{REDACTED}"
     assert "golfo-s3cr3t-G7" not in data and data[REDACTED] == 1  # a name no field of the kind has: blanked
     numbers = {"duration": 48151623.0, "note": {"id": 48151623, "48151623": [48151623]}, "ok": 7}
-    assert Secrets(["48151623"]).blank_data("step", numbers) == {  # a declared field's number stays as typed
-        "duration": 48151623.0, "note": {"id": REDACTED, REDACTED: [REDACTED]}, "ok": 7}
+    assert Secrets(["48151623"]).blank_data("step", numbers) == {  # a declared field that is the secret: dropped
+        "note": {"id": REDACTED, REDACTED: [REDACTED]}, "ok": 7}
     commit = {"path": "/ckpt/golfo-s3cr3t-G7/step-5", "note": "golfo-s3cr3t-G7"}
     assert secrets.blank_data("ckpt_committed", commit) == {"path": "/ckpt/golfo-s3cr3t-G7/step-5", "note": REDACTED}
 
@@ -57,3 +57,13 @@ def test_what_is_kept_back_is_bounded_whatever_a_rank_writes_inside_a_secret():
         out += redactor.feed(b"\0" * 65536)  # 6.5 MB of NULs after a secret's start
         assert redactor.held <= len("alpha-s3cr3t-A1") + Redactor.HOLD_MAX_CHARS
     assert out.startswith(b"alpha-")
+
+
+def test_a_declared_number_that_is_a_secret_is_dropped_and_one_holding_its_digits_among_others_kept():
+    secrets = Secrets(["48151623", "2024"])
+    data = {"duration": 0.5, "tokens": 48151623, "loss": 48151623.0, "note": {"n": 2024}}
+    assert secrets.blank_data("step", data) == {"duration": 0.5, "note": {"n": REDACTED}}
+    # A count of 120,245 tokens holds a secret of 4 digits, and stays: the accounting's figure.
+    kept = {"duration": 12024.5, "tokens": 120245}
+    assert secrets.blank_data("step", dict(kept)) == kept
+    assert secrets.blank_data("step", {"duration": 2024}) == {}  # no step: the service refuses it

@@ -274,3 +274,20 @@ def test_two_new_intervals_that_arrive_together_each_apply_from_their_own_step(t
         if cfg.due(step):
             saves.append(step)
     assert saves == [10, 20, 24, 28, 30, 36]
+
+
+def test_a_saves_blocking_inside_a_step_is_told_in_its_step_event_and_one_between_steps_is_not(in_job):
+    """The step event's `saving`: what the step spent blocked on a save, which the report books as
+    checkpoint time and never again as slow (service/accounting/step_times.py)."""
+    model, optimizer, state = model_state()
+    with ett.init() as run:
+        with run.step(1):  # the built-in trainer's way: the save's copy waited for inside a step
+            run.checkpoint(1, state, force=True)
+        with run.step(2):
+            pass
+        run.checkpoint(2, state, force=True)  # a library script's way: between steps
+        with run.step(3):
+            pass
+    steps = {e["step"]: e["data"] for e in read_events(in_job / EVENTS_DIR / rank_spool(0)) if e["kind"] == "step"}
+    assert steps[1]["saving"] > 0 and steps[1]["saving"] <= steps[1]["duration"]
+    assert "saving" not in steps[2] and "saving" not in steps[3]

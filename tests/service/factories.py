@@ -24,6 +24,7 @@ def job_spec(**overrides: Any) -> dict[str, Any]:
         "slurm": None,
         "notify": None,
         "warm_imports": [],
+        "elastic": None,
     }
     spec.update(overrides)
     return spec

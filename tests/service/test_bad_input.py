@@ -28,6 +28,8 @@ BAD_SPECS = [
     ({"faults": [{"attempt": 0, "rank": 0, "at_step": 3, "action": "raise", "exception": "os.system"}]},
      "faults.0.exception"),
     ({"faults": [{"attempt": 0, "rank": 9, "at_step": 3, "action": "kill"}]}, "faults"),
+    ({"entrypoint": ["python", "t.py"], "warm_imports": ["json", "antigravity"]}, "warm_imports.1"),
+    ({"entrypoint": ["python", "t.py"], "warm_imports": ["unittest.__main__"]}, "warm_imports.0"),
     ({"env": {"1BAD": "x"}}, "env"),
     ({"env": {"OK": 1}}, "env.OK"),
     ({"slurm": {"partition": "a b"}}, "slurm.partition"),

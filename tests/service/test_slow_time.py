@@ -12,10 +12,11 @@ from service.accounting.engine import Event, JobAccount
 from service.accounting.memory import MemoryJob
 
 
-def account_of(durations: list[float], first: int = 1, rolled_back_to: int | None = None) -> JobAccount:
-    """Rank 0's steps first, first + 1, ... of attempt 0, taking `durations`."""
+def account_of(durations: list[float], first: int = 1, rolled_back_to: int | None = None, stride: int = 1
+               ) -> JobAccount:
+    """Rank 0's steps first, first + stride, ... of attempt 0, taking `durations`."""
     account = JobAccount()
-    account.apply_steps(0, [(first + i, 100.0 + i, d) for i, d in enumerate(durations)])
+    account.apply_steps(0, [(first + i * stride, 100.0 + i, d, 0.0) for i, d in enumerate(durations)])
     account.attempts[0].rolled_back_to = rolled_back_to
     return account
 
@@ -45,7 +46,7 @@ def test_the_worked_example():
 
 def test_the_same_steps_in_any_order_and_through_the_stored_form_give_the_same_figures():
     durations = example(1500, slow_from=900)  # 1,500 steps: windows of 20
-    steps = [(i + 1, 100.0 + i, d) for i, d in enumerate(durations)]
+    steps = [(i + 1, 100.0 + i, d, 0.0) for i, d in enumerate(durations)]
     ordered, shuffled = JobAccount(), JobAccount()
     ordered.apply_steps(0, steps)
     random.Random(3).shuffle(steps)
@@ -129,23 +130,54 @@ def test_rolled_back_steps_are_wasted_not_slow():
     assert verdict(durations, rolled_back_to=49).slow_seconds == pytest.approx(10 * 0.2)
 
 
-def test_a_saves_blocking_is_booked_as_checkpoint_time_never_again_as_slow():
-    def job(saves: bool) -> MemoryJob:
-        job, events, seq = MemoryJob(), [], iter(range(10_000))
-        t = 1000.0
-        for step in range(1, 61):
-            blocked = 0.5 if step == 35 else 0.0  # the trainer waits for the save's copy in step 35
-            t += 0.1 + blocked
-            events.append(Event("step", t, 0, "rank:0", next(seq), step, {"duration": 0.1 + blocked}))
-            if saves and step == 34:
-                events += [Event("ckpt_start", t, 0, "rank:0", next(seq), 34),
-                           Event("ckpt_staged", t + 0.6, 0, "rank:0", next(seq), 34)]
-        job.ingest(events)
-        return job
+def saving_job(blocked_in_step: bool, told: bool = True) -> MemoryJob:
+    """60 steps of 0.1 s and a save of every 10th step blocking 0.5 s: inside the step after it (the
+    built-in trainer waits for the copy there; the step event says so in `saving` when `told`), or
+    between the two steps (run.checkpoint after a library script's step)."""
+    job, events, seq = MemoryJob(), [], iter(range(10_000))
+    t = 1000.0
+    for step in range(1, 61):
+        saved = step - 1 if step > 1 and (step - 1) % 10 == 0 else None
+        if saved and not blocked_in_step:
+            events += [Event("ckpt_start", t, 0, "rank:0", next(seq), saved),
+                       Event("ckpt_staged", t + 0.5, 0, "rank:0", next(seq), saved)]
+            t += 0.5
+        blocked = 0.5 if saved and blocked_in_step else 0.0
+        if blocked:
+            events += [Event("ckpt_start", t, 0, "rank:0", next(seq), saved),
+                       Event("ckpt_staged", t + 0.5, 0, "rank:0", next(seq), saved)]
+        t += 0.1 + blocked
+        data = {"duration": 0.1 + blocked, **({"saving": blocked} if blocked and told else {})}
+        events.append(Event("step", t, 0, "rank:0", next(seq), step, data))
+    job.ingest(events)
+    return job
 
-    with_save, without = job(saves=True).account.attempts[0], job(saves=False).account.attempts[0]
-    assert with_save.blocking_seconds == pytest.approx(0.6) and with_save.slow_seconds == 0.0
-    assert without.slow_seconds == pytest.approx(0.5)
+
+def test_a_saves_blocking_inside_a_step_is_booked_as_checkpoint_time_never_again_as_slow():
+    told, untold = saving_job(blocked_in_step=True).account.attempts[0], saving_job(True, told=False).account.attempts[0]
+    assert told.blocking_seconds == pytest.approx(2.5) and told.slow_seconds == 0.0
+    assert told.slow_time().ideal_step_seconds == pytest.approx(0.1)
+    assert untold.slow_time().ideal_step_seconds == pytest.approx(0.15)  # a step that did not say it waited
+
+
+def test_a_save_between_steps_takes_nothing_off_the_pace():
+    """The review's break: run.checkpoint between steps blocked 0.5 s every 10 steps, and the rule
+    took it off the window after, so the pace came out below every real step (0.075 s for 0.1 s)."""
+    verdict = saving_job(blocked_in_step=False).account.attempts[0].slow_time()
+    assert verdict.ideal_step_seconds == pytest.approx(0.1) and verdict.slow_seconds == 0.0
+
+
+def test_steps_numbered_four_apart_are_judged_in_windows_of_ten_steps():
+    """The review's break: a script that counts micro-batches numbers its steps 4 apart; windows of
+    10 numbers held 2 or 3 steps, under half, and a 3x slowdown booked nothing."""
+    durations = [0.1] * 30 + [0.3] * 30
+    v = verdict(durations, stride=4)
+    assert v.ideal_step_seconds == pytest.approx(0.1) and v.slow_seconds == pytest.approx(30 * 0.2)
+    [slowdown] = v.slowdowns
+    # The first slow step is 121 (1 + 30 x 4); a slowdown is told by its windows', here of 40 numbers.
+    assert slowdown.since_step == 120 and slowdown.factor == pytest.approx(3.0)
+    # At stride 1 the same steps are numbered 1-60: step 60 alone in its window tells nothing.
+    assert verdict(durations, stride=1).slow_seconds == pytest.approx(29 * 0.2)
 
 
 # -- properties --------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ def test_a_trainer_job_warms_its_owners_trainer_server_and_a_job_with_env_nothin
     assert told["job_id"] == trainer.id and told["entrypoint"] is None and told["warm_imports"] == []
     add_job(session, nodes=1, entrypoint=["python", "train.py"], procs_per_node=1, env={"X": "1"})
     tick(session, settings, T0 + 1)
-    assert warms(session, b) == warms(session, spare) == []
+    assert warms(session, b) == []  # it runs the job with env, whose spare is told nothing
+    # The trainer job's first spare now that b is taken, told at that pass.
+    assert [w["job_id"] for w in warms(session, spare)] == [trainer.id]
 
 
 def test_no_node_that_could_not_take_the_attempt_is_told(session, settings):
@@ -48,3 +50,35 @@ def test_no_node_that_could_not_take_the_attempt_is_told(session, settings):
     add_job(session, entrypoint=["python", "train.py"], procs_per_node=2)
     tick(session, settings, T0)
     assert [warms(session, n) for n in (small, drained, fenced, unhealthy)] == [[], [], [], []]
+
+
+def test_a_node_idle_after_the_attempt_started_is_told_once(session, settings):
+    """A node that registers (or is freed) once the attempt runs was not there to be told at its
+    start: the next pass tells it, and no later pass tells it again."""
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session, entrypoint=["python", "train.py"], procs_per_node=1)
+    tick(session, settings, T0)
+    (late,) = add_nodes(session, "late")
+    tick(session, settings, T0 + 1)
+    [told] = warms(session, late)
+    assert told["job_id"] == job.id and told["warm_imports"] == []
+    tick(session, settings, T0 + 2)
+    assert warms(session, late) == []
+
+
+def test_what_the_first_attempt_learned_reaches_its_spares_while_it_runs(session, settings):
+    """A script that names no `warm_imports`: its spares warm the base server at its start, and what
+    its first attempt imported as soon as a running report carries it, in that same attempt (a node
+    loss in it then restarts on a spare that warms what the script loads), once."""
+    a, b, spare = add_nodes(session, "a", "b", "spare")
+    job = add_job(session, entrypoint=["python", "train.py"], procs_per_node=1, nodes=2)
+    tick(session, settings, T0)
+    assert [w["warm_imports"] for w in warms(session, spare)] == [[]]
+    report(session, a, job, 0, "running", T0 + 1)
+    report(session, a, job, 0, "running", T0 + 2, imports=LEARNED)
+    tick(session, settings, T0 + 3)
+    assert [w["warm_imports"] for w in warms(session, spare)] == [LEARNED]
+    assert [(attempt.number, attempt.state.value) for attempt in job.attempts] == [(0, "running")]
+    report(session, b, job, 0, "running", T0 + 4, imports=LEARNED)  # the other node's list: the first is kept
+    tick(session, settings, T0 + 5)
+    assert warms(session, spare) == []

@@ -8,8 +8,8 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.stragglers.scoring import (RELATIVE_LIMIT, STEP_SHARE, AttemptScore, Timing, find_stragglers,
-                                        peer_median, slow_in_window)
+from service.stragglers.scoring import (RELATIVE_LIMIT, REREAD_RANKS, STEP_SHARE, AttemptScore, Timing,
+                                        find_stragglers, peer_median, slow_in_window)
 
 # Few distinct values, so that ties (a rank equal to the median, several ranks alike) are common.
 VALUES = st.one_of(st.sampled_from([0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.2]), st.floats(0, 1))
@@ -41,6 +41,11 @@ def windows(draw, step: int = 5) -> list[Timing]:
 @given(windows())
 def test_a_window_scored_in_world_log_world_finds_what_the_rule_finds(window):
     assert sorted(s.rank for s in slow_in_window(window)) == slow_by_the_rule(window)
+
+
+def test_the_middle_rank_of_an_odd_world_has_its_two_neighbours_for_peers():
+    window = [Timing(rank, 5, 0.05, work) for rank, work in enumerate([0.0, 0.08, 0.1])]  # rank 1's peers: 0.05
+    assert sorted(s.rank for s in slow_in_window(window)) == slow_by_the_rule(window) == [1, 2]
 
 
 @given(st.lists(st.floats(0, 10), min_size=2, max_size=30))
@@ -77,3 +82,20 @@ def test_a_window_some_rank_never_reported_is_passed_over_once_a_newer_one_is_co
     score.add([Timing(0, 5, 0.5, 0.1)])  # rank 1's window 5 never comes
     score.add([Timing(r, 10, 0.5, 0.1) for r in (0, 1)])
     assert (score.done_step, score.pending) == (10, {})
+
+
+def test_a_window_completed_late_is_read_again_for_its_missing_ranks_alone_and_scored():
+    asked = []
+
+    def reread(step: int, ranks: list[int]) -> list[Timing]:
+        asked.append((step, ranks))
+        return [Timing(rank, step, 0.5, 0.1) for rank in ranks]  # committed after the newer window's rows
+
+    score = AttemptScore(3)
+    score.add([Timing(0, 5, 0.5, 0.1), Timing(2, 5, 0.5, 0.1)])
+    score.add([Timing(r, 10, 0.5, 0.1) for r in range(3)], reread)
+    assert asked == [(5, [1])] and score.early is not None and len(score.early) == 2  # both windows scored
+    many = AttemptScore(REREAD_RANKS + 2)  # more missing than a pass reads: passed over unread
+    many.add([Timing(0, 5, 0.5, 0.1)])
+    many.add([Timing(r, 10, 0.5, 0.1) for r in range(REREAD_RANKS + 2)], reread)
+    assert asked == [(5, [1])] and many.done_step == 10 and many.early is not None and len(many.early) == 1

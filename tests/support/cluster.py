@@ -1,8 +1,10 @@
 """A whole ETT on this machine for end-to-end tests: a live service, agent daemons as real
 processes (each a "node"), real torchrun ranks under them."""
 
+import contextlib
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,11 +17,14 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
+from agent.confinement.cgroups import agent_cgroup_name
+from ett.protocol import JobEnv
 from ett_cli.spec_file import load_spec
 from service.migrate import upgrade
 from service.settings import Settings
 from tests.support.job_user import SUITE_USER_JOBS
 from tests.support.live import LiveService, live_service
+from tests.support.processes import pids_in_cgroups_of, pids_with_env
 from tests.support.waiting import wait_for
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -62,6 +67,18 @@ class Cluster:
         if wait:
             self.wait_registered(name)
         return proc
+
+    def lose_node(self, name: str, job_id: str) -> set[int]:
+        """The node goes as a machine does, all at once: its agent, the job's ranks on it (SIGKILL)
+        and its node-local checkpoint folder; returns the pids killed."""
+        local = self.root / name / "checkpoints" / job_id
+        pids = {*pids_with_env(JobEnv.CHECKPOINT_LOCAL_DIR, str(local)),
+                *pids_in_cgroups_of(agent_cgroup_name(name, self.root / name)), self.agents[name].pid}
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile is gone all the same
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(local, ignore_errors=True)
+        return pids
 
     def wait_registered(self, name: str) -> None:
         wait_for(lambda: self._registered(name), 60, f"agent {name} to register")

@@ -109,3 +109,22 @@ def test_the_help_lists_the_presets_and_fields(capsys):
     help_text = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert all(name in help_text for name in PRESETS) and "--checkpoint.interval_steps" in help_text
+
+
+def test_at_fewer_ranks_expert_parallelism_is_kept_where_it_divides_and_else_the_largest_that_does():
+    cfg = parse_args(["--preset", "cpu-demo", "--parallel.ep", "4"])  # 8 experts, full size 8
+    assert cfg.fit_to(world_size=4, full_world_size=8) is None and cfg.parallel.ep == 4
+    assert cfg.fit_to(world_size=2, full_world_size=8) == ("parallel.ep 4 does not divide 2 ranks: "
+                                                           "expert parallelism 2, experts resharded")
+    assert cfg.parallel.ep == 2
+
+
+@pytest.mark.parametrize("override, named", [(["--model.dropout", "0.1"], "model.dropout 0.1"),
+                                             (["--moe.aux_free_bias", "true"], "moe.aux_free_bias")])
+def test_a_configuration_that_a_split_would_change_is_not_elastic_and_refused_at_fewer_ranks(override, named):
+    cfg = parse_args(["--preset", "tiny", *override])
+    assert named in cfg.not_elastic_because()
+    assert cfg.fit_to(world_size=2, full_world_size=2) is None  # at full size it runs as before
+    with pytest.raises(ConfigError, match=f"this run has 1 of its 2 ranks and cannot keep its training the same "
+                                          f"at fewer: {named}"):
+        cfg.fit_to(world_size=1, full_world_size=2)

@@ -85,3 +85,15 @@ def test_a_folder_without_python_files_or_missing_is_refused(tmp_path):
         SourceCorpus(str(tmp_path))
     with pytest.raises(ValueError, match="data.root"):
         DataConfig(root=str(tmp_path / "missing")).validate()
+
+
+def test_at_fewer_ranks_a_step_takes_the_full_sizes_batches_and_its_position_resumes_at_any_size(stdlib):
+    full = [ByteBatchLoader(stdlib, 2, 32, rank=r, world_size=2, seed=3) for r in range(2)]
+    shrunk = ByteBatchLoader(stdlib, 2, 32, rank=0, world_size=1, seed=3, full_world_size=2)
+    for _ in range(3):
+        micro_batches = shrunk.next_step()
+        assert len(micro_batches) == 2
+        assert all(torch.equal(mine[0], theirs.next_batch()[0]) for mine, theirs in zip(micro_batches, full))
+    grown = ByteBatchLoader(stdlib, 2, 32, rank=1, world_size=2, seed=3)
+    grown.load_state_dict(shrunk.state_dict())
+    assert torch.equal(grown.next_batch()[0], shrunk.next_step()[1][0])

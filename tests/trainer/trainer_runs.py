@@ -45,11 +45,12 @@ def read_events(path: Path) -> list[dict]:
 
 
 def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Path | None, attempt: int,
-           module: str = "trainer.train") -> tuple[subprocess.Popen, Path, Path]:
+           module: str = "trainer.train", env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path, Path]:
     """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None;
-    `module`: the trainer, or a test's wrapper of it."""
+    `module`: the trainer, or a test's wrapper of it; `env`: variables added to the ranks'."""
     event_dir, checkpoint_dir = workdir / EVENTS_DIR, checkpoint_dir or workdir / "ckpt"
-    env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1",
+           **(env or {})}
     if nproc is None:
         command = [sys.executable, "-m", module]
     else:
@@ -71,10 +72,11 @@ def run_trainer(
     attempt: int = 0,
     timeout: float = 300,
     module: str = "trainer.train",
+    env: dict[str, str] | None = None,
 ) -> TrainerRun:
     """Run to completion; with signal_when, send signum to every rank (pids from their
     init_start events) as soon as signal_when(rank 0's events so far) is true."""
-    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt, module)
+    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt, module, env)
     deadline = time.monotonic() + timeout
     try:
         while signal_when is not None and process.poll() is None:
