@@ -201,11 +201,11 @@ def summary(report: dict, events: list[Event]) -> dict[str, object]:
     return rows
 
 
-def print_table(ett: dict[str, object], base: dict[str, object]) -> None:
+def print_table(ett: dict[str, object], base: dict[str, object], names: tuple[str, str] = ("ETT", "baseline")) -> None:
     def cell(v):
         return "-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
 
-    print(f"| {'':40} | {'ETT':>8} | {'baseline':>8} |\n| {'-' * 40} | {'-' * 8} | {'-' * 8} |")
+    print(f"| {'':40} | {names[0]:>8} | {names[1]:>8} |\n| {'-' * 40} | {'-' * 8} | {'-' * 8} |")
     for key in dict.fromkeys([*ett, *base]):
         print(f"| {key:40} | {cell(ett.get(key)):>8} | {cell(base.get(key)):>8} |")
 

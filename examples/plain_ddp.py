@@ -75,6 +75,9 @@ def train(args: argparse.Namespace) -> None:
                         # DDP averages over the ranks: scaled by 1/accumulation, the step's gradient
                         # is the mean over the global batch's micro batches, as at full size.
                         (loss / plan.accumulation_steps).backward()
+                    # Compute that scales with this rank's share of the batch: at fewer ranks it runs
+                    # more micro batches, so its step takes longer, as a real step would.
+                    time.sleep(args.micro_batch_seconds)
                     loss_sum += loss.detach()
                 optimizer.step()
                 time.sleep(args.step_seconds)
@@ -94,6 +97,8 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=0,
                         help="samples per step at any size (default: 16 a rank at the job's full size)")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step, to stand for real compute")
+    parser.add_argument("--micro-batch-seconds", type=float, default=0.0,
+                        help="sleep per micro batch, to stand for compute that grows as an elastic job shrinks")
     parser.add_argument("--out", default=None, help="rank 0 writes the final parameters here (torch.save)")
     args = parser.parse_args()
 
