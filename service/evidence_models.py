@@ -11,7 +11,7 @@ from service.model_base import Base, utcnow
 
 class RankLog(Base):
     """The last part of one rank's output in one attempt, as its node's agent shipped it
-    (service/jobs/logs.py): `text` holds the stream's characters from `end - len(text)` to `end`."""
+    (service/ingest/logs.py): `text` holds the stream's characters from `end - len(text)` to `end`."""
 
     __tablename__ = "rank_logs"
     __table_args__ = (UniqueConstraint("job_id", "attempt", "rank"),)

@@ -130,7 +130,7 @@ class Attempt(Base):
     ended_at: Mapped[datetime | None]
     cause: Mapped[str | None] = mapped_column(String(16))
     detail: Mapped[str | None] = mapped_column(String(512))
-    # Why it failed, from the evidence (service/jobs/diagnosis.py): e.g. exception, "ValueError: bad batch".
+    # Why it failed, from the evidence (service/failures/diagnosis.py): e.g. exception, "ValueError: bad batch".
     diagnosis: Mapped[str | None] = mapped_column(String(32))
     summary: Mapped[str | None] = mapped_column(String(256))
     failed_node_id: Mapped[int | None] = mapped_column(ForeignKey("nodes.id"), default=None)  # whose report tells

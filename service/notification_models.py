@@ -1,4 +1,4 @@
-"""The notifications a job's events owe its webhooks (service/jobs/notifications.py): a row per
+"""The notifications a job's events owe its webhooks (service/webhooks/notifications.py): a row per
 event and webhook, written in the transaction of the event itself and kept until delivered or
 given up, so a restart of the service loses none and none is sent twice by two processes."""
 

@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     # A started allocation whose agents have not all registered after this long has lost the
     # missing nodes: it is replaced by one without them.
     slurm_agent_start_seconds: float = Field(300.0, gt=0)
-    # A failure's diagnosis is read from its rank's last lines (service/jobs/diagnosis.py): these
+    # A failure's diagnosis is read from its rank's last lines (service/failures/diagnosis.py): these
     # [diagnosis, regular expression] pairs are tried first, before the built-in table.
     failure_patterns: list[tuple[str, str]] = []
     # A node with this much node evidence within the window is drained until an admin returns it

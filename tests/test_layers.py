@@ -38,7 +38,7 @@ LAYERS = (
     # from service.spec below, never from here.
     ("schemas", ("service.schemas",)),
     ("domain", ("service.agents", "service.ingest", "service.jobs", "service.accounting", "service.slurm",
-                "service.stragglers")),
+                "service.stragglers", "service.failures", "service.webhooks")),
     ("HTTP", ("service.context", "service.api", "service.pages", "service.asgi")),
     ("assembly", ("service.main", "service")),
 )  # fmt: skip
@@ -274,6 +274,19 @@ def test_each_room_of_the_agent_is_small_and_says_what_it_owns():
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "agent").rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 300}  # fmt: skip
     assert long == {}
+
+
+def test_no_package_folder_holds_more_than_15_modules():
+    """A folder a newcomer takes in at once (#47): the code's packages and the tests' alike. Alembic's
+    versions are a chain that grows by one each schema change, read in order, not a room."""
+    crowded = {}
+    for init in ROOT.glob("*/**/__init__.py"):
+        if ".venv" in init.parts or init.parent == ROOT / "migrations" / "versions":
+            continue
+        modules = [p for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > 15:
+            crowded[str(init.parent.relative_to(ROOT))] = len(modules)
+    assert crowded == {}
 
 
 # The library's rooms and modules, lowest first: each imports only what is at or below its own

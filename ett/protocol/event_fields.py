@@ -134,7 +134,7 @@ class CheckpointIntervalData(TypedDict, total=False):
     was: int
 
 
-# Every kind's type; its keys are ett.protocol.EVENT_KINDS (tests/service/test_event_fields.py).
+# Every kind's type; its keys are ett.protocol.EVENT_KINDS (tests/service/ingest/test_event_fields.py).
 EVENT_FIELDS: dict[str, type] = {
     "init_start": InitStartData, "init_end": NoData, "restore_start": NoData, "restore_end": RestoreEndData,
     "step": StepData, "ckpt_start": NoData, "ckpt_staged": NoData, "ckpt_committed": CkptCommittedData,

@@ -2,7 +2,7 @@
 node, as the rank runner copies a rank's output into its log (agent/launching/rank_log.py) and as
 the log shipper reads that log piece by piece (agent/forwarding/log_shipper.py: a rank may write its
 log file itself, past its runner), so no secret is shipped even when it is written in two pieces;
-and by the service before it stores a piece of output (service/jobs/logs.py) or an event's strings
+and by the service before it stores a piece of output (service/ingest/logs.py) or an event's strings
 (service/ingest/store.py), in case the node did not know the secrets (an agent restarted).
 
 What "the secret" is: its characters in order, with anything a reader does not see, or sees as one

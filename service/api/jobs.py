@@ -8,7 +8,8 @@ from service.accounting.accounts import job_account, restored_steps
 from service.api.deps import UserDep, VisibleJobDep
 from service.api.routing import SessionRoute
 from service.context import ContextDep, SessionDep
-from service.jobs import notifications, scheduler
+from service.jobs import scheduler
+from service.webhooks import notifications
 from service.jobs.catalog import create_job, fleet_warnings, visible_jobs
 from service.models import Job, JobState
 from service.schemas.jobs import AttemptOut, JobCreated, JobList, JobOut, JobSpec, SlurmOut

@@ -1,4 +1,4 @@
-"""Rank logs: an agent ships its ranks' output; a job's owner reads it (service/jobs/logs.py)."""
+"""Rank logs: an agent ships its ranks' output; a job's owner reads it (service/ingest/logs.py)."""
 
 from typing import Annotated
 
@@ -8,7 +8,7 @@ from service.agents.nodes import own_node
 from service.api.deps import AgentCallerDep, VisibleJobDep
 from service.api.routing import SessionRoute
 from service.context import SessionDep
-from service.jobs.logs import Piece, read_log, store_pieces
+from service.ingest.logs import Piece, read_log, store_pieces
 from service.schemas.logs import AgentLogBatch, RankLogOut
 
 router = APIRouter(tags=["logs"], route_class=SessionRoute)

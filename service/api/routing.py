@@ -6,7 +6,7 @@ IMMEDIATE, service/db.py). FastAPI runs a sync endpoint on a worker thread, then
 answer on another: a transaction left open by the endpoint held the lock while that hop waited
 for a thread, and every thread could be waiting for the lock. All then stood still until
 SQLite's busy timeout (30 s) failed them (a cancel that never answered, seen in CI;
-tests/service/test_write_lock.py). What the endpoint did not commit is dropped, as the session's
+tests/service/ingest/test_write_lock.py). What the endpoint did not commit is dropped, as the session's
 teardown would drop it. A dependency that reads ends its own read for the same reason
 (current_token, get_visible_job, page_caller): the endpoint is another hop.
 """

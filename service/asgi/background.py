@@ -11,7 +11,8 @@ import httpx
 from fastapi.concurrency import run_in_threadpool
 
 from service.context import ServiceContext
-from service.jobs import notifications, scheduler
+from service.jobs import scheduler
+from service.webhooks import notifications
 from service.slurm.allocations import SlurmBridge
 from service.stragglers.watch import Watch
 
@@ -69,7 +70,7 @@ NOTIFY_PERIOD_SECONDS = 0.5
 
 
 async def run_notifier(context: ServiceContext, stop: asyncio.Event) -> None:
-    """Sends the jobs' due notifications (service/jobs/notifications.py): each try is a task of its
+    """Sends the jobs' due notifications (service/webhooks/notifications.py): each try is a task of its
     own, so a receiver that is down or slow holds up only its own deliveries, never the scheduler's
     ticks or another receiver's."""
 

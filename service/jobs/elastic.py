@@ -9,7 +9,7 @@ that never declared waits for its full size, as a job that is not elastic, and s
 
 A smaller attempt grows back when free nodes would make a larger declared size (or the full one)
 and what that gains over its remaining steps beats a restart, weighed by the straggler policy's
-cost model (service/jobs/restart_cost.py). Each size is weighed once per attempt.
+cost model (service/accounting/restart_cost.py). Each size is weighed once per attempt.
 """
 
 from datetime import UTC, datetime, timedelta
@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from service.accounting.accounts import job_account
 from service.jobs.placement import free_spares
-from service.jobs.restart_cost import restart_seconds, spends_last_restart
+from service.accounting.restart_cost import restart_seconds, spends_last_restart
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
 from service.models import (
     ELASTIC_SIZES,

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.ingest.bound import bound_reason
-from service.jobs.failure_text import SUMMARY_CHARS, Diagnosis
+from service.failures.failure_text import SUMMARY_CHARS, Diagnosis
 from service.jobs.scheduler import fail_attempt, finish_job
 from service.models import ACTIVE_ATTEMPT_STATES, Job, JobState
 from service.settings import Settings

@@ -24,7 +24,7 @@ from service.agents import commands, node_evidence
 from service.agents.nodes import claimed_node
 from service.group_commit import GroupWriter
 from service.jobs import peer_loss, scheduler
-from service.jobs.diagnosis import Diagnosis, FailurePolicy, diagnose_reports
+from service.failures.diagnosis import Diagnosis, FailurePolicy, diagnose_reports
 from service.models import Attempt, AttemptNode, Node, NodeState, Token, utcnow
 from service.outcomes import Refused
 from service.schemas.agents import Heartbeat
@@ -117,7 +117,7 @@ class HeartbeatWriter:
         self, sessions: sessionmaker[Session], settings: Settings, max_batch: int = 512, pace: float = 0.025
     ) -> None:
         self.sessions, self.settings = sessions, settings
-        self.failure_policy = FailurePolicy.of(settings)  # service/jobs/diagnosis.py
+        self.failure_policy = FailurePolicy.of(settings)  # service/failures/diagnosis.py
         # Threads of their own (one a lane): heartbeats never queue behind event batches for a thread.
         threads = anyio.CapacityLimiter(2)
         self.held = GroupWriter(partial(self._write_batch, skip_locked=False), threads, most=max_batch, pace=pace)
@@ -200,7 +200,7 @@ class HeartbeatWriter:
     def _diagnose(self, batch: list[Beat]) -> None:
         """Diagnoses the failures the heartbeats report, before the transaction that applies them:
         the failed ranks' output is read in a short transaction of its own and matched with none
-        open (bounded, in linear time: service/jobs/failure_text.py), so no writer waits on a job's text."""
+        open (bounded, in linear time: service/failures/failure_text.py), so no writer waits on a job's text."""
         failed = [(item, report) for item in batch if item.diagnoses is None
                   for report in item.beat.attempts if report.state == "failed"]  # fmt: skip
         found = diagnose_reports(self.sessions, [(item.name, report) for item, report in failed],

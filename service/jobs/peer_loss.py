@@ -4,7 +4,7 @@ The heartbeat deadline (heartbeat_timeout_seconds, 30 s) is silence alone, and l
 pause for seconds and come back. A lost node gives more evidence than silence, and sooner: the
 ranks on the other nodes lose their connection to it and fail within a second, saying so (gloo's
 "Connection closed by peer", NCCL's remote error, the rendezvous store gone: the `peer_lost`
-diagnosis, service/jobs/failure_text.py). That failure sends a stop to the attempt's nodes still
+diagnosis, service/failures/failure_text.py). That failure sends a stop to the attempt's nodes still
 running; a live agent has it at once (its heartbeat long-polls) and heartbeats again at once. A node
 the survivor's text implicates that then stays silent for peer_loss_silence_seconds is lost for
 that job: its share fails with `node_lost` and the next attempt starts without it.

@@ -17,7 +17,7 @@ from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands, node_evidence
 from service.agents.nodes import fleet_capacity, waiting_reason
 from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
-from service.jobs.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_restart_reason, reported_failure,
+from service.failures.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_restart_reason, reported_failure,
                                     without_logs)
 from service.jobs.elastic import elastic_size, weigh_growing
 from service.jobs.intervals import retune_auto_intervals
@@ -70,7 +70,7 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
                  policy: FailurePolicy = FailurePolicy(), diagnosis: Diagnosis | None = None) -> None:
     """Applies one report to the node's share of the attempt it names (loaded with its attempt; the
     heartbeats' batches load theirs at once). A failure is diagnosed from its rank's output, unless
-    `diagnosis` was made before the transaction, with `policy`'s patterns (service/jobs/diagnosis.py);
+    `diagnosis` was made before the transaction, with `policy`'s patterns (service/failures/diagnosis.py);
     it never counts against the node: what the job printed and how it ended are the job's
     (service/agents/node_evidence.py)."""
     if share.state not in ACTIVE:

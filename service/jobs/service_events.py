@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from ett.events import make_event
 from service.ingest.store import ingest_trusted
-from service.jobs import notifications
+from service.webhooks import notifications
 from service.models import Attempt
 
 

@@ -24,7 +24,7 @@ from service.accounting.steps import step_curve
 from service.api.routing import SessionRoute
 from service.context import SessionDep
 from service.jobs.catalog import visible_job, visible_jobs
-from service.jobs.logs import failure_tails
+from service.ingest.logs import failure_tails
 from service.models import JobState
 from service.pages.auth import COOKIE, LoginNeeded, PageCallerDep
 from service.pages.job_view import MEANINGS, checkpoint_intervals, reason_of

@@ -137,7 +137,7 @@ class JobSpec(Strict):
     # 3 (ETT's configuration error: the trainer's, an agent's refused launch) always is one.
     no_retry_exit_codes: Annotated[list[Annotated[int, Field(ge=1, le=255)]], Field(max_length=255)] = []
     # This many attempts in a row failing alike (the same diagnosis and summary, each resumed from
-    # the same checkpoint, none newer committed): the job stops restarting (service/jobs/diagnosis.py).
+    # the same checkpoint, none newer committed): the job stops restarting (service/failures/diagnosis.py).
     max_same_failures: Annotated[int, Field(ge=1, le=1000)] = 3
     # A rank its peers keep waiting for (docs/reliability.md, "Stragglers"): report it, or also
     # replace its node when the slowdown would cost more than a restart.

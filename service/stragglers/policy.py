@@ -25,7 +25,7 @@ from service.accounting.accounts import job_account
 from service.accounting.engine import JobAccount
 from service.jobs.elastic import size_without_one
 from service.jobs.placement import free_spares
-from service.jobs.restart_cost import restart_seconds, spends_last_restart
+from service.accounting.restart_cost import restart_seconds, spends_last_restart
 from service.models import Attempt, Node, StragglerFlag
 from service.stragglers.scoring import Straggler
 
@@ -85,6 +85,6 @@ def replacement_costs(account: JobAccount, number: int, s: Straggler) -> tuple[f
     """(what the slowdown costs over the remaining steps, what a restart costs), in seconds. The
     remaining steps are the job's total as its ranks report it (the trainer, the Hugging Face
     Trainer, `run.total_steps`), else as many again as it has made; a restart's cost is
-    service/jobs/restart_cost.py's."""
+    service/accounting/restart_cost.py's."""
     slow_cost = (s.work_seconds - s.peer_seconds) * remaining_steps(s)
     return slow_cost, restart_seconds(account, number, s.flagged_step, s.step_seconds)

@@ -23,7 +23,7 @@ from sqlalchemy import Row, Select, String, bindparam, func, select, tuple_, typ
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from service.jobs import notifications
+from service.webhooks import notifications
 from service.jobs.scheduler import fail_attempt
 from service.models import STEP_TIMINGS, Attempt, AttemptNode, AttemptState, Job, JobEvent, Node, StragglerFlag
 from service.settings import Settings

@@ -76,7 +76,7 @@ def test_every_metric_of_the_dashboard_and_the_alerts_is_exported(service):
     for name in sorted(named - {"up"}):
         if name.startswith("ett_agent_"):
             assert name in from_agent, f"{name} is not among the agent's metrics"
-        elif name == "ett_job_straggler":  # a series only while a rank is flagged: tests/e2e/test_stragglers.py
+        elif name == "ett_job_straggler":  # a series only while a rank is flagged: tests/e2e/recovery/test_stragglers.py
             continue
         elif name.startswith("ett_job_"):
             labels = from_service.get(name, [])

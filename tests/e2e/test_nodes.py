@@ -3,8 +3,8 @@ job runs elsewhere; a node is drained only by node evidence, never by its jobs: 
 themselves, or a real job that prints "Xid 79" and "No space left on device" and exits 1 five
 times, drain nothing, and the next job on that node succeeds; a health check that fails again and
 again drains the node with that evidence shown (`ett nodes`) until an admin returns it, and the
-job waiting for it then runs. Which evidence counts, rule by rule: tests/service/test_node_evidence.py;
-the kernel's records: tests/agent/test_kernel_log.py."""
+job waiting for it then runs. Which evidence counts, rule by rule: tests/service/jobs/test_node_evidence.py;
+the kernel's records: tests/agent/forwarding/test_kernel_log.py."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""What the tests of hostile jobs share (tests/e2e/test_hostile_jobs.py, tests/e2e/test_leftovers.py):
+"""What the tests of hostile jobs share (tests/e2e/apart/test_hostile_jobs.py, tests/e2e/apart/test_leftovers.py):
 one service and one agent started as root serve a module; each attack is a script of its folder
 `scripts/`, run as an owner's one-rank job; after it the agent lives and another owner's job (its
 `bystander.py`, which leaves `ran` in its checkpoint folder) succeeds."""

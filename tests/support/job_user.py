@@ -2,7 +2,7 @@
 
 Most agents of the suite run jobs as the suite's own user (root on CI), said explicitly as an
 operator would have to (SUITE_USER_JOBS). The unprivileged path has its own tests
-(tests/e2e/test_job_user.py), with an interpreter the job's user can run: built here as a
+(tests/e2e/apart/test_job_user.py), with an interpreter the job's user can run: built here as a
 deployment would build one, outside root's home folder.
 """
 

@@ -67,12 +67,12 @@ def resumed_run(killed_run: KilledRun, tmp_path_factory) -> TrainerRun:
 @pytest.fixture(scope="session")
 def forgetful_run(killed_run: KilledRun, tmp_path_factory) -> TrainerRun:
     """As `resumed`, from a copy of the killed run's step-4 checkpoint, but without restoring the
-    ranks' generators (tests/trainer/forgetful_resume.py)."""
+    ranks' generators (tests/trainer/checkpoints/forgetful_resume.py)."""
     workdir = tmp_path_factory.mktemp("forgetful")
     shutil.copytree(killed_run.run.checkpoint_dir / "step-00000004", workdir / "ckpt" / "step-00000004")
     run = run_trainer(
         workdir, [*TINY_EP_ZERO3, "--train.steps", "8", "--checkpoint.interval_steps", "4",
-                  "--checkpoint.resume_from", "auto"], attempt=1, module="tests.trainer.forgetful_resume",
+                  "--checkpoint.resume_from", "auto"], attempt=1, module="tests.trainer.checkpoints.forgetful_resume",
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     return run

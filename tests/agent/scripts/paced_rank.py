@@ -1,6 +1,6 @@
 """A rank on the `ett` library stepping to a seeded pace, every rank alike (a gloo barrier ends
 each step): each step --step-seconds +-25%, the first 3 steps 4x (warm-up), every 10th 2x. The
-job's `slow` faults slow it further (tests/e2e/test_slow_time.py)."""
+job's `slow` faults slow it further (tests/e2e/recovery/test_slow_time.py)."""
 
 import argparse
 import random

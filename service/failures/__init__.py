@@ -1,0 +1,1 @@
+"""Why an attempt failed: diagnosis from the ranks' output, and its text for people."""

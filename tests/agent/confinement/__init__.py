@@ -1,0 +1,1 @@
+"""The job's user and cgroups: confinement, escapes, leftovers, Slurm's agents."""

@@ -1,0 +1,1 @@
+"""The agent forwarding what ranks and the kernel say: events, logs, OOM kills."""

@@ -1,0 +1,1 @@
+"""The agent launching and watching ranks: launch, guard, workers, hangs, reports."""

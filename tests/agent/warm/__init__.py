@@ -1,0 +1,1 @@
+"""Warm servers: forks, stale servers, learned imports, spares warmed ahead."""

@@ -1,0 +1,1 @@
+"""Jobs kept apart end to end: hostile jobs, leftovers, owners' users."""

@@ -1,0 +1,1 @@
+"""The framework integrations: Hugging Face, Lightning, Accelerate, the framework API."""

@@ -1,0 +1,1 @@
+"""Events and logs in: ingestion, bounds, fields, group commit, storage and migrations."""

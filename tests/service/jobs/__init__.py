@@ -1,0 +1,1 @@
+"""Jobs' lives in the service: scheduling, restarts, diagnosis, peer loss, warm spares."""

@@ -1,0 +1,1 @@
+"""Slow time and stragglers: the rule, scoring, the policy, nodes across jobs."""

@@ -1,0 +1,1 @@
+"""The trainer's checkpoints: modes, overlap, staging, tiers, snapshots, resume."""
