@@ -25,6 +25,7 @@ def grad_norms_logged(run: TrainerRun) -> dict[int, float]:
     return {int(step): float(norm) for step, norm in logged}
 
 
+@pytest.mark.over_budget("three trainer runs of 2, 1 and 2 ranks against an uninterrupted one")
 def test_shrunk_to_one_rank_with_its_experts_resharded_and_grown_back_it_trains_as_the_uninterrupted_run(tmp_path):
     checkpoints, local = tmp_path / "ckpt", local_checkpoint_dir(tmp_path)
     tiers = ["--checkpoint.local_dir", str(local), *FAST_TIER]

@@ -61,6 +61,7 @@ def warm_servers(root: Path) -> list[int]:
     return pids
 
 
+@pytest.mark.over_budget("a job as its owner's uid, killed and resumed, then a closed interpreter refused")
 def test_an_entrypoint_job_runs_as_its_owner_and_resumes_and_a_closed_program_is_named(open_root, python, tmp_path):
     root = open_root / "entrypoint"
     root.mkdir()

@@ -85,6 +85,7 @@ def test_a_lost_node_resumes_on_the_spare_from_its_peers_copies_losing_at_most_a
     lose_nodes(tmp_path, nodes=2, spares=1, lost=[1])
 
 
+@pytest.mark.over_budget("four agents: a 3-node job, rank 0's node lost, resumed on the spare, and a plain run")
 def test_rank_0s_node_lost_in_a_job_of_three_resumes_on_the_spare_in_its_rank(tmp_path):
     lose_nodes(tmp_path, nodes=3, spares=1, lost=[0])
 
