@@ -47,6 +47,7 @@ from ett.checkpoints.folders import (
     write_marker,
 )
 from ett.protocol import JobEnv
+from ett.snapshots import reshard
 from ett.snapshots.tier import LocalSnapshots
 from ett.state import ModelOptimizerState, is_stateful
 from ett.checkpoints import rank_values
@@ -276,17 +277,29 @@ class Checkpointer:
         (ett/checkpoints/state_load.py's rules for all); returns its step (0: none) and what did not match:
         saved entries `state` has no place for, and entries of `state` the checkpoint lacks.
         `other_sizes`: an elastic run's (ett/elastic.py), whose state is the same at any world size,
-        loads a persistent checkpoint saved at another, resharded by DCP. A snapshot is per rank and
-        kept per world size (ett/snapshots/folder.py): at another size none is offered."""
+        loads a checkpoint saved at another, resharded: a persistent one by DCP, the fast tier's
+        snapshots (kept per world size, ett/snapshots/folder.py) by ett/snapshots/reshard.py."""
         self.wait_for_staging()
         chosen = [None]
         if self.rank == 0:
             folder = find_resume_folder(self.cfg)
             chosen = [str(folder) if folder else None]
         dist.broadcast_object_list(chosen, src=0, group=self.group)
+        persistent = step_of(Path(chosen[0])) if chosen[0] else 0
         local = self._newest_snapshot()
-        if local is not None and (chosen[0] is None or local > step_of(Path(chosen[0]))):
+        other = (self.snapshots.find_other_size(self.group)
+                 if other_sizes and self.snapshots is not None and self.cfg.resume_from != "none" else None)
+        started = False
+        if other is not None and other.step > max(local or 0, persistent):
             self.events.emit("restore_start")
+            started = True
+            report = self.snapshots.load_other_size(other, state, self.group)
+            if report is not None:
+                return self._restored(other.step, self.snapshots.restored_from, report,
+                                      saved_world_size=other.world_size), report
+        if local is not None and local > persistent:
+            if not started:
+                self.events.emit("restore_start")
             report = self.snapshots.load(local, state)
             return self._restored(local, self.snapshots.restored_from, report), report
         if chosen[0] is None:
@@ -298,7 +311,8 @@ class Checkpointer:
         if resharded and not other_sizes:
             raise UsageError(f"checkpoint.resume_from: {folder} was written by {manifest['world_size']} ranks, "
                               f"this run has {self.world_size}; the data position and RNG states are per rank")
-        self.events.emit("restore_start")
+        if not started:
+            self.events.emit("restore_start")
         local = step_folder(self.cfg.local_dir, step_of(folder)) if self.cfg.local_dir else None
         reader = TieredReader(folder, local, manifest["files"])
         planner = ReportingLoadPlanner(self.rank)
@@ -307,9 +321,8 @@ class Checkpointer:
         logger.info("resumed from %s: %s (local %d bytes, persistent %d bytes)", folder, reader.source,
                     reader.bytes_read["local"], reader.bytes_read["persistent"])
         if resharded:
-            logger.warning("the checkpoint of step %d was saved by %d ranks, loaded resharded by %d; snapshots "
-                           "taken at %d ranks cannot be loaded at %d", manifest["step"], manifest["world_size"],
-                           self.world_size, manifest["world_size"], self.world_size)
+            logger.warning("the checkpoint of step %d was saved by %d ranks, loaded resharded by %d",
+                           manifest["step"], manifest["world_size"], self.world_size)
         saved_at = {"saved_world_size": manifest["world_size"]} if resharded else {}
         return self._restored(manifest["step"], reader.source, planner.report, **saved_at), planner.report
 
@@ -337,6 +350,8 @@ class Checkpointer:
         were they kept, a later `auto` resume would jump back onto that other timeline."""
         if self.snapshots is not None:
             self.snapshots.forget_newer_than(step)
+            if self.tends_local_dir:  # an elastic run's snapshots at its other sizes (ett/snapshots/reshard.py)
+                reshard.forget_newer_than(self.cfg.local_dir, self.world_size, step)
         if self.tends_local_dir:  # their local copies would only be overwritten
             for folder in step_folders(self.cfg.local_dir):
                 if step_of(folder) > step:

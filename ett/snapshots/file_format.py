@@ -32,10 +32,13 @@ CHUNK_BYTES = 4 << 20
 
 
 class Slot(NamedTuple):
-    """Where a tensor was in the state: the next tensor in the file, of this dtype and shape."""
+    """Where a tensor was in the state: the next tensor in the file, of this dtype and shape; for
+    a DTensor's shard, its `layout` (ett.state.ShardLayout: the whole tensor's shape, where the shard
+    starts), so the snapshot can be resharded at another world size (ett/snapshots/reshard.py)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
+    layout: Any = None
 
 
 def _nbytes(slot: Slot) -> int:
@@ -142,6 +145,14 @@ def _filled(value: Any, tensors: Iterator[torch.Tensor]) -> Any:
     return value
 
 
+def read_header(path: Path) -> Any:
+    """The state's template alone (each tensor as its slot): what a snapshot holds, not read."""
+    with open(path, "rb") as file:
+        if file.read(len(MAGIC)) != MAGIC:
+            raise ValueError(f"{path}: not an ETT snapshot")
+        return pickle.loads(file.read(int.from_bytes(file.read(8), "little")))
+
+
 def read(path: Path) -> Any:
     """The state `write` wrote, each tensor in memory of its own. A file that is not a whole
     snapshot raises ValueError."""
@@ -149,15 +160,37 @@ def read(path: Path) -> Any:
         if file.read(len(MAGIC)) != MAGIC:
             raise ValueError(f"{path}: not an ETT snapshot")
         header = file.read(int.from_bytes(file.read(8), "little"))
-        template = pickle.loads(header)
-        slots = _slots(template, [])
+        slots = _slots(pickle.loads(header), [])
         buffer = torch.empty(layout(slots)[1], dtype=torch.uint8)
         whole = file.readinto(memoryview(buffer.numpy())) == buffer.numel()
         trailer = file.read(TRAILER.size)
-    if not whole or len(trailer) != TRAILER.size:
+    if not whole:
         raise ValueError(f"{path}: cut short")
+    return _checked(header, buffer, trailer, str(path))
+
+
+def loads(data: memoryview, name: str) -> Any:
+    """`read` of a snapshot's bytes in memory (one sent by the node that holds it); `name` says
+    whose it is in an error."""
+    if bytes(data[: len(MAGIC)]) != MAGIC or len(data) < MIN_BYTES:
+        raise ValueError(f"{name}: not an ETT snapshot")
+    start = len(MAGIC) + 8
+    header = bytes(data[start : start + int.from_bytes(data[len(MAGIC) : start], "little")])
+    end = start + len(header) + layout(_slots(pickle.loads(header), []))[1]
+    if end + TRAILER.size != len(data):
+        raise ValueError(f"{name}: cut short")
+    tensors = bytearray(data[start + len(header) : end])
+    buffer = torch.frombuffer(tensors, dtype=torch.uint8) if tensors else torch.empty(0, dtype=torch.uint8)
+    return _checked(header, buffer, bytes(data[end:]), name)
+
+
+def _checked(header: bytes, buffer: torch.Tensor, trailer: bytes, name: str) -> Any:
+    """The state of a snapshot read whole, once its trailer's CRC-32 matches."""
+    if len(trailer) != TRAILER.size:
+        raise ValueError(f"{name}: cut short")
     tag, expected = TRAILER.unpack(trailer)
     prefix = MAGIC + len(header).to_bytes(8, "little") + header
     if tag != TRAILER_TAG or zlib.crc32(memoryview(buffer.numpy()), zlib.crc32(prefix)) != expected:
-        raise ValueError(f"{path}: corrupt (its CRC-32 does not match)")
-    return _filled(template, (view.clone() for view in _views(buffer, slots)))
+        raise ValueError(f"{name}: corrupt (its CRC-32 does not match)")
+    template = pickle.loads(header)
+    return _filled(template, (view.clone() for view in _views(buffer, _slots(template, []))))

@@ -41,33 +41,38 @@ def choose(offers: list[Offer], world_size: int) -> tuple[int | None, dict[int, 
     return None, {}
 
 
-def _offer(folder: SnapshotFolder, ranks: set[int]) -> Offer:
-    offer: Offer = {}
+def offer(folder: SnapshotFolder, ranks: set[int] | range) -> Offer:
+    """The snapshots of `ranks` this node holds in `folder`, with their sizes."""
+    found: Offer = {}
     for rank in ranks:
         for step in folder.steps(rank):
             try:
-                offer.setdefault(rank, {})[step] = folder.path(step, rank).stat().st_size
+                found.setdefault(rank, {})[step] = folder.path(step, rank).stat().st_size
             except FileNotFoundError:
                 continue
-    return offer
+    return found
 
 
-def agree(folder: SnapshotFolder, rank: int, held: set[int],
-          group: dist.ProcessGroup | None) -> tuple[int | None, dict[int, int], list[Offer]]:
+def agree(folder: SnapshotFolder, rank: int, held: set[int] | range, group: dist.ProcessGroup | None,
+          saved_world_size: int | None = None) -> tuple[int | None, dict[int, int], list[Offer]]:
     """A collective: the step to resume from (None: the fast tier has none), who gives each rank
-    its copy, and every rank's offer. Copies that do not verify are removed on the way."""
-    world_size = dist.get_world_size(group)
+    its copy, and every rank's offer. Copies that do not verify are removed on the way.
+    `saved_world_size`: the snapshots were taken at that many ranks, not this run's
+    (ett/snapshots/reshard.py): each node offers every rank's it holds, and which of them are
+    peers' copies (to be checked against their seals) their seals say, as no rank here is theirs."""
+    world_size = saved_world_size or dist.get_world_size(group)
     while True:
-        offers: list = [None] * world_size
-        dist.all_gather_object(offers, _offer(folder, held), group=group)
+        offers: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(offers, offer(folder, held), group=group)
         step, sources = choose(offers, world_size)
         refused = []
         for whose, holder in sources.items():
-            if holder == rank and (why := snapshot_mac.verify(folder, step, whose, sealed=whose != rank)):
+            sealed = folder.seal(step, whose).exists() if saved_world_size else whose != rank
+            if holder == rank and (why := snapshot_mac.verify(folder, step, whose, sealed=sealed)):
                 logger.warning("snapshot %s of rank %d refused: %s", folder.path(step, whose), whose, why)
                 folder.remove(step, whose)
                 refused.append(whose)
-        everyone_refused: list = [None] * world_size
+        everyone_refused: list = [None] * len(offers)
         dist.all_gather_object(everyone_refused, refused, group=group)
         if not any(everyone_refused):  # each round removes a copy: the loop ends
             return step, sources, offers

@@ -31,11 +31,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ett.snapshots import file_format as snapshot_file
+from ett.snapshots import reshard
 from ett.snapshots import restore as snapshot_restore
 from ett.snapshots.file_format import Slot, StagingBuffer
 from ett.snapshots.folder import SnapshotFolder, snapshots_root
 from ett.snapshots.peers import PeerReplica
-from ett.state import is_stateful
+from ett.state import is_stateful, shard_layout
 from ett.checkpoints.state_load import LoadReport, load_saved
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,11 @@ def template(value: Any, found: list[tuple[Slot, torch.Tensor]]) -> Any:
     Slot, both appended to `found`, not copied; model and optimizer through their `local_state`
     (ett/state.py), other Stateful objects through their state_dict."""
     if isinstance(value, torch.Tensor):
-        local = value._local_tensor if isinstance(value, DTensor) else value  # see ett/state.py _local
-        slot = Slot(local.dtype, tuple(local.shape))
+        if isinstance(value, DTensor):  # its shard, with where it lies in the whole (ett/snapshots/reshard.py)
+            local, layout = value._local_tensor, shard_layout(value)  # see ett/state.py _local
+        else:
+            local, layout = value, None
+        slot = Slot(local.dtype, tuple(local.shape), layout)
         found.append((slot, local))  # copied under no_grad: no detach needed
         return slot
     if isinstance(value, dict):
@@ -87,7 +91,7 @@ class LocalSnapshots:
     def __init__(self, local_dir: str, rank: int, world_size: int, every: int = 0, replicate: bool = False,
                  group: dist.ProcessGroup | None = None, copies: int = 1) -> None:
         self.folder = SnapshotFolder(snapshots_root(local_dir, world_size))
-        self.rank = rank
+        self.local_dir, self.world_size, self.rank = local_dir, world_size, rank
         self.adaptive = every == 0  # else fixed at `every`
         self.every = every or 1
         self.staging = StagingBuffer()  # reused: one write at a time
@@ -179,6 +183,25 @@ class LocalSnapshots:
         snapshot_restore.fetch(self.folder, step, sources, offers, self.rank, group)
         self.restored_from = "local-snapshot" if sources[self.rank] == self.rank else "peer-snapshot"
         return step
+
+    def find_other_size(self, group: dist.ProcessGroup | None) -> reshard.Found | None:
+        """A collective: the newest step of which every rank's snapshot at another world size is
+        held, for an elastic run at a new size (ett/snapshots/reshard.py)."""
+        return reshard.find(self.local_dir, self.world_size, self.rank, group)
+
+    def load_other_size(self, found: reshard.Found, state: dict[str, Any],
+                        group: dist.ProcessGroup | None) -> LoadReport | None:
+        """A collective: loads the snapshots `found` into `state`, resharded to this run's size;
+        None (on every rank alike) when they do not fit it, `state` untouched."""
+        folder = SnapshotFolder(snapshots_root(self.local_dir, found.world_size))
+        loaded = reshard.load(found, folder, state, lambda value: template(value, []), self.rank, group)
+        if isinstance(loaded, str):
+            logger.warning("the snapshot of step %d taken at %d ranks not loaded at %d: %s", found.step,
+                           found.world_size, self.world_size, loaded)
+            return None
+        report, own = loaded
+        self.restored_from = "local-snapshot" if own else "peer-snapshot"
+        return report
 
     def load(self, step: int, state: dict[str, Any]) -> LoadReport:
         """Loads this rank's snapshot of `step` into `state`, in place, by the rules every tier
