@@ -2,17 +2,19 @@
 owner, checkpoint folders and interval, timeouts and the faults meant for its ranks; and what the
 spares that could take its next attempt are told to warm."""
 
+from collections import defaultdict
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from itertools import islice
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, contains_eager
 
 from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec, WarmCommand
 from service.agents import commands
 from service.jobs.checkpoints import job_checkpoint_dir, owner_area
-from service.jobs.owners import number_owner
-from service.jobs.placement import free_spare_nodes
+from service.jobs.owners import owner_numbers
+from service.jobs.placement import assignable, may_take, straggler_avoided
 from service.models import ACTIVE_ATTEMPT_STATES, AgentCommand, Attempt, AttemptNode, Job, JobState, Node
 from service.settings import Settings
 
@@ -53,8 +55,8 @@ def learn_imports(job: Job, imports: list[str]) -> None:
 
 
 def spare_warm_commands(job: Job, spares: Sequence[Node], owner_number: int) -> list[tuple[Node, WarmCommand]]:
-    """For an attempt just started: the idle nodes that could take its next attempt (`spares`, able
-    to run it, by name), each with what to warm for it: the server its launch there would fork from
+    """For a running attempt: the idle nodes that could take its next attempt (`spares`, able to run
+    it, by name), each with what to warm for it: the server its launch there would fork from
     (its owner's, with its warm imports, named or learned; the trainer's for a trainer job). None
     for a job with `env`, which never starts warm."""
     spec = job.spec
@@ -71,24 +73,49 @@ def spare_warm_commands(job: Job, spares: Sequence[Node], owner_number: int) -> 
 def warm_spares(session: Session, settings: Settings, now: float) -> None:
     """Each scheduler pass: every running attempt's spares (the first idle nodes by name that could take
     its next one, as spare_warm_commands chooses them) told what to warm, each once per attempt and
-    command: a node that turned idle after the attempt started, which its start could not tell, and
-    every spare again once the job's imports are learned (in its first attempt, at its `ett.init`:
+    command: every spare of an attempt just started, a node that turned idle after the attempt started,
+    and every spare again once the job's imports are learned (in its first attempt, at its `ett.init`:
     its next one forks from them on a spare too). What was told is read from the commands queued since
-    the attempt started (agent_commands): no state of its own, whichever service process ticks."""
+    the attempt started (agent_commands): no state of its own, whichever service process ticks.
+
+    It runs on the scheduler's path at every tick: a few queries whatever the number of running
+    attempts, each attempt's spares picked in Python (placement.may_take) from one read of the idle nodes."""
     fresh = datetime.fromtimestamp(now, UTC) - timedelta(seconds=settings.heartbeat_timeout_seconds)
-    running = session.scalars(select(Attempt).join(Job).where(Attempt.state.in_(ACTIVE_ATTEMPT_STATES),
-                                                              Job.state == JobState.running)).all()
-    wanted: list[tuple[Attempt, Node, WarmCommand]] = []
-    for attempt in running:
+    idle = session.scalars(select(Node).where(*assignable(fresh)).order_by(Node.name)).all()
+    if not idle:
+        return  # a busy cluster's usual pass: nothing more read
+    running = (Attempt.state.in_(ACTIVE_ATTEMPT_STATES), Job.state == JobState.running)
+    attempts = session.scalars(
+        select(Attempt).join(Job).where(*running).order_by(Attempt.id)
+        # Its learned imports are what its spares warm: loaded here, not one query per job.
+        .options(contains_eager(Attempt.job).undefer(Job.learned_imports))
+    ).all()  # fmt: skip
+    if not attempts:
+        return
+    own: dict[int, set[int]] = defaultdict(set)  # an attempt's idle nodes (a share ended): not its spares
+    for attempt_id, node_id in session.execute(
+            select(AttemptNode.attempt_id, AttemptNode.node_id).join(Attempt).join(Job)
+            .where(*running, AttemptNode.node_id.in_(select(Node.id).where(*assignable(fresh))))):  # fmt: skip
+        own[attempt_id].add(node_id)
+    stragglers: dict[str, list[Attempt]] = defaultdict(list)  # the attempts placement.straggler_avoided reads
+    for ended in session.scalars(select(Attempt).join(Job).where(Job.state == JobState.running,
+                                                                 Attempt.cause == "straggler")):  # fmt: skip
+        stragglers[ended.job_id].append(ended)
+    chosen: list[tuple[Attempt, list[Node]]] = []
+    for attempt in attempts:
         job = attempt.job
         if job.spec.env:
             continue  # never starts warm
-        spares = session.scalars(free_spare_nodes(attempt, fresh).order_by(Node.name).limit(WARM_SPARES_MAX)).all()
+        excluded = own[attempt.id] | straggler_avoided(stragglers[job.id])
+        # The first by the database's order of names, as a restart takes them (free_spare_nodes' LIMIT before).
+        spares = list(islice((node for node in idle if may_take(node, job, excluded)), WARM_SPARES_MAX))
         if spares:
-            owner = number_owner(session, job.owner)
-            wanted += [(attempt, node, command) for node, command in spare_warm_commands(job, spares, owner)]
-    if not wanted:
+            chosen.append((attempt, spares))
+    if not chosen:
         return
+    owners = owner_numbers(session, {attempt.job.owner for attempt, _ in chosen})
+    wanted = [(attempt, node, command) for attempt, spares in chosen
+              for node, command in spare_warm_commands(attempt.job, spares, owners[attempt.job.owner])]  # fmt: skip
     since = min(attempt.allocated_at for attempt, _, _ in wanted)
     told = session.execute(select(AgentCommand.node_id, AgentCommand.payload, AgentCommand.created_at).where(
         AgentCommand.node_id.in_({node.id for _, node, _ in wanted}), AgentCommand.created_at >= since)).all()
@@ -96,4 +123,3 @@ def warm_spares(session: Session, settings: Settings, now: float) -> None:
         payload = command.model_dump(mode="json")
         if not any(n == node.id and p == payload and at >= attempt.allocated_at for n, p, at in told):
             commands.enqueue(session, node, command)
-

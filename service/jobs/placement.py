@@ -1,7 +1,7 @@
 """Where an attempt's node ranks go: a restart's nodes in the order its snapshots need; and the
 spares a running attempt's next one could take."""
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 
 from sqlalchemy import ColumnElement, Select, func, select
@@ -30,15 +30,36 @@ def free_spares(session: Session, attempt: Attempt, fresh: datetime) -> int:
 def free_spare_nodes(attempt: Attempt, fresh: datetime) -> Select[tuple[Node]]:
     """The nodes the scheduler could give the attempt's next one beside or in place of its own: idle,
     alive (a heartbeat since `fresh`), healthy, not drained or fenced, serving the same jobs, with
-    its slots, not already left out for a straggler of the job (service/jobs/scheduler.py's allocation)."""
+    its slots, not already left out for a straggler of the job (service/jobs/scheduler.py's allocation).
+
+    may_take is the same rules in Python, for many attempts weighed against one read of the idle nodes
+    (service/jobs/launch.py's warm_spares, the allocation); this form stays for one attempt's count
+    (free_spares) and for the one spare a straggler's replacement locks (service/stragglers/spares.py)."""
     job = attempt.job
-    serves = job.id if job.spec.slurm is not None else None
-    avoided = [a.failed_node_id for a in job.attempts if a.cause == "straggler" and a.failed_node_id is not None]
+    serves = served_job(job)
     return select(Node).where(
         *assignable(fresh), Node.slots >= job.spec.procs_per_node,
         Node.job_id.is_(None) if serves is None else Node.job_id == serves,
         Node.id.not_in(select(AttemptNode.node_id).where(AttemptNode.attempt_id == attempt.id)),  # not loaded
-        Node.id.not_in(avoided))  # fmt: skip
+        Node.id.not_in(sorted(straggler_avoided(job.attempts))))  # fmt: skip
+
+
+def may_take(node: Node, job: Job, excluded: Collection[int]) -> bool:
+    """Whether an assignable node (read with `assignable`) could take the job's next attempt, as
+    free_spare_nodes says: serving the same jobs, with its slots, not one of `excluded` (the nodes the
+    job left out for its stragglers, and for a running attempt its own)."""
+    return node.job_id == served_job(job) and node.slots >= job.spec.procs_per_node and node.id not in excluded
+
+
+def served_job(job: Job) -> str | None:
+    """The job whose nodes alone may run this one: a Slurm job runs on its allocation's agents alone,
+    and they on nothing else (Node.job_id); None: the nodes that serve no one job."""
+    return job.id if job.spec.slurm is not None else None
+
+
+def straggler_avoided(attempts: Iterable[Attempt]) -> set[int]:
+    """The nodes a job left out for its stragglers (service/stragglers/): never given its next attempts."""
+    return {a.failed_node_id for a in attempts if a.cause == "straggler" and a.failed_node_id is not None}
 
 
 def assignable(fresh: datetime) -> tuple[ColumnElement[bool], ...]:

@@ -21,10 +21,10 @@ from service.failures.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_r
                                     without_logs)
 from service.jobs.elastic import elastic_size, weigh_growing
 from service.jobs.intervals import retune_auto_intervals
-from service.jobs.launch import launch_command, learn_imports, spare_warm_commands, warm_spares
+from service.jobs.launch import launch_command, learn_imports, warm_spares
 from service.jobs.owners import number_owner
 from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers
-from service.jobs.placement import assignable, rank_order
+from service.jobs.placement import assignable, may_take, rank_order, served_job, straggler_avoided
 from service.jobs.rendezvous import free_master_port
 from service.jobs.restarts import needs_attempt
 from service.jobs.service_events import emit
@@ -184,7 +184,7 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
         _lose(session, share.node, [share], detail, settings, now)
     _give_up_unconfirmed_stops(session, settings, now)
     _allocate(session, settings, now)
-    warm_spares(session, settings, now)  # the spares that turned idle since, or that learned imports concern
+    warm_spares(session, settings, now)  # spares of attempts just started, idle since, or learned imports concern
     for attempt, why in weigh_growing(session, settings, now):  # an elastic job's smaller attempt grows back
         fail_attempt(session, attempt, "grow", why, now)
     retune_auto_intervals(session, settings, now)
@@ -245,15 +245,14 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
             idle = list(session.scalars(select(Node).where(*assignable(fresh)).order_by(Node.name)
                                         .with_for_update(skip_locked=True)))  # fmt: skip
         spec = job.spec
-        # A Slurm job runs on its allocation's agents alone, and they on nothing else.
-        serves = job.id if spec.slurm is not None else None
+        serves = served_job(job)  # a Slurm job's allocation's agents
         if serves and not (job.slurm_allocations and job.slurm_allocations[-1].state == SlurmState.running):
             continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
-        avoided = {a.failed_node_id for a in job.attempts if a.cause == "straggler"}  # service/stragglers/
-        fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node and n.id not in avoided]
+        avoided = straggler_avoided(job.attempts)  # service/stragglers/
+        fitting = [n for n in idle if may_take(n, job, avoided)]
         size, reason = elastic_size(session, job, fitting, avoided)  # all its nodes, or an elastic job's fewer
         if size is None and avoided:  # the spare was taken meanwhile: back where it ran, not stranded
-            fitting = [n for n in idle if n.job_id == serves and n.slots >= spec.procs_per_node]
+            fitting = [n for n in idle if may_take(n, job, ())]
             size, reason = elastic_size(session, job, fitting, set())
         if size is None:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
@@ -265,14 +264,14 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
                 job.reason = reason
             continue
         nodes = rank_order(job, fitting, size)
-        _start_attempt(session, settings, job, nodes, now, [n for n in fitting if n not in nodes], reason or None)
+        _start_attempt(session, settings, job, nodes, now, reason or None)
         idle = [node for node in idle if node not in nodes]
 
 
 def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float,
-                   spares: Sequence[Node] = (), reason: str | None = None) -> None:
+                   reason: str | None = None) -> None:
     """Allocates the attempt on `nodes` (fewer than the job's: an elastic job's, `reason` says why) and tells
-    each its share; `spares`, idle nodes that could take its next attempt, warm its server meanwhile."""
+    each its share; its spares are told what to warm by the same tick's warm_spares (service/jobs/launch.py)."""
     number, full = len(job.attempts), job.spec.nodes
     attempt = Attempt(
         job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,
@@ -296,5 +295,3 @@ def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequen
     owner = number_owner(session, job.owner)
     for share in attempt.nodes:
         commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval, owner))
-    for spare, warm in spare_warm_commands(job, spares, owner):
-        commands.enqueue(session, spare, warm)

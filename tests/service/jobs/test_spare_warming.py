@@ -2,7 +2,14 @@
 server that attempt would fork from there (issue #49, item 4): its owner, its warm imports, named or
 learned; the trainer's server for a trainer job; nothing for a job with `env`."""
 
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from service.db import make_session_factory
+from service.jobs.launch import warm_spares
+from service.jobs.scheduler import fail_attempt
 from service.models import Node
+from service.settings import Settings
 from tests.service.jobs.test_scheduler import T0, add_job, add_nodes, report, taken, tick
 
 LEARNED = ["idna.core", "torch.nn.parallel.distributed"]
@@ -82,3 +89,59 @@ def test_what_the_first_attempt_learned_reaches_its_spares_while_it_runs(session
     report(session, b, job, 0, "running", T0 + 4, imports=LEARNED)  # the other node's list: the first is kept
     tick(session, settings, T0 + 5)
     assert warms(session, spare) == []
+
+
+def test_a_straggler_left_out_and_an_attempts_own_idle_node_are_not_told(session, settings):
+    """The rules a pass applies to the idle nodes it read once are free_spare_nodes' (service/jobs/placement.py):
+    not the node the job left out for a straggler, not a node of the attempt itself (its share ended)."""
+    a, b, c, d, e = add_nodes(session, "a", "b", "c", "d", "e")
+    job = add_job(session, entrypoint=["python", "train.py"], procs_per_node=1, nodes=2)
+    tick(session, settings, T0)
+    assert [len(warms(session, n)) for n in (c, d, e)] == [1, 1, 0]
+    fail_attempt(session, job.attempts[0], "straggler", "rank 1 on b straggles", T0 + 1, node=b)
+    session.commit()
+    report(session, a, job, 0, "stopped", T0 + 1)
+    report(session, b, job, 0, "stopped", T0 + 1)
+    tick(session, settings, T0 + settings.restart_backoff_seconds + 2)
+    assert [n.node.name for n in job.attempts[1].nodes] == ["a", "c"]  # b left out
+    assert warms(session, b) == [] and [w["job_id"] for w in warms(session, e)] == [job.id]  # d, e: b left out
+    report(session, a, job, 1, "succeeded", T0 + 4)  # a idle again, its attempt still running on c
+    tick(session, settings, T0 + 5)
+    assert [warms(session, n) for n in (a, b)] == [[], []]
+
+
+def queries_of_a_pass(session: Session, settings: Settings, now: float) -> list[str]:
+    """The statements one warm_spares pass sends, in a session of its own as each tick has (nothing
+    loaded), its transaction begun first (SQLite's BEGIN IMMEDIATE is no query of the pass)."""
+    engine, statements = session.get_bind(), []
+
+    def record(_conn, _cursor, statement, *_) -> None:
+        statements.append(statement)
+
+    with make_session_factory(engine)() as fresh:
+        fresh.connection()
+        event.listen(engine, "before_cursor_execute", record)
+        try:
+            warm_spares(fresh, settings, now)
+            fresh.flush()
+        finally:
+            event.remove(engine, "before_cursor_execute", record)
+    return statements
+
+
+def test_a_pass_makes_as_many_queries_for_fifty_running_jobs_as_for_one(session, settings):
+    """The scheduler's path: a few queries a pass whatever the number of running attempts, not
+    several for each; and only the idle nodes' one where none is idle (a busy cluster's usual pass)."""
+    add_nodes(session, "busy-00", "spare-1", "spare-2")
+    add_job(session, entrypoint=["python", "train.py"], procs_per_node=1, nodes=1)
+    tick(session, settings, T0)
+    one = queries_of_a_pass(session, settings, T0 + 1)
+    add_nodes(session, *(f"busy-{i:02}" for i in range(1, 50)))
+    for _ in range(49):
+        add_job(session, entrypoint=["python", "train.py"], procs_per_node=1, nodes=1)
+    tick(session, settings, T0 + 2)
+    fifty = queries_of_a_pass(session, settings, T0 + 3)
+    assert len(fifty) == len(one) <= 6, fifty
+    add_job(session, entrypoint=["python", "train.py"], procs_per_node=1, nodes=2)
+    tick(session, settings, T0 + 4)  # the two spares taken
+    assert len(queries_of_a_pass(session, settings, T0 + 5)) == 1
