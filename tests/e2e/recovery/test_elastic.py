@@ -204,3 +204,47 @@ def waits_for_a_node_with_min_nodes_its_nodes(c: Cluster) -> None:
     assert job["state"] == "succeeded", c.logs()
     assert [a["nodes"] for a in job["attempts"]] == [["node-0", "node-2"], ["node-0", "node-3"]], job["attempts"]
     assert [s["nodes"] for s in c.report(job_id)["attempt_sizes"]] == [2, 2]
+
+
+@pytest.mark.over_budget("three agents and a node lost past its heartbeat deadline, the uninterrupted 3-rank run beside")
+def test_rank_0s_node_lost_in_a_job_of_three_it_goes_on_at_two_from_the_snapshots_rank_0s_from_its_peers_copy(
+        tmp_path):
+    """Rank 0's node is the one lost, in a 3-node job: old rank 0's state (and the plain values the
+    new ranks take from it) lives only in node-1's copy; the job goes on at 2 nodes (the sizes its
+    global batch of 6 micro batches declares: 1 and 2), no spare to grow back to."""
+    steps = 40
+    ddp = ["--steps", str(steps), "--step-seconds", "0.1", "--global-batch", "96"]
+    spec = example_job("plain_ddp.toml", name="elastic-three", nodes=3, max_restarts=2, elastic={"min_nodes": 1},
+                       entrypoint=["python", "examples/plain_ddp.py", *ddp],
+                       checkpoint={"interval_steps": 10, "keep": 3, "snapshots": True})
+
+    def uninterrupted() -> dict[int, float]:
+        event_dir = tmp_path / "uninterrupted" / EVENTS_DIR
+        plain_torchrun("plain_ddp.py", *ddp, "--step-seconds", "0", "--checkpoint-dir", str(tmp_path / "plain"),
+                       ranks=3, env={"ETT_EVENT_DIR": str(event_dir)})
+        return {e["step"]: e["data"]["loss"] for e in read_events(event_dir / rank_spool(0)) if e["kind"] == "step"}
+
+    def elastic() -> dict[int, float]:
+        with cluster(tmp_path, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT) as c:
+            c.start_agents("node-0", "node-1", "node-2")
+            job_id = c.submit(**spec)
+            wait_for(lambda: any(e.attempt == 0 and e.step > 12 for e in events(c, job_id, "step")), 120,
+                     "attempt 0 past step 12")  # fmt: skip
+            assert len(c.lose_node("node-0", job_id)) > 1, "node-0's ranks were not found"
+            job = c.wait_job(job_id, timeout=300)
+            assert job["state"] == "succeeded", c.logs()
+            first, reduced = job["attempts"]
+            assert (first["nodes"], first["cause"]) == (["node-0", "node-1", "node-2"], "node_lost"), first
+            assert sorted(reduced["nodes"]) == ["node-1", "node-2"] and reduced["state"] == "succeeded", reduced
+            rows = step_rows(c, job_id)
+            last_of_first = max(r["step"] for r in rows if r["attempt"] == 0)
+            resumed, committed = restored(c, job_id, 1), newest_committed_before_the_failure(c, job_id)
+            assert resumed["saved_world_size"] == 3 and last_of_first - resumed["step"] <= 3, (last_of_first, resumed)
+            assert resumed["source"] == "peer-snapshot" if resumed["step"] > committed else resumed["step"] == committed, (
+                committed, resumed)
+            assert "missing" not in resumed and "not_restored" not in resumed, resumed
+            assert [(s["attempt"], s["nodes"], s["full_nodes"]) for s in c.report(job_id)["attempt_sizes"]] == [
+                (0, 3, 3), (1, 2, 3)]  # fmt: skip
+            return {r["step"]: r["loss"] for r in rows if not r["rolled_back"]}
+
+    assert_same_losses(*in_parallel(uninterrupted, elastic), steps)
