@@ -3,12 +3,32 @@ one service and one agent started as root serve a module; each attack is a scrip
 `scripts/`, run as an owner's one-rank job; after it the agent lives and another owner's job (its
 `bystander.py`, which leaves `ran` in its checkpoint folder) succeeds."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
-from tests.support.cluster import TERMINAL, Cluster
+from tests.support.cluster import TERMINAL, Cluster, cluster
+from tests.support.job_user import job_python, open_folder
 from tests.support.waiting import wait_for
+
+BYSTANDER = "import os; open(os.path.join(os.environ['ETT_CHECKPOINT_DIR'], 'ran'), 'w').close()\n"
+
+
+@contextmanager
+def hostile_node(prefix: str, scripts: dict[str, str], slots: int = 1) -> Iterator[tuple[Cluster, Path]]:
+    """The service and one agent started as root (node-a, `slots`), the job interpreter (a copy every
+    user may run), and `scripts` (name: text) with bystander.py in a folder every user may read."""
+    with open_folder(prefix) as root:
+        python = job_python(root / "job-python")
+        folder = root / "scripts"
+        folder.mkdir()
+        for name, text in (scripts | {"bystander.py": BYSTANDER}).items():
+            (folder / name).write_text(text)
+        with cluster(root) as c:
+            c.start_agent("node-a", slots=slots, job_python=python)
+            yield c, python
 
 
 def run(c: Cluster, owner: httpx.Client, python: Path, script: str, *args: str, **spec) -> str:

@@ -14,9 +14,8 @@ from sqlalchemy import select
 
 from ett.protocol import CONTROL_DIR, LOGS_DIR, RANKS_FILE, rank_log
 from service.models import JobEvent, RankLog
-from tests.support.cluster import TERMINAL, Cluster, cluster, events
-from tests.support.hostile import checkpoint_dir, run, the_agent_lives_and_another_owners_job_succeeds
-from tests.support.job_user import job_python, open_folder
+from tests.support.cluster import TERMINAL, Cluster, events
+from tests.support.hostile import checkpoint_dir, hostile_node, run, the_agent_lives_and_another_owners_job_succeeds
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs an agent started as root")]
@@ -73,7 +72,6 @@ with open(control, "a") as f:
 time.sleep(3)
 sys.exit(1)
 """
-BYSTANDER = "import os; open(os.path.join(os.environ['ETT_CHECKPOINT_DIR'], 'ran'), 'w').close()\n"
 # Secrets written past every blanking but the node's last: into the rank's own log file, a secret's
 # start and, once the test has seen that start shipped, its end; with a byte that is no UTF-8 and a
 # NUL inside them; deep in an event field no kind declares.
@@ -130,18 +128,11 @@ with open(os.path.join(os.environ["ETT_EVENT_DIR"], "rank-0.jsonl"), "a") as f:
 @pytest.fixture(scope="module")
 def node() -> Iterator[tuple[Cluster, Path]]:
     """The service and one agent started as root; the scripts in a folder every user may read."""
-    with open_folder("ett-hostile-") as root:
-        python = job_python(root / "job-python")
-        scripts = root / "scripts"
-        scripts.mkdir()
-        for name, text in {"nested.py": NESTED_LINE, "socket.py": SOCKET_FOLDER, "sparse.py": SPARSE_FILES,
-                           "far_rank.py": FAR_RANK_LOG, "bystander.py": BYSTANDER, "secrets.py": SECRET_WRITER,
-                           "flood.py": FLOOD, "bystander_event.py": BYSTANDER_EVENT,
-                           "forged_end.py": FORGED_END}.items():
-            (scripts / name).write_text(text)
-        with cluster(root) as c:
-            c.start_agent("node-a", slots=1, job_python=python)
-            yield c, python
+    scripts = {"nested.py": NESTED_LINE, "socket.py": SOCKET_FOLDER, "sparse.py": SPARSE_FILES,
+               "far_rank.py": FAR_RANK_LOG, "secrets.py": SECRET_WRITER, "flood.py": FLOOD,
+               "bystander_event.py": BYSTANDER_EVENT, "forged_end.py": FORGED_END}
+    with hostile_node("ett-hostile-", scripts, slots=1) as served:
+        yield served
 
 
 

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import select
 
 from service.models import Job, RankLog
-from tests.support.cluster import Cluster, cluster, events
-from tests.support.hostile import checkpoint_dir, run, the_agent_lives_and_another_owners_job_succeeds
-from tests.support.job_user import job_python, open_folder
+from tests.support.cluster import Cluster, events
+from tests.support.hostile import checkpoint_dir, hostile_node, run, the_agent_lives_and_another_owners_job_succeeds
+from tests.support.job_user import open_folder
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.geteuid() != 0, reason="needs an agent started as root")]
@@ -105,21 +105,14 @@ while time.monotonic() < deadline and any(os.path.isdir(f) for f in folders):
             pass
 open(os.path.join(CK, "swaps"), "w").write(str(swaps))
 """
-BYSTANDER = "import os; open(os.path.join(os.environ['ETT_CHECKPOINT_DIR'], 'ran'), 'w').close()\n"
 
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[tuple[Cluster, Path]]:
-    with open_folder("ett-values-") as root:
-        python = job_python(root / "job-python")
-        scripts = root / "scripts"
-        scripts.mkdir()
-        for name, text in {"poison.py": POISON, "names.py": NAMES, "harmful.py": HARMFUL,
-                           "links.py": LINKS, "racer.py": RACER, "bystander.py": BYSTANDER}.items():
-            (scripts / name).write_text(text)
-        with cluster(root) as c:
-            c.start_agent("node-a", slots=2, job_python=python)
-            yield c, python
+    """The service and one agent started as root (two slots); the scripts in a folder every user may read."""
+    scripts = {"poison.py": POISON, "names.py": NAMES, "harmful.py": HARMFUL, "links.py": LINKS, "racer.py": RACER}
+    with hostile_node("ett-values-", scripts, slots=2) as served:
+        yield served
 
 
 def dead_letters(c: Cluster, job_id: str) -> list[dict]:
