@@ -193,7 +193,8 @@ class Plan:
                 sources.append((min(local or ranks), old_chunk))  # one copy of a replicated shard
                 covered += overlap
         if covered != math.prod(chunk.shape):
-            raise Unfit(f"{_name(path)}: the old ranks' shards cover {covered} of its {math.prod(chunk.shape)} elements")
+            raise Unfit(f"{_name(path)}: the old ranks' shards cover {covered} of its "
+                        f"{math.prod(chunk.shape)} elements")
         piece = Piece(chunk, _slot(olds[sources[0][0]]).dtype if sources else _slot(new).dtype, new, sources)
         self.pieces.append(piece)
         return piece
@@ -282,7 +283,8 @@ def read(found: Found, folder: SnapshotFolder, needed: set[int], rank: int,
     if broken:
         raise ValueError(broken)
     for whose, data in incoming.items():
-        read_here[whose] = snapshot_file.loads(memoryview(data.numpy()), f"rank {whose}'s snapshot of step {step}")["state"]
+        name = f"rank {whose}'s snapshot of step {step}"
+        read_here[whose] = snapshot_file.loads(memoryview(data.numpy()), name)["state"]
     return read_here, own and not fetch
 
 
@@ -296,8 +298,13 @@ def everyone(ok: bool, group: dist.ProcessGroup | None) -> bool:
 def load(found: Found, folder: SnapshotFolder, state: dict[str, Any], template: Callable[[Any], Any], rank: int,
          group: dist.ProcessGroup | None) -> tuple[LoadReport, bool] | str:
     """A collective: loads the snapshots `found` into `state`, resharded; returns what did not
-    match and whether every snapshot this rank read was its node's own, or why it could not (the
-    same on every rank: then none of `state` is to be trusted)."""
+    match and whether every snapshot this rank read was its node's own; or why it could not, on
+    every rank alike, nothing of `state` loaded."""
+    # An optimizer not stepped yet is given its state, as DCP's get_state_dict does, so its moments
+    # have a place; on every rank alike, first: under FSDP2 that may take collectives.
+    for value in state.values():
+        if hasattr(value, "local_state"):
+            value.state_dict()
     mine, why = {}, ""
     try:  # each old rank's template, from the rank whose node's copy was chosen
         mine = {whose: snapshot_file.read_header(folder.path(found.step, whose))["state"]
@@ -311,9 +318,6 @@ def load(found: Found, folder: SnapshotFolder, state: dict[str, Any], template: 
         try:
             olds = [next(headers[whose] for headers in gathered if whose in headers)
                     for whose in range(found.world_size)]  # fmt: skip
-            for value in state.values():
-                if hasattr(value, "local_state"):  # an optimizer not stepped yet is given its state
-                    value.state_dict()
             local = {whose for whose in range(found.world_size) if folder.path(found.step, whose).exists()}
             plan = Plan(template(state), olds, local)
         except (Unfit, StopIteration) as error:

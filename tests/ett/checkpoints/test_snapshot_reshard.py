@@ -30,7 +30,8 @@ def template(weight: dict, lr: float = 0.1, step: int = 7) -> dict:
 
 def filled(old_template: dict, offset: int, rows: int, step_value: float) -> dict:
     """An old rank's snapshot as read: its template with its tensors."""
-    return {"model": {"params": [{"shard": rows_of(offset, rows), "layout": old_template["model"]["params"][0]["layout"]}],
+    layout = old_template["model"]["params"][0]["layout"]
+    return {"model": {"params": [{"shard": rows_of(offset, rows), "layout": layout}],
                       "optim": [{"step": torch.tensor(step_value)}], "groups": [{"lr": 0.1}]}, "progress": 7}
 
 
