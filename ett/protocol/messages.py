@@ -27,6 +27,19 @@ def _imported_quietly(name: str) -> str:
 
 ModuleName = Annotated[str, StringConstraints(max_length=MODULE_NAME_MAX_CHARS, pattern=MODULE_NAME_PATTERN),
                        AfterValidator(_imported_quietly)]
+_MODULE_NAME = TypeAdapter(ModuleName)
+
+
+def module_names(names: list[str]) -> list[str]:
+    """The names of `names` a warm server may import (ModuleName), the others left out: a list stored
+    before a rule was added, or by a service that had none, must not reach a launch."""
+    kept = []
+    for name in names:
+        try:
+            kept.append(_MODULE_NAME.validate_python(name))
+        except ValueError:
+            continue
+    return kept
 REPORT_DETAIL_CHARS = 512
 
 

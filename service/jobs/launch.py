@@ -10,7 +10,7 @@ from itertools import islice
 from sqlalchemy import select
 from sqlalchemy.orm import Session, contains_eager
 
-from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec, WarmCommand
+from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec, WarmCommand, module_names
 from service.agents import commands
 from service.jobs.checkpoints import job_checkpoint_dir, owner_area
 from service.jobs.owners import owner_numbers
@@ -40,11 +40,18 @@ def launch_command(settings: Settings, job: Job, attempt: Attempt, share: Attemp
         node_rank=share.node_rank, nnodes=len(attempt.nodes), full_nnodes=attempt.full_nodes, nproc_per_node=per_node,
         master_addr=attempt.master_addr, master_port=attempt.master_port,
         trainer=TrainerSpec(**spec.trainer.model_dump()), entrypoint=spec.entrypoint, env=spec.env,
-        warm_imports=spec.warm_imports or job.learned_imports or [],
+        warm_imports=warm_imports(job),
         checkpoint=checkpoint, hang_timeout_seconds=spec.hang_timeout_seconds,
         init_timeout_seconds=settings.init_timeout_seconds,
         faults=[Fault(**f.model_dump()) for f in spec.faults if f.attempt == attempt.number and first <= f.rank < last],
     )  # fmt: skip
+
+
+def warm_imports(job: Job) -> list[str]:
+    """What a job's launches warm: its spec's `warm_imports` (checked at submit), else what its first
+    attempt learned, checked again here: a list stored before a name was refused must not reach a
+    launch, nor stop every scheduler pass at a WarmCommand it cannot make."""
+    return job.spec.warm_imports or module_names(job.learned_imports or [])
 
 
 def learn_imports(job: Job, imports: list[str]) -> None:
@@ -64,7 +71,7 @@ def spare_warm_commands(job: Job, spares: Sequence[Node], owner_number: int) -> 
         return []
     command = WarmCommand(
         type="warm", job_id=job.id, owner=job.owner, owner_number=owner_number, entrypoint=spec.entrypoint,
-        warm_imports=(spec.warm_imports or job.learned_imports or []) if spec.entrypoint is not None else [],
+        warm_imports=warm_imports(job) if spec.entrypoint is not None else [],
     )  # fmt: skip
     chosen = sorted(spares, key=lambda node: node.name)[:min(spec.nodes, WARM_SPARES_MAX)]
     return [(node, command) for node in chosen]

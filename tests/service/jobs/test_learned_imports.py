@@ -58,3 +58,22 @@ def test_a_job_that_names_its_imports_keeps_them(session, settings):
     session.refresh(job)
     assert len(job.attempts) == 2 and job.learned_imports is None
     assert [c["warm_imports"] for c in launches(session, a)] == [["torch.nn"], ["torch.nn"]]
+
+
+def test_a_list_stored_before_a_name_was_refused_reaches_no_launch_and_no_warm_command(session, settings):
+    """`jobs.learned_imports` written by a service that did not yet refuse modules that act when
+    imported (ett.protocol.acts_at_import) or odd names: the next launches and the spares' warm
+    commands carry the others only, and the scheduler's passes go on."""
+    a, b, spare = add_nodes(session, "a", "b", "c-spare")
+    job = add_job(session, entrypoint=["python", "train.py"], procs_per_node=1)
+    tick(session, settings, T0)
+    job.learned_imports = ["idna.core", "antigravity", "unittest.__main__", "os; import this", "torch.nn"]
+    session.commit()
+    report(session, a, job, 0, "failed", T0 + 1, cause="signal")
+    report(session, b, job, 0, "stopped", T0 + 1)
+    tick(session, settings, T0 + settings.restart_backoff_seconds + 2)
+    session.refresh(job)
+    assert len(job.attempts) == 2
+    assert [c["warm_imports"] for c in launches(session, a)] == [[], ["idna.core", "torch.nn"]]
+    warmed = [c["warm_imports"] for c in taken(session, spare) if c["type"] == "warm"]
+    assert warmed and all(names in ([], ["idna.core", "torch.nn"]) for names in warmed), warmed
