@@ -33,7 +33,8 @@ from agent.node.health import HealthCheck
 from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import allocation_problem, slurm_job_id, termination
-from agent.warm.servers import WarmServers, socket_folder
+from agent.warm.servers import WarmServers
+from agent.warm.sockets import socket_folder
 from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
 from ett.protocol.messages import IntervalCommand, LaunchCommand, WarmCommand, command_adapter
 
@@ -78,7 +79,7 @@ class Agent:
         self._forwarding_done = threading.Event()
 
     def _socket_folder(self) -> Path:
-        """Where the warm servers listen (agent.warm.servers.socket_folder); said once here when it
+        """Where the warm servers listen (agent.warm.sockets.socket_folder); said once here when it
         cannot be made, as every launch then starts fresh."""
         try:
             return socket_folder(self.settings.data_dir)

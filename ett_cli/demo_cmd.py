@@ -128,7 +128,8 @@ def _wait_warm(data_dirs: list[Path], uid: int, agents: list[subprocess.Popen], 
     as on a cluster whose agents were up before the job came: a job allocated earlier would wait
     for them inside its window. Returns the seconds waited; gives up quietly after `timeout` (the
     job then starts cold)."""
-    from agent.warm.servers import socket_folder, socket_path
+    from agent.warm.servers import socket_path
+    from agent.warm.sockets import socket_folder
 
     sockets = [socket_path(socket_folder(folder), uid) for folder in data_dirs]  # where each agent binds them
     started = time.monotonic()

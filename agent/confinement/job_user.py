@@ -17,6 +17,7 @@ every launch.
 
 import errno
 import grp
+import logging
 import os
 import pwd
 import stat
@@ -26,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.confinement.become import command, root_may_run
 from agent.files.closed_folder import first_closed_folder
 from ett.protocol.messages import LaunchCommand
 
+log = logging.getLogger(__name__)
+_SAID_UNSAFE_FOR_ROOT: set[str] = set()  # the interpreters RunAs.start_kept warned of, once each
 PREFLIGHT_TIMEOUT_SECONDS = 120.0
 # Folders the agent makes above a job's own: the job's user passes through them but cannot list
 # them (no job learns the others' ids). Set after mkdir, so the agent's umask cannot close them.
@@ -140,6 +144,23 @@ class RunAs:
             return {}
         assert self.user is not None
         return {"user": self.user.uid, "group": self.user.gid, "extra_groups": [], "umask": JOB_UMASK}
+
+    def start_kept(self, argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+        """`argv` (`python -P -m MODULE ...`) and subprocess.Popen's arguments for a process of the job's user that
+        outlives its jobs (a warm server): exec'd as root, it becomes that user before it runs a line of theirs, never
+        open to their processes (agent.confinement.become). With an interpreter root may not run (said once): exec'd
+        as the user, open to them until it makes itself undumpable."""
+        if self.user is None or not self.switches:
+            return argv, {}
+        why = root_may_run(self.python)
+        if why is None:
+            return command(argv, self.user.uid, self.user.gid, JOB_UMASK), {}
+        if self.python not in _SAID_UNSAFE_FOR_ROOT:
+            _SAID_UNSAFE_FOR_ROOT.add(self.python)
+            log.warning("warm servers of %s start as the job's user, open to its processes until they make "
+                        "themselves undumpable (tens of ms): root runs no interpreter another user may change: %s",
+                        self.python, why)
+        return argv, self.popen()
 
     def env(self) -> dict[str, str]:
         """What a login as the job's user would set; nothing when it is the agent's own user."""

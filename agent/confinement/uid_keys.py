@@ -19,6 +19,8 @@ import ctypes
 import os
 from pathlib import Path
 
+from agent.confinement.become import become
+
 KEY_USERS = Path("/proc/key-users")
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}  # keyctl(2)'s number, which no library call of Python's makes
 KEYCTL_CLEAR = 7
@@ -45,9 +47,7 @@ def clear_keys_of(uid: int, gid: int) -> bool:
     if pid == 0:  # the child: system calls only, then out without Python's clean-up
         code = 1
         try:
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
+            become(uid, gid)
             code = sum(_libc.syscall(number, KEYCTL_CLEAR, keyring) != 0 for keyring in USER_KEYRINGS)
         finally:
             os._exit(code)

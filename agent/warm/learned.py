@@ -39,7 +39,12 @@ def module_names(raw: bytes) -> list[str]:
         value = json.loads(raw)
     except (ValueError, RecursionError):
         raise NotImports("not JSON") from None
-    names = value.get("modules") if isinstance(value, dict) else None
+    return checked_names(value.get("modules") if isinstance(value, dict) else None)
+
+
+def checked_names(names: object) -> list[str]:
+    """`names`, duplicates dropped, in their order, if it is a list of at most IMPORTS_MAX_NAMES module names that act
+    at no import (above); NotImports (saying why) else. Also where a warm server is asked to import a job's list."""
     if not isinstance(names, list) or len(names) > IMPORTS_MAX_NAMES:
         raise NotImports(f'no "modules" list of at most {IMPORTS_MAX_NAMES} names')
     for name in names:

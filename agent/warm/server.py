@@ -12,7 +12,8 @@ keeps this server ready with MODULE... imported; the guard (for torchrun) and ea
 its rank), when the program is `python -P -m MODULE ...`, ask it over SOCKET for the process instead
 of starting an interpreter, and fall back to one when the server cannot serve (agent.warm.client).
 The server runs as the job's user, with the job's interpreter (agent.confinement.job_user), as the processes it
-stands in for would.
+stands in for would: an agent started as root starts it through agent.confinement.become, which becomes
+that user before this module runs, so that none of that user's processes can attach to it meanwhile.
 
 Per request the server forks a keeper, which forks the process (below: the rank):
 - the rank: a process group of its own, the runner's stdin/stdout/stderr (passed over the
@@ -28,10 +29,15 @@ only the calling thread); each rank sets its own thread count. It never forks st
 (agent.warm.fresh): once a file of a module it holds has changed since it imported it, it refuses
 that request and every later one (the asker starts a fresh interpreter), and exits (STALE_EXIT)
 when what it forked has ended, for the agent to start a fresh server at once. It also looks while
-idle (every STALE_CHECK_SECONDS) and says so at once on the pipe the agent gave it ($STALE_FD_ENV):
+idle (every STALE_CHECK_SECONDS) and says so at once on the channel the agent gave it ($STALE_FD_ENV):
 the agent then starts its successor while the running attempt's ranks, forked from this one, train
 on, so that a restart after an edit forks from fresh code instead of waiting for fresh imports. The
 agent also replaces it when the job's interpreter or environment is no longer the one it was started with.
+
+A server of a job's imports is forked from its user's base server when that one listens and runs as it
+would (agent.warm.forked): the agent asks on the base's channel, and the base forks a child that imports
+only what it does not hold yet, with the base's fingerprint carried over (an edit of a file either holds
+makes it stale), and serves as an exec'd one would.
 """
 
 import contextlib
@@ -39,7 +45,6 @@ import gc
 import importlib
 import json
 import os
-import runpy
 import select
 import shutil
 import signal
@@ -48,19 +53,25 @@ import struct
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
-from agent.confinement.placement import ask_to_be_placed
-from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_PLACER_ENV, set_dumpable, set_parent_death_signal
+from agent.confinement.procs import set_dumpable, set_parent_death_signal
 from agent.warm.client import python_module, runs_script
 from agent.warm.fresh import Fingerprint, shadowed
+from agent.warm.learned import NotImports, checked_names
+from agent.warm.rank import keep, script_path
 
 MAX_REQUEST_BYTES = 1 << 20
 STALE_EXIT = 75  # its code changed under it: the agent starts a fresh one at once, not after a pause
 # How often an idle server stats its modules' files (30 ms for the trainer's 2,000 on a loaded 2-core
 # node): an edit is seen within this, and a successor's imports (5-20 s) start then, not at the restart.
 STALE_CHECK_SECONDS = 2.0
-STALE_FD_ENV = "ETT_WARM_STALE_FD"  # the pipe on which it tells the agent it went stale (agent.warm.servers)
+# The agent's channel (a socket pair, agent.warm.forked): the server says there that it went stale, and the agent
+# asks there for a server of more imports forked from it: {FORK_SOCKET, FORK_IMPORTS} with two descriptors, the
+# forked one's own channel and its log. The forked one says its pid on its channel: {FORK_PID}.
+STALE_FD_ENV = "ETT_WARM_STALE_FD"
 STALE_WORD = b"s"
+FORK_SOCKET, FORK_IMPORTS, FORK_PID = "socket", "imports", "pid"
 
 
 def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str | None = None) -> bool:
@@ -78,8 +89,10 @@ def serves(argv: list[str], modules: list[str], scripts: bool = False, path: str
 def serve(socket_path: Path, modules: list[str], imports: list[str] | None = None, stale_fd: int | None = None
           ) -> None:
     # It outlives its user's jobs (the sweep spares it and its keepers): a rank of that user that
-    # attached to it (ptrace, /proc/PID/mem) would leave code running after its job. Its keepers
-    # inherit this; each rank undoes it for itself (_run_rank).
+    # attached to it (ptrace, /proc/PID/mem) would leave code running after its job. Started by root,
+    # it is undumpable since it became its user (agent.confinement.become); exec'd as its user (an
+    # interpreter root may not run, an agent that runs jobs as itself), from here. Its keepers
+    # inherit this; each rank undoes it for itself (agent.warm.rank).
     set_dumpable(False)
     set_parent_death_signal()  # the agent gone: the server goes, and every keeper and rank with it
     if os.getppid() == 1:
@@ -89,7 +102,17 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
         for module in modules:
             importlib.import_module(module)
             del sys.modules[module]  # it runs as __main__, read afresh at each fork; what it imports stays loaded
-        for module in imports or []:  # a job's own: its scripts import them again, from here
+    serve_imports(fingerprint, socket_path, modules, imports or [],
+                  socket.socket(fileno=stale_fd) if stale_fd is not None else None)
+
+
+def serve_imports(fingerprint: Fingerprint, socket_path: Path, modules: list[str], imports: list[str],
+                  channel: socket.socket | None) -> NoReturn:
+    """Imports a job's own `imports`, listens at `socket_path` and serves until stale, then exits: the start of
+    every server, exec'd (serve) or forked from another (_forked_server), which carries over what that one held
+    and its `fingerprint`, so that an edit of a file either holds makes it stale. `channel`: the agent's."""
+    with fingerprint.recording():
+        for module in imports:  # a job's own: its scripts import them again, from here
             try:
                 importlib.import_module(module)
             except Exception as exc:  # the script would fail as it did: this server still serves torchrun
@@ -102,6 +125,35 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
     # act on: the server and its keepers would die of it, and take what they forked with them by
     # its parent-death signal (SIGKILL) before a final checkpoint. The agent stops them with SIGKILL.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    listener = _listen(socket_path)
+    stale = None
+    while stale is None:
+        ready = select.select([listener, *([channel] if channel is not None else [])], [], [], STALE_CHECK_SECONDS)[0]
+        if not ready:
+            stale = fingerprint.changed()  # idle: an edit seen now gets its successor started now
+            continue
+        if channel in ready:
+            channel, stale = _agent_request(channel, listener, fingerprint, socket_path, modules)
+        if listener in ready and stale is None:
+            stale = _rank_request(listener, channel, fingerprint, modules, bool(imports))
+    # Stale: it takes no more requests, and exits (STALE_EXIT, for the agent to start a fresh one)
+    # once its keepers are gone: its exit would kill them, and the ranks of a launch forked from it.
+    # A server forked from it holds all it holds, with its fingerprint: it goes stale too (within
+    # STALE_CHECK_SECONDS), and this one exits once that one has, after what it forked in turn.
+    print(f"agent.warm: stale ({stale} changed since this server imported it); exiting once the processes "
+          "forked from it have ended", file=sys.stderr, flush=True)
+    listener.close()
+    socket_path.unlink(missing_ok=True)  # before the agent hears of it: its successor binds here
+    if channel is not None:
+        with contextlib.suppress(OSError):  # the agent gone: so is this server, by its parent-death signal
+            channel.send(STALE_WORD)
+        channel.close()
+    with contextlib.suppress(ChildProcessError):
+        os.wait()  # with SIGCHLD ignored: returns once every child has ended (wait(2))
+    sys.exit(STALE_EXIT)
+
+
+def _listen(socket_path: Path) -> socket.socket:
     # Bound under a name of the same length (sun_path), and put in place once listening: a socket
     # there is one that accepts (the agent takes its appearance for the end of the imports).
     bound = socket_path.with_name("." + socket_path.name[1:])
@@ -111,139 +163,96 @@ def serve(socket_path: Path, modules: list[str], imports: list[str] | None = Non
     os.chmod(bound, 0o600)  # whoever connects runs code as us
     listener.listen(64)
     os.rename(bound, socket_path)
+    return listener
+
+
+def _rank_request(listener: socket.socket, channel: socket.socket | None, fingerprint: Fingerprint,
+                  modules: list[str], scripts: bool) -> str | None:
+    """Serves a request at the socket: forks its keeper (agent.warm.rank). The file that made this server stale, if
+    one did."""
+    conn, _ = listener.accept()
+    fds: list[int] = []
     stale = None
-    while stale is None:
-        if not select.select([listener], [], [], STALE_CHECK_SECONDS)[0]:
-            stale = fingerprint.changed()  # idle: an edit seen now gets its successor started now
-            continue
-        conn, _ = listener.accept()
-        fds: list[int] = []
-        try:
-            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if uid != os.getuid():  # the socket is ours alone; a caller of another user is not served
-                raise ValueError(f"a caller of uid {uid}")
-            payload, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
-            request = json.loads(payload)
-            path = request.get("env", {}).get("PATH")
-            if len(fds) != 3 or not serves(request["argv"], modules, bool(imports), path):
-                raise ValueError(f"cannot serve {request.get('argv')!r} with {len(fds)} descriptors")
-            stale = fingerprint.changed()  # checked here, where it forks: nothing stale is ever forked
-            if stale is not None:
-                raise ValueError(f"{stale} changed since this server imported it")
-            shadow = shadowed(script_path(request)) if runs_script(request["argv"]) else None
-            if shadow is not None:  # for this script only: a fresh interpreter imports that one
-                raise ValueError(f"{shadow}, beside the script, stands in for a module this server holds")
-            if os.fork() == 0:
-                listener.close()
-                if stale_fd is not None:  # the agent's word, not its ranks' to forge
-                    os.close(stale_fd)
-                _keep(conn, fds, request)
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"agent.warm: request refused: {exc}", file=sys.stderr, flush=True)
-        finally:
-            conn.close()
-            for fd in fds:
-                os.close(fd)
-    # Stale: it takes no more requests, and exits (STALE_EXIT, for the agent to start a fresh one)
-    # once its keepers are gone: its exit would kill them, and the ranks of a launch forked from it.
-    print(f"agent.warm: stale ({stale} changed since this server imported it); exiting once the processes "
-          "forked from it have ended", file=sys.stderr, flush=True)
-    listener.close()
-    socket_path.unlink(missing_ok=True)  # before the agent hears of it: its successor binds here
-    if stale_fd is not None:
-        with contextlib.suppress(OSError):  # the agent gone: so is this server, by its parent-death signal
-            os.write(stale_fd, STALE_WORD)
-        os.close(stale_fd)
-    with contextlib.suppress(ChildProcessError):
-        os.wait()  # with SIGCHLD ignored: returns once every child has ended (wait(2))
-    sys.exit(STALE_EXIT)
-
-
-def script_path(request: dict) -> str:
-    """A request's `python SCRIPT`, absolute: its folder is the first on a fresh interpreter's path."""
-    return os.path.abspath(os.path.join(request["cwd"], request["argv"][1]))
-
-
-def _keep(conn: socket.socket, fds: list[int], request: dict) -> None:
-    """The keeper: the rank's parent. Never returns."""
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        server, keeper = os.getppid(), os.getpid()
-        set_parent_death_signal()
-        if os.getppid() != server:
-            return  # the server died before the request above took hold
-        placed_read, placed_write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            conn.close()
-            os.close(placed_read)
-            _run_rank(fds, request, keeper, placed_write)
-        os.close(placed_write)
-        with contextlib.suppress(OSError):  # here too, so the group exists before the rank runs a line
-            os.setpgid(pid, pid)
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():  # the socket is ours alone; a caller of another user is not served
+            raise ValueError(f"a caller of uid {uid}")
+        payload, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 3)
+        request = json.loads(payload)
+        path = request.get("env", {}).get("PATH")
+        if len(fds) != 3 or not serves(request["argv"], modules, scripts, path):
+            raise ValueError(f"cannot serve {request.get('argv')!r} with {len(fds)} descriptors")
+        stale = fingerprint.changed()  # checked here, where it forks: nothing stale is ever forked
+        if stale is not None:
+            raise ValueError(f"{stale} changed since this server imported it")
+        shadow = shadowed(script_path(request)) if runs_script(request["argv"]) else None
+        if shadow is not None:  # for this script only: a fresh interpreter imports that one
+            raise ValueError(f"{shadow}, beside the script, stands in for a module this server holds")
+        if os.fork() == 0:
+            listener.close()
+            if channel is not None:  # the agent's word, not its ranks' to forge
+                channel.close()
+            keep(conn, fds, request)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"agent.warm: request refused: {exc}", file=sys.stderr, flush=True)
+    finally:
+        conn.close()
         for fd in fds:
             os.close(fd)
-        # Its pid goes to the asker only once it is in its attempt's cgroup; a rank that could not be
-        # placed has run nothing and exits, and the asker, answered nothing, starts a fresh process.
-        placed = os.read(placed_read, 1) == b"1"
-        os.close(placed_read)
-        if not placed:
-            os.waitpid(pid, 0)
-            return
-        conn.sendall(json.dumps({"pid": pid}).encode())
-        pidfd = os.pidfd_open(pid)
-        ready, _, _ = select.select([conn, pidfd], [], [])
-        if pidfd not in ready:  # the runner is gone: so is the rank
-            os.killpg(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
-    except OSError:
-        pass
+    return stale
+
+
+def _agent_request(channel: socket.socket, listener: socket.socket, fingerprint: Fingerprint, socket_path: Path,
+                   modules: list[str]) -> tuple[socket.socket | None, str | None]:
+    """The agent's request on its channel: a server of more imports, forked from this one (_forked_server). The
+    channel (None once the agent closed it), and the file that made this server stale, if one did."""
+    fds: list[int] = []
+    try:
+        payload, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 2)
+        if not payload:  # the agent closed its end: it asks nothing more here, and hears nothing more
+            channel.close()
+            return None, None
+        request = json.loads(payload)
+        imports = checked_names(request[FORK_IMPORTS])  # a job's list, learned or named: hostile input
+        forked = Path(request[FORK_SOCKET])
+        if len(fds) != 2 or forked.parent != socket_path.parent or forked.name == socket_path.name:
+            raise ValueError(f"no server at {forked} with {len(fds)} descriptors: not beside this one's socket")
+        if (stale := fingerprint.changed()) is not None:  # nothing stale is ever forked, a server no more than a rank
+            print(f"agent.warm: no server forked: {stale} changed since this server imported it", file=sys.stderr,
+                  flush=True)
+            return channel, stale
+        if os.fork() == 0:
+            _forked_server(fingerprint, forked, modules, imports, fds, listener, channel)
+    except (OSError, ValueError, KeyError, TypeError, NotImports) as exc:
+        print(f"agent.warm: no server forked: {exc}", file=sys.stderr, flush=True)
     finally:
-        os._exit(0)
+        for fd in fds:  # the forked one's now: its channel closes with it, at once when refused
+            os.close(fd)
+    return channel, None
 
 
-def _run_rank(fds: list[int], request: dict, keeper: int, placed: int) -> None:
-    """The rank, in the keeper's child: becomes what `python -m MODULE ARGS` would be, once in its
-    attempt's cgroup (then it writes a byte to `placed`, for its keeper). Never returns."""
+def _forked_server(fingerprint: Fingerprint, socket_path: Path, modules: list[str], imports: list[str],
+                   fds: list[int], listener: socket.socket, channel: socket.socket) -> NoReturn:
+    """A server forked on the agent's request (never returns): it holds what this one imported, so it imports only
+    the rest; in a session of its own and with its own log, channel and socket, as one the agent exec'd. Its
+    parent-death signal makes the chain agent -> base server -> this server -> keeper -> rank."""
     code = 1
     try:
-        os.setpgid(0, 0)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's SIG_IGN is not the rank's
+        parent = os.getppid()
+        os.setsid()
         set_parent_death_signal()
-        if os.getppid() != keeper:
-            return  # the keeper died before the request above took hold
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        # Its asker's folder, as a fresh process inherits it; one its user may not enter (a Slurm
-        # step's, under root's folders) leaves it unplaced: the asker starts a fresh process there.
-        try:
-            os.chdir(request["cwd"])
-        except OSError:
-            os._exit(1)  # nothing ran, nothing said in its output
-        _enter_cgroup()
-        os.write(placed, b"1")
-        os.close(placed)
-        # Dumpable again, as a fresh interpreter would be: its user may debug its own rank (py-spy,
-        # gdb, a core dump), and without cgroups the agent knows its ranks by the owner of /proc/PID
-        # (WorkerGroup.owns). Only now that it is in its attempt's cgroup, which its end empties;
-        # its keeper and server stay undumpable.
-        set_dumpable(True)
-        if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
-            threads = os.environ.get("OMP_NUM_THREADS")
-            sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
-        argv = request["argv"]
-        if runs_script(argv):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
-            sys.argv = argv[1:]
-            sys.path.insert(0, os.path.dirname(script_path(request)))
-            runpy.run_path(argv[1], run_name="__main__")
-        else:
-            sys.argv = [argv[0], *argv[4:]]
-            runpy.run_module(argv[3], run_name="__main__", alter_sys=True)
-        code = 0
+        if os.getppid() != parent:
+            return  # the server it was forked from died before the request above took hold
+        listener.close()  # neither the socket of the server it was forked from, nor its channel: its own
+        channel.close()
+        own, log = fds
+        for target in (1, 2):
+            os.dup2(log, target)
+        os.close(log)
+        sys.argv[1:] = [str(socket_path), *modules, "--imports", *imports]  # an exec'd server's, for its imports
+        mine = socket.socket(fileno=own)
+        mine.send(json.dumps({FORK_PID: os.getpid()}).encode())
+        serve_imports(fingerprint, socket_path, modules, imports, mine)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -252,26 +261,6 @@ def _run_rank(fds: list[int], request: dict, keeper: int, placed: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def _enter_cgroup() -> None:
-    """Into the attempt's cgroup (the request's), which is emptied at its end, before a line of it
-    runs: the agent moves it (agent.confinement.placement); an agent without a placer has it move
-    itself, which only root may (a job user writes no cgroup.procs)."""
-    cgroup = os.environ.get(GROUP_CGROUP_ENV)
-    if not cgroup:
-        return
-    placer = os.environ.get(GROUP_PLACER_ENV)
-    try:
-        if placer:
-            ask_to_be_placed(placer, cgroup)
-        else:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
-                procs.write("0")
-    except OSError as exc:
-        print(f"agent.warm: not in the attempt's cgroup ({exc}); a fresh process starts instead", file=sys.stderr,
-              flush=True)
-        os._exit(1)
 
 
 if __name__ == "__main__":

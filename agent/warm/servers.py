@@ -2,32 +2,28 @@
 started, started again when it died or went stale, replaced when the job's interpreter or
 environment is no longer the one it was started with, stopped."""
 
-import contextlib
-import errno
 import hashlib
 import logging
 import os
-import stat
 import subprocess
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agent.confinement.cgroup_end import PROCS
 from agent.confinement.cgroups import NodeCgroups
-from agent.confinement.job_user import PASSABLE, RunAs
+from agent.confinement.job_user import RunAs
 from agent.warm.client import python_module
+from agent.warm.forked import ForkedServer, channel_pair, fork_server
 from agent.warm.server import STALE_EXIT, STALE_FD_ENV, STALE_WORD
+from agent.warm.sockets import SOCKET_PATH_MAX_BYTES
 
 RESTART_PAUSE_SECONDS = 10.0
 # Stale servers kept for what they forked, at most, per server: an edit retires one, and a successor
-# with nothing forked exits at once when it goes stale too. Past it, a word on the pipe waits there
+# with nothing forked exits at once when it goes stale too. Past it, a word on its channel waits there
 # (a module of the job's, imported in the server as its user, could write it): at most this many more
 # processes, and the stale one is replaced when it exits, as before.
 MAX_RETIRED = 2
-SOCKET_PATH_MAX_BYTES = 107  # sun_path
-LONGEST_SOCKET = f"{2**32 - 1}/w-{'0' * 10}.sock"  # below the sockets' folder: a uid's, a server of a job's imports
-SHORT_ROOT_AS_ROOT = Path("/run/ett-warm")  # root's alone to write; a tmpfs, emptied at boot
 
 log = logging.getLogger(__name__)
 # What every PyTorch script on ETT's library loads, whatever else it imports (the plain DDP example's
@@ -36,28 +32,6 @@ log = logging.getLogger(__name__)
 SCRIPT_BASE_IMPORTS = ["torch.nn.parallel", "ett.run"]
 # What the server's environment pins for the imports; a rank gets the request's values.
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-
-
-def socket_folder(data_dir: Path) -> Path:
-    """Where an agent with this data folder puts its warm servers' sockets and its cgroup placer's:
-    DATA_DIR/warm, unless a socket there could be past sun_path's 107 bytes (a deep --data-dir, pytest's
-    folders), which no server could bind: then a short folder of its own, named after that one,
-    /run/ett-warm/HASH as root, TMPDIR/ett-warm-UID/HASH else. Such a folder is made where missing
-    and taken only as the agent's: a folder, no link, its owner's alone to write (OSError else)."""
-    folder = (data_dir / "warm").resolve()
-    if len(os.fsencode(folder / LONGEST_SOCKET)) <= SOCKET_PATH_MAX_BYTES:
-        return folder
-    euid = os.geteuid()
-    root = SHORT_ROOT_AS_ROOT if euid == 0 else Path(tempfile.gettempdir()) / f"ett-warm-{euid}"
-    short = root / hashlib.sha1(os.fsencode(folder)).hexdigest()[:12]
-    for path in (root, short):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-            os.chmod(path, PASSABLE)  # whatever the umask: a job's user passes through to its own folder
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != euid or st.st_mode & 0o022:
-            raise OSError(errno.EPERM, "not a folder of this agent's own (another user's, or a link)", str(path))
-    return short
 
 
 def socket_path(folder: Path, uid: int) -> Path:
@@ -82,9 +56,10 @@ class WarmServer:
         self.socket_path, self.modules, self.log_path, self.run_as = socket_path, modules, log_path, run_as
         self.imports = imports or []  # a job's own imports: the server then starts its scripts
         self.cgroup = cgroup  # its user's warm/ cgroup (agent.confinement.cgroups), if the machine gives one
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._stale_pipe: int | None = None  # the read end of the pipe on which the running one says it went stale
-        self._retired: list[subprocess.Popen[bytes]] = []  # stale ones, until what they forked has ended
+        self._proc: subprocess.Popen[bytes] | ForkedServer | None = None
+        self._stale_pipe: int | None = None  # the agent's end of the running one's channel (agent.warm.forked)
+        self._retired: list[subprocess.Popen[bytes] | ForkedServer] = []  # stale ones, until what they forked ended
+        self.base: Callable[[], WarmServer | None] = lambda: None  # its user's base server, to fork it from
         self._next_start = 0.0
         self._env: dict[str, str] | None = None  # what it was started with
         self._trouble: str | None = None  # why its last start failed (its folder is its user's to fill)
@@ -120,6 +95,12 @@ class WarmServer:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
+    def forked_from(self) -> set[Path]:
+        """The sockets of the servers its live processes were forked from: stopping one ends them."""
+        return {proc.base for proc in [self._proc, *self._retired]
+                if isinstance(proc, ForkedServer) and proc.poll() is None}
 
     @property
     def pids(self) -> set[int]:
@@ -159,22 +140,8 @@ class WarmServer:
         self.run_as.make_own(self.socket_path.parent)  # the server, as the job's user, binds its socket there
         self.socket_path.unlink(missing_ok=True)  # a dead server's: `starting` waits for the new one
         self._close_stale_pipe()
-        said, tell = os.pipe()
-        os.set_blocking(said, False)
-        try:
-            with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
-                self._proc = subprocess.Popen(
-                    [*python_module(self.run_as.python, "agent.warm.server"), str(self.socket_path), *self.modules,
-                     *(["--imports", *self.imports] if self.imports else [])],
-                    env=self._env | {STALE_FD_ENV: str(tell)}, pass_fds=(tell,), stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True, **self.run_as.popen(),
-                )  # fmt: skip
-        except BaseException:
-            os.close(said)
-            raise
-        finally:
-            os.close(tell)
-        self._stale_pipe = said
+        if not self._fork_from_base():
+            self._start_fresh()
         if self.cgroup is not None:  # long before its imports are done and it forks anything
             try:
                 (self.cgroup / PROCS).write_text(str(self._proc.pid))
@@ -183,9 +150,50 @@ class WarmServer:
                 raise
         self._next_start, self._trouble = time.monotonic() + RESTART_PAUSE_SECONDS, None
 
+    def _fork_from_base(self) -> bool:
+        """Forks it from its user's base server if that one listens, holds the same modules and runs as this one would
+        (user, interpreter, environment): it then imports only what the base does not hold, not torch again
+        (agent.warm.forked), in the base's cgroup, its user's warm/ one. False, nothing started, where it may not or
+        the base refused: it starts fresh."""
+        base = self.base()
+        if (base is None or base is self or base.modules != self.modules or not base.listening or base.pid is None
+                or base._stale_pipe is None or not base.serves_job(self.run_as)):
+            return False
+        try:
+            forked = fork_server(base._stale_pipe, base.socket_path, base.pid, self.socket_path, self.imports,
+                                 self.log_path)
+        except OSError as exc:
+            log.info("warm server %s: not forked from %s (%s); a fresh interpreter starts it", self.socket_path.name,
+                     base.socket_path.name, exc)
+            return False
+        self._proc, self._stale_pipe = forked, forked.stale_fd()
+        log.info("warm server %s forked from %s (pid %d); it imports what that one does not hold",
+                 self.socket_path.name, base.socket_path.name, forked.pid)
+        return True
+
+    def _start_fresh(self) -> None:
+        """An interpreter exec'd for it, which imports all it holds."""
+        said, tell = channel_pair()
+        os.set_blocking(said, False)
+        try:
+            with open(os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab") as out:
+                argv, as_user = self.run_as.start_kept(  # never dumpable as its user (RunAs.start_kept)
+                    [*python_module(self.run_as.python, "agent.warm.server"), str(self.socket_path), *self.modules,
+                     *(["--imports", *self.imports] if self.imports else [])])
+                self._proc = subprocess.Popen(
+                    argv, env=self._env | {STALE_FD_ENV: str(tell)}, pass_fds=(tell,), stdin=subprocess.DEVNULL,
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **as_user,
+                )  # fmt: skip
+        except BaseException:
+            os.close(said)
+            raise
+        finally:
+            os.close(tell)
+        self._stale_pipe = said
+
     def _said_stale(self) -> bool:
         """Whether the running server said it went stale: it listens no more (its socket is gone), and
-        exits once what it forked has ended. Its pipe, which nothing it forks holds: no job can say it."""
+        exits once what it forked has ended. Its channel, which nothing it forks holds: no job can say it."""
         if self._stale_pipe is None or self._proc is None or self._proc.poll() is not None:
             return False
         try:
@@ -215,7 +223,8 @@ class WarmServers:
     """A warm server per job user (a server forks what it serves as its own user, and serves no
     caller of another, SO_PEERCRED), and per set of a job's own imports: the first launch of a
     user starts its server and waits for its imports, later ones fork from it. At most
-    MAX_SERVERS are kept, the least recently used stopped first."""
+    MAX_SERVERS are kept, the least recently used stopped first; one that servers forked from it
+    hold is not (they would end with it: WarmServer._fork_from_base)."""
 
     MAX_SERVERS = 4
 
@@ -239,6 +248,7 @@ class WarmServers:
         with them); any other may be, as the least recently used or as no longer the job's."""
         uid = run_as.user.uid if run_as.user is not None else os.geteuid()
         key = self._key(run_as, imports)
+        busy = busy | {base for kept in self._servers.values() if kept.socket_path in busy for base in kept.forked_from}
         server = self._servers.pop(key, None)
         if server is not None and not server.serves_job(run_as) and server.socket_path in busy:
             # A running group's (only a warm command or a learned list asks while one runs, and a
@@ -261,8 +271,11 @@ class WarmServers:
             modules = ["torch.distributed.run"] if imports else self.modules
             server = WarmServer(sock, modules, self.data_dir / f"warm-{uid}{'-' + key[1] if imports else ''}.log",
                                 run_as, cgroup, imports)
+            if imports and key[1] != imports_key(SCRIPT_BASE_IMPORTS):
+                server.base = lambda: self.kept(run_as, SCRIPT_BASE_IMPORTS)
         self._servers[key] = server
-        idle = [k for k, kept in self._servers.items() if kept is not server and kept.socket_path not in busy]
+        held = busy | {base for kept in self._servers.values() for base in kept.forked_from}
+        idle = [k for k, kept in self._servers.items() if kept is not server and kept.socket_path not in held]
         for old in idle[:max(0, len(self._servers) - self.MAX_SERVERS)]:  # least recently used first
             self._servers.pop(old).stop()
         return server

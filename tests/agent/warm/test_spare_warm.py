@@ -46,7 +46,9 @@ def test_a_spare_warms_a_jobs_server_as_its_owners_uid_and_never_as_one_it_would
         assert warm.pids() == set() and not (root / "data" / "warm").exists()
         spare.prewarm(warm_command(owner_number=7))
         [pid] = wait_for(warm.pids, 10, "the job's warm server to start")
-        assert uids(pid) == {base + 7}  # real, effective, saved and file-system uid: the owner's, as its launch
+        # Real, effective, saved and file-system uid: the owner's, as its launch; exec'd as root, it becomes
+        # the owner first thing (agent.confinement.become).
+        wait_for(lambda: uids(pid) == {base + 7}, 10, "the server to become the owner", explain=lambda: str(uids(pid)))
         assert (root / "data" / "warm" / str(base + 7)).stat().st_uid == base + 7
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert argv[-3:] == [b"--imports", b"idna", b""]  # the server of the job's own imports

@@ -17,7 +17,8 @@ import pytest
 
 from agent.confinement.job_user import RunAs
 from agent.warm.client import WarmProcess, python_module
-from agent.warm.servers import WarmServer, WarmServers, socket_folder
+from agent.warm.servers import WarmServer, WarmServers
+from agent.warm.sockets import socket_folder
 from tests.support.waiting import wait_for
 
 RANK_MODULE = textwrap.dedent("""

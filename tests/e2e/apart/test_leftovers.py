@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from agent.confinement.become import MODULE as BECOME
+from agent.confinement.job_user import JobUser, RunAs
 from agent.confinement.uid_files import message_queues, remove_files_of
 from agent.confinement.uid_ipc import objects_of, remove_ipc_of
 from agent.confinement.uid_keys import KEY_USERS, clear_keys_of
+from agent.warm.servers import WarmServer, socket_path
 from service.models import Owner
 from tests.support.cluster import Cluster, cluster
 from tests.support.hostile import run, the_agent_lives_and_another_owners_job_succeeds
@@ -93,10 +96,70 @@ said("memory.json", {"server_cmdline": open(f"/proc/{server}/cmdline", "rb").rea
                      "server": read(server), "keeper": read(keeper), "rank": read(os.getpid()),
                      "rank_dumpable": libc.prctl(3, 0, 0, 0, 0)})  # PR_GET_DUMPABLE
 """
+# A process of the owner's uid, there before its warm servers start, that attaches to each as it starts:
+# opens its /proc/PID/mem (to read and write) and PTRACE_SEIZEs it, again and again, from its fork (a
+# child of the process that starts it, argv[1]) until the test says stop (SIGTERM). A hold it got is
+# kept: read through once the server is closed to it (a fresh open refused). Then it says what it got.
+ATTACH = """
+import ctypes, json, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+PTRACE_SEIZE, PTRACE_INTERRUPT, PTRACE_DETACH, WALL = 0x4206, 0x4207, 17, 0x40000000
+parent, stop = sys.argv[1], []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+servers, held, traced, kept, looks = set(), {}, set(), set(), 0
+def children():
+    found = []
+    for task in os.listdir(f"/proc/{parent}/task"):
+        try:
+            found += open(f"/proc/{parent}/task/{task}/children").read().split()
+        except OSError:
+            pass
+    return found
+def opens(pid, flags):
+    try:
+        return os.open(f"/proc/{pid}/mem", flags)
+    except OSError:
+        return None
+print("watching", flush=True)
+while not stop:
+    for pid in children():
+        try:  # a fork not yet exec'd has its parent's; what the server execs names it
+            if b"agent.warm.server" not in open(f"/proc/{pid}/cmdline", "rb").read():
+                continue
+        except OSError:
+            continue
+        servers.add(pid)
+        looks += 1
+        if pid not in held and (fd := opens(pid, os.O_RDWR)) is not None:
+            try:
+                held[pid] = (fd, int(open(f"/proc/{pid}/maps").readline().split("-")[0], 16))
+            except (OSError, ValueError):
+                held[pid] = (fd, None)
+        if pid not in traced and libc.ptrace(PTRACE_SEIZE, int(pid), 0, 0) == 0:
+            traced.add(pid)
+            libc.ptrace(PTRACE_INTERRUPT, int(pid), 0, 0)
+            try:
+                os.waitpid(int(pid), WALL)
+            except ChildProcessError:
+                pass
+            libc.ptrace(PTRACE_DETACH, int(pid), 0, 0)
+        if pid in held and pid not in kept and held[pid][1] is not None:
+            again = opens(pid, os.O_RDONLY)
+            if again is not None:
+                os.close(again)  # still open to all: the hold proves nothing yet
+                continue
+            try:
+                if len(os.pread(held[pid][0], 8, held[pid][1])) == 8:
+                    kept.add(pid)
+            except OSError:
+                pass
+print(json.dumps({"servers": len(servers), "looks": looks, "mem": len(held), "ptrace": len(traced),
+                  "kept": len(kept)}), flush=True)
+"""
 BYSTANDER = "import os; open(os.path.join(os.environ['ETT_CHECKPOINT_DIR'], 'ran'), 'w').close()\n"
 SCRIPTS = {"leave.py": LEAVE, "leave_more.py": LEAVE_MORE,
            "flood.py": FLOOD, "read_memory.py": READ_MEMORY, "warm.py": WARM,
-           "bystander.py": BYSTANDER}
+           "attach.py": ATTACH, "bystander.py": BYSTANDER}
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +300,42 @@ def test_the_warm_server_and_its_keepers_are_closed_to_the_owners_own_ranks(node
     assert seen["rank"] == "read" and seen["rank_dumpable"] == 1, seen  # its user may debug its own rank
     assert seen["server"] in ("EACCES", "EPERM") and seen["keeper"] in ("EACCES", "EPERM"), seen
     the_agent_lives_and_another_owners_job_succeeds(c, python)
+
+
+ATTACHED_STARTS = 20
+
+
+def test_no_process_of_the_owner_attaches_to_its_warm_server_while_it_starts(node):
+    """The server is exec'd as root and becomes the owner before it runs a line of the owner's
+    (agent.confinement.become): from its fork until it listens, a process of the owner's uid that tries all along,
+    start after start, never opens its /proc/PID/mem nor ptraces it. Exec'd as the owner, as it was, it was open
+    to them until its first line: that process got into 20 of 20 starts, and read the server through its hold
+    once the server had closed itself."""
+    c, python = node
+    uid = UID_BASE + 3  # no owner's: the module's cleanup covers it
+    run_as = RunAs(str(python), JobUser(f"ett-{uid}", uid, uid, str(c.root / "attach-home"), owners_alone=True))
+    run_as.make_own(run_as.user.home)
+    attacker = subprocess.Popen([str(python), str(c.root / "scripts" / "attach.py"), str(os.getpid())], user=uid,
+                                group=uid, extra_groups=[], stdout=subprocess.PIPE, text=True, cwd="/")
+    started = []
+    try:
+        assert attacker.stdout.readline().strip() == "watching"
+        for number in range(ATTACHED_STARTS):
+            server = WarmServer(socket_path(c.root / "attach", uid), ["json"], c.root / "attach.log", run_as)
+            server.ensure_running()
+            try:
+                wait_for(lambda: server.listening, 60, "the warm server to listen",
+                         explain=lambda: (c.root / "attach.log").read_text()[-3000:])
+                started.append(Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0"))
+                time.sleep(0.2)  # for a hold it got to be read through
+            finally:
+                server.stop()
+    finally:
+        attacker.terminate()
+        out, _ = attacker.communicate(timeout=30)
+    got = json.loads(out)
+    print(f"{ATTACHED_STARTS} starts, {got['looks']} tries: the owner's process opened the memory of {got['mem']}, "
+          f"ptraced {got['ptrace']}, read one through a hold kept after it closed {got['kept']}")
+    assert got["servers"] == ATTACHED_STARTS and got["looks"] > ATTACHED_STARTS, got  # it saw every start
+    assert (got["mem"], got["ptrace"], got["kept"]) == (0, 0, 0), got
+    assert all(argv[4] == os.fsencode(BECOME) and argv[5] == str(uid).encode() for argv in started), started

@@ -8,7 +8,8 @@ import os
 import pytest
 from sqlalchemy import select
 
-from agent.warm.servers import SCRIPT_BASE_IMPORTS, imports_key, socket_folder
+from agent.warm.servers import SCRIPT_BASE_IMPORTS, imports_key
+from agent.warm.sockets import socket_folder
 from service.models import Job
 from tests.support.cluster import cluster
 from tests.support.job_user import open_folder
