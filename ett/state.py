@@ -40,7 +40,9 @@ class ModelOptimizerState(Stateful):
         return {
             "params": [_local(p) for p in params],
             "buffers": [_local(b) for b in self.model.buffers()],
-            "optim": [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params],
+            # .get: optimizer.state is a defaultdict, and an entry made for a parameter the optimizer does
+            # not hold (a frozen one) would break its state_dict() (its saves) from then on.
+            "optim": [{k: _local(v) for k, v in self.optimizer.state.get(p, {}).items()} for p in params],
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
         }
 
@@ -53,7 +55,10 @@ class ModelOptimizerState(Stateful):
         for b, t in zip(self.model.buffers(), saved["buffers"], strict=True):
             _as_local(b).copy_(_shard_of(t))
         for p, state in zip(params, saved["optim"], strict=True):
-            self.optimizer.state[p] = {k: _rebuilt(v, p) for k, v in state.items()}
+            if state:
+                self.optimizer.state[p] = {k: _rebuilt(v, p) for k, v in state.items()}
+            else:  # none when saved: a frozen parameter, or one not stepped yet
+                self.optimizer.state.pop(p, None)
         for group, saved_group in zip(self.optimizer.param_groups, saved["groups"], strict=True):
             group.update(saved_group)
 

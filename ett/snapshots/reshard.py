@@ -157,7 +157,12 @@ class Plan:
             return MISSING
         if isinstance(new, dict) and new:
             walked = {key: self._walk(value, (*path, key)) for key, value in new.items()}
-            return {key: value for key, value in walked.items() if value is not MISSING}
+            kept = {key: value for key, value in walked.items() if value is not MISSING}
+            # Saved entries the state no longer has, for the load to name as not restored; not the
+            # entries of one old rank's own (ett.RNGState's `rank3`), as the persistent tier skips them.
+            dicts = [old for old in saved if isinstance(old, dict)]
+            return kept | {key: value for key, value in (dicts[0] if dicts else {}).items()
+                           if key not in new and all(key in old for old in dicts)}  # fmt: skip
         if _sequence(new) and new:
             items = [self._walk(value, (*path, index)) for index, value in enumerate(new)]
             if MISSING in items or not all(_sequence(old) and len(old) == len(new) for old in saved):

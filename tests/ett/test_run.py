@@ -291,3 +291,36 @@ def test_a_saves_blocking_inside_a_step_is_told_in_its_step_event_and_one_betwee
     steps = {e["step"]: e["data"] for e in read_events(in_job / EVENTS_DIR / rank_spool(0)) if e["kind"] == "step"}
     assert steps[1]["saving"] > 0 and steps[1]["saving"] <= steps[1]["duration"]
     assert "saving" not in steps[2] and "saving" not in steps[3]
+
+
+def test_a_frozen_parameter_with_snapshots_on_keeps_every_save_and_resumes(in_job):
+    """A parameter the optimizer does not hold (a frozen layer, LoRA's base): the fast tier's
+    snapshot walks every parameter, and an entry it made in the optimizer's state (a defaultdict)
+    broke `optimizer.state_dict()`, so every persistent save after the first snapshot failed."""
+    tiers = CheckpointConfig(dir=str(in_job / "ckpt"), local_dir=str(in_job / "local"), interval_steps=2,
+                             snapshots=True, snapshot_every=1)  # a snapshot at every step, whatever its cost
+
+    def frozen_model_state() -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        model[0].weight.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        return model, optimizer, {"app": ett.ModelOptimizerState(model, optimizer)}
+
+    model, optimizer, state = frozen_model_state()
+    with ett.init() as run:
+        run.configure_checkpoints(tiers)
+        train(run, model, optimizer, state, range(1, 6))
+    assert model[0].weight not in optimizer.state and len(optimizer.state) == 3
+    optimizer.state_dict()
+    events = read_events(in_job / EVENTS_DIR / rank_spool(0))
+    assert [e["step"] for e in events if e["kind"] == "ckpt_committed"] == [2, 4]
+    assert not [e for e in events if e["kind"] == "ckpt_failed"], events
+    dist.destroy_process_group()
+
+    model, optimizer, state = frozen_model_state()
+    with ett.init() as run:
+        run.configure_checkpoints(tiers)
+        assert run.restore(state) == 5  # the snapshot of step 5, newer than the checkpoint of step 4
+    assert model[0].weight not in optimizer.state and len(optimizer.state) == 3
+    assert optimizer.state_dict()["state"].keys() == {0, 1, 2}

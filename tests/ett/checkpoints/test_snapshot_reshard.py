@@ -90,3 +90,12 @@ def test_what_does_not_fit_is_refused_naming_the_entry():
         two = template(shard(0, 4))
         two["model"]["params"].append(shard(0, 4))
         Plan(two, OLDS, local=set())
+
+
+def test_a_saved_entry_the_state_no_longer_has_is_left_for_the_load_to_name_but_no_ranks_own():
+    """Below the top level too (`{"extra": {"a", "b"}}` saved, `{"extra": {"a"}}` given): as the
+    same-size snapshot and the persistent tier name it; an entry of one old rank's own (ett.RNGState's
+    `rank1`) is not this rank's, and is not named, as the persistent tier does not."""
+    olds = [{"extra": {"a": 1, "b": 2}, "rng": {f"rank{rank}": rank}} for rank in range(2)]
+    plan = Plan({"extra": {"a": 0}, "rng": {"rank0": -1}}, olds, local=set())
+    assert plan.filled({}) == {"extra": {"a": 1, "b": 2}, "rng": {"rank0": 0}}
