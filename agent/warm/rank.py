@@ -9,6 +9,8 @@ import signal
 import socket
 import sys
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from agent.confinement.placement import ask_to_be_placed
 from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_PLACER_ENV, set_dumpable, set_parent_death_signal
@@ -33,7 +35,7 @@ def keep(conn: socket.socket, fds: list[int], request: dict) -> None:
         if pid == 0:
             conn.close()
             os.close(placed_read)
-            _run_rank(fds, request, keeper, placed_write)
+            end_as_interpreter(lambda: _run_rank(fds, request, keeper, placed_write))
         os.close(placed_write)
         with contextlib.suppress(OSError):  # here too, so the group exists before the rank runs a line
             os.setpgid(pid, pid)
@@ -59,47 +61,56 @@ def keep(conn: socket.socket, fds: list[int], request: dict) -> None:
         os._exit(0)
 
 
-def _run_rank(fds: list[int], request: dict, keeper: int, placed: int) -> None:
-    """The rank, in the keeper's child: becomes what `python -m MODULE ARGS` would be, once in its
-    attempt's cgroup (then it writes a byte to `placed`, for its keeper). Never returns."""
+def _run_rank(fds: list[int], request: dict, keeper: int, placed: int) -> int | None:
+    """The rank, in the keeper's child (under end_as_interpreter): becomes what `python -m MODULE ARGS`
+    would be, once in its attempt's cgroup (then it writes a byte to `placed`, for its keeper); 0 once
+    its code has run, None where it must not run."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's SIG_IGN is not the rank's
+    set_parent_death_signal()
+    if os.getppid() != keeper:
+        return  # the keeper died before the request above took hold
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # Its asker's folder, as a fresh process inherits it; one its user may not enter (a Slurm
+    # step's, under root's folders) leaves it unplaced: the asker starts a fresh process there.
+    try:
+        os.chdir(request["cwd"])
+    except OSError:
+        os._exit(1)  # nothing ran, nothing said in its output
+    _enter_cgroup()
+    os.write(placed, b"1")
+    os.close(placed)
+    # Dumpable again, as a fresh interpreter would be: its user may debug its own rank (py-spy,
+    # gdb, a core dump), and without cgroups the agent knows its ranks by the owner of /proc/PID
+    # (WorkerGroup.owns). Only now that it is in its attempt's cgroup, which its end empties;
+    # its keeper and server stay undumpable.
+    set_dumpable(True)
+    if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
+        threads = os.environ.get("OMP_NUM_THREADS")
+        sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
+    argv = request["argv"]
+    if runs_script(argv):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.path.dirname(script_path(request)))
+        runpy.run_path(argv[1], run_name="__main__")
+    else:
+        sys.argv = [argv[0], *argv[4:]]
+        runpy.run_module(argv[3], run_name="__main__", alter_sys=True)
+    return 0
+
+
+def end_as_interpreter(body: Callable[[], int | None]) -> NoReturn:
+    """Runs `body` in a forked child and ends the process as an interpreter ending it would, never
+    returning into the code it was forked from: its SystemExit's code, a traceback and 1 for any other
+    exception, 1 where `body` returns None (it stopped before its work), its output flushed."""
     code = 1
     try:
-        os.setpgid(0, 0)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's SIG_IGN is not the rank's
-        set_parent_death_signal()
-        if os.getppid() != keeper:
-            return  # the keeper died before the request above took hold
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        # Its asker's folder, as a fresh process inherits it; one its user may not enter (a Slurm
-        # step's, under root's folders) leaves it unplaced: the asker starts a fresh process there.
-        try:
-            os.chdir(request["cwd"])
-        except OSError:
-            os._exit(1)  # nothing ran, nothing said in its output
-        _enter_cgroup()
-        os.write(placed, b"1")
-        os.close(placed)
-        # Dumpable again, as a fresh interpreter would be: its user may debug its own rank (py-spy,
-        # gdb, a core dump), and without cgroups the agent knows its ranks by the owner of /proc/PID
-        # (WorkerGroup.owns). Only now that it is in its attempt's cgroup, which its end empties;
-        # its keeper and server stay undumpable.
-        set_dumpable(True)
-        if "torch" in sys.modules:  # what OMP_NUM_THREADS would have set in a fresh interpreter
-            threads = os.environ.get("OMP_NUM_THREADS")
-            sys.modules["torch"].set_num_threads(int(threads) if threads else len(os.sched_getaffinity(0)))
-        argv = request["argv"]
-        if runs_script(argv):  # a job's script: `python SCRIPT ARGS`, its folder first on the path
-            sys.argv = argv[1:]
-            sys.path.insert(0, os.path.dirname(script_path(request)))
-            runpy.run_path(argv[1], run_name="__main__")
-        else:
-            sys.argv = [argv[0], *argv[4:]]
-            runpy.run_module(argv[3], run_name="__main__", alter_sys=True)
-        code = 0
+        returned = body()
+        code = 1 if returned is None else returned
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:

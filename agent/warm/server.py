@@ -51,7 +51,6 @@ import signal
 import socket
 import struct
 import sys
-import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -59,7 +58,7 @@ from agent.confinement.procs import set_dumpable, set_parent_death_signal
 from agent.warm.client import python_module, runs_script
 from agent.warm.fresh import Fingerprint, shadowed
 from agent.warm.learned import NotImports, checked_names
-from agent.warm.rank import keep, script_path
+from agent.warm.rank import end_as_interpreter, keep, script_path
 
 MAX_REQUEST_BYTES = 1 << 20
 STALE_EXIT = 75  # its code changed under it: the agent starts a fresh one at once, not after a pause
@@ -236,8 +235,7 @@ def _forked_server(fingerprint: Fingerprint, socket_path: Path, modules: list[st
     """A server forked on the agent's request (never returns): it holds what this one imported, so it imports only
     the rest; in a session of its own and with its own log, channel and socket, as one the agent exec'd. Its
     parent-death signal makes the chain agent -> base server -> this server -> keeper -> rank."""
-    code = 1
-    try:
+    def become_server() -> None:
         parent = os.getppid()
         os.setsid()
         set_parent_death_signal()
@@ -253,14 +251,8 @@ def _forked_server(fingerprint: Fingerprint, socket_path: Path, modules: list[st
         mine = socket.socket(fileno=own)
         mine.send(json.dumps({FORK_PID: os.getpid()}).encode())
         serve_imports(fingerprint, socket_path, modules, imports, mine)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    end_as_interpreter(become_server)
 
 
 if __name__ == "__main__":
