@@ -46,8 +46,9 @@ SCRIPT = textwrap.dedent("""
     import warm_base_probe
     with open(f"/proc/{os.getppid()}/stat") as stat:
         server = int(stat.read().rsplit(")", 1)[1].split()[1])
-    with open(sys.argv[1], "w") as f:
+    with open(sys.argv[1] + ".part", "w") as f:  # whole or absent: the test reads it once it exists
         json.dump({"held": held, "torch_from": torch_from, "value": warm_base_probe.VALUE, "server": server}, f)
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
     time.sleep(float(sys.argv[2]))
 """)
 # The agent, a process the test kills: it starts both servers and says their pids once they listen.
