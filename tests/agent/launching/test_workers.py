@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from agent.confinement.cgroup_end import remove_when_released
+from agent.confinement.uid_sweep import parent_pid
 from agent.files.spool import AttemptPaths
 from agent.groups.supervisor import Supervisor
+from agent.warm.servers import WarmServers
 from ett.protocol import FROZEN_SECONDS, INTERVAL_FILE, PROGRESS_GLOB, progress_file, rank_log, rank_spool
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
@@ -245,16 +247,27 @@ def test_every_job_is_handed_the_documented_environment(supervisor, tmp_path):
     assert kinds == ["init_start", "init_end", "step", "step", "step", "step_timing", "train_end"]
 
 
-def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(supervisor):
-    # 14 s of marked work against an init timeout of 12 s: a live rank is not killed. The timeout
-    # also covers the ranks' cold start until their first mark: `ett.init()` imports torch, 3 s on
-    # a 2-core Xeon alone, and over 6 s beside the suite's other worker (4 s, then 6 s, were
-    # too short: seen in fresh-clone runs).
-    command = launch_command(init_timeout_seconds=12)
-    command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "14"]})
-    supervisor.launch(command)
-    report = run_to_end(supervisor)
-    assert report["state"] == "succeeded", report
+def test_progress_marks_before_the_first_step_keep_a_busy_rank_alive(tmp_path, cgroups):
+    # 14 s of marked work against an init timeout of 12 s: a live rank is not killed. The timeout also
+    # covers a rank's start until its first mark, and `ett.init()` imports torch: started fresh, that
+    # took 3 s on a 2-core Xeon alone and over 12 s beside the suite's other worker. So the ranks are
+    # forked warm, as an agent's are (the base server holds torch): what is measured is the marked work.
+    warm = WarmServers(tmp_path / "data", ["unused"])
+    supervisor = Supervisor(tmp_path / "spool", "node-a", stop_grace_seconds=1.0, cgroups=cgroups, warm=warm)
+    try:
+        command = launch_command(init_timeout_seconds=12)
+        command = command.model_copy(update={"entrypoint": [sys.executable, str(ETT_RANK), "--busy-seconds", "14"]})
+        supervisor.launch(command)  # held until its user's base server has imported torch
+        wait_for(lambda: (supervisor.poll(), supervisor.groups)[1], 120, "the launch to start")
+        records = supervisor.groups[command.key].records
+        wait_for(lambda: (supervisor.poll(), records.all_started)[1], 60, "both ranks to start")
+        # Forked warm: each rank's parent is its keeper, a child of the server, not its runner.
+        assert {parent_pid(parent_pid(pid)) for pid in records.rank_pids.values()} <= warm.pids(), records.rank_pids
+        report = run_to_end(supervisor)
+        assert report["state"] == "succeeded", report
+    finally:
+        supervisor.shutdown()
+        warm.stop()
 
 
 def test_the_same_work_unmarked_is_a_hang_and_null_turns_detection_off(supervisor):
