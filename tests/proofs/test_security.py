@@ -138,6 +138,7 @@ def _schemathesis(url: str, token: str, include: str, seconds: int, report) -> s
 
 
 @pytest.mark.slow
+@pytest.mark.over_budget("a fuzzer run for a time budget (20 + 15 s) and two schemathesis start-ups")
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(database_url, tmp_path):
     # No rate limit here: the run sends hundreds of requests a second with one token.
     settings = Settings(database_url=database_url, data_dir=tmp_path / "data", rate_limit_per_second=0)
