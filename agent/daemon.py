@@ -33,12 +33,16 @@ from agent.node.health import HealthCheck
 from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from agent.slurm import allocation_problem, slurm_job_id, termination
-from agent.warm.servers import WarmServers
+from agent.warm.servers import SCRIPT_BASE_IMPORTS, WarmServers
 from agent.warm.sockets import socket_folder
 from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
 from ett.protocol.messages import IntervalCommand, LaunchCommand, WarmCommand, command_adapter
 
 log = logging.getLogger(__name__)
+# The servers ETT_AGENT_WARM_AT_START names, by their imports (None: the built-in trainer's).
+WARMED_AT_START: dict[str, list[list[str] | None]] = {
+    "trainer": [None], "scripts": [SCRIPT_BASE_IMPORTS], "both": [None, SCRIPT_BASE_IMPORTS], "none": [],
+}
 
 
 class Agent:
@@ -105,7 +109,8 @@ class Agent:
         if self.health.run() is not None:  # said at registration: no work comes until it passes
             log.warning("%s; this node takes no new work until it passes", self.health.problem)
         if self.supervisor.warm is not None and self.job_users.fixed is not None:
-            self.warm.for_user(preflight).ensure_running()  # its imports overlap registration
+            for imports in WARMED_AT_START[self.settings.warm_at_start]:
+                self.warm.for_user(preflight, imports).ensure_running()  # their imports overlap registration
         if not self._register():
             self.warm.stop()
             return

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -49,6 +50,11 @@ class AgentSettings(BaseSettings):
     job_python: str = Field(default_factory=lambda: sys.executable, min_length=1)
     # Keep a process with the trainer imported, and fork trainer ranks from it (agent.warm.server).
     warm_start: bool = True
+    # What it warms as it starts, for its fixed job user (agent.daemon): the built-in trainer's server
+    # (`trainer`), the base server every `python SCRIPT` job forks from and its learned servers are
+    # forked from (`scripts`: torch, the library), `both` or `none` (each starts at a job's first launch,
+    # which waits for it). An agent of per-owner uids warms nothing before a job comes.
+    warm_at_start: Literal["trainer", "scripts", "both", "none"] = "trainer"
     # Let a job's `lose_node` fault take this node down as a dead machine would: every job's
     # processes, the job's node-local checkpoints, the agent itself. For drills and demos on nodes
     # no other team shares; off, a launch with that fault is refused.
