@@ -26,12 +26,13 @@ from tests.support.postgres import free_port
 from tests.support.waiting import wait_for
 
 FAKE_RANK = Path(__file__).parents[1] / "agent" / "scripts" / "fake_rank.py"
-# Fast failure detection, so each proof takes seconds: agents heartbeat every second.
+# Fast failure detection, so each proof takes seconds: agents heartbeat every second. They warm a job's server
+# at its first launch, not the trainer's at their start (most of these jobs are scripts; tests/support/cluster.py).
 SERVICE_ENV = {"ETT_HEARTBEAT_TIMEOUT_SECONDS": "5", "ETT_RESTART_BACKOFF_SECONDS": "0.5",
                "ETT_STOP_GRACE_SECONDS": "5", "ETT_SCHEDULER_PERIOD_SECONDS": "0.2"}  # fmt: skip
 AGENT_ENV = {"ETT_AGENT_HEARTBEAT_INTERVAL_SECONDS": "1", "ETT_AGENT_HEARTBEAT_WAIT_SECONDS": "1",
              "ETT_AGENT_BATCH_MAX_AGE_SECONDS": "0.1", "ETT_AGENT_STOP_GRACE_SECONDS": "2",
-             "ETT_AGENT_RETRY_MAX_SECONDS": "1"}  # fmt: skip
+             "ETT_AGENT_RETRY_MAX_SECONDS": "1", "ETT_AGENT_WARM_AT_START": "none"}  # fmt: skip
 
 
 def fake_rank_job(name: str = "fake", nodes: int = 1, steps: int = 40, step_seconds: float = 0.1, **spec) -> dict:
