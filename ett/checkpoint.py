@@ -53,6 +53,7 @@ from ett.state import ModelOptimizerState, is_stateful
 from ett.checkpoints import rank_values
 from ett.checkpoints.planners import ReportingLoadPlanner, TypedPathsSavePlanner
 from ett.checkpoints.rank_values import REPORTED_KEYS
+from ett.checkpoints.nested import lifted, put_back
 from ett.checkpoints.state_load import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ class Checkpointer:
         goes on until wait_for_staging(); the write and the commit follow in the background.
         False when the save could not even start (a `ckpt_failed` event says why)."""
         self.events.emit("ckpt_start", step=step)
+        state = lifted(state)  # a Stateful below the top saved as one at the top (ett/checkpoints/nested.py)
         self.wait()  # the stager reuses its CPU buffers: the previous save must be written first
         if self.mode is None:
             self.mode = agree_on_mode(self.cfg.async_mode, state, self.group)
@@ -220,7 +222,7 @@ class Checkpointer:
         """The fast tier after `step` (ett/snapshots/tier.py): call it at every step's end; it keeps to
         its own cadence and never blocks on a write."""
         if self.snapshots is not None:
-            self.snapshots.maybe_save(step, state)
+            self.snapshots.maybe_save(step, lifted(state))
 
     def wait_for_staging(self) -> None:
         """Block until the last save's copy of the state is done: call it before anything
@@ -273,6 +275,14 @@ class Checkpointer:
             self.in_flight = None
 
     def restore(self, state: dict, other_sizes: bool = False) -> tuple[int, LoadReport]:
+        """Load the checkpoint to resume from into `state` (see _restore), a Stateful below its top through its
+        own load_state_dict (ett/checkpoints/nested.py)."""
+        handed = lifted(state)
+        restored = self._restore(handed, other_sizes)
+        put_back(state, handed)
+        return restored
+
+    def _restore(self, state: dict, other_sizes: bool = False) -> tuple[int, LoadReport]:
         """Load the checkpoint to resume from into `state`, from whichever tier holds the newest
         (ett/checkpoints/state_load.py's rules for all); returns its step (0: none) and what did not match:
         saved entries `state` has no place for, and entries of `state` the checkpoint lacks.

@@ -10,6 +10,8 @@ whose state holds every kind a user's script passes, each kind its own small mod
     collapsed  a value of each rank's own under a shared key: a persistent restore names it
     fsdp       FSDP2 (DTensor shards): ett.ModelOptimizerState, and a second model's raw state_dict
     rng        ett.RNGState: dropout-like noise drawn from the global generator every step
+    deep       Statefuls below the top: a position object of the script's own two levels down, an
+               ett.ModelOptimizerState in a list (DCP would load a pickled copy in their place)
 
 Ranks are plain processes over a file rendezvous, each its own "node" (LOCAL_WORLD_SIZE=1) with the
 node-local folder `<base>/node-R`.
@@ -41,6 +43,19 @@ from ett.checkpoint import CheckpointConfig
 DIM = 8
 
 
+class Position:
+    """A Stateful of the script's own (a data loader's position, say), kept below the top of the state."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
+
+
 def net() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 1))
 
@@ -51,13 +66,14 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{base}/rendezvous-{phase}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # the same initial weights on every rank
-    models = {name: net() for name in ("stateful", "nested", "fsdp", "fsdp_raw")}
+    models = {name: net() for name in ("stateful", "nested", "fsdp", "fsdp_raw", "deep")}
     for name in ("fsdp", "fsdp_raw"):
         fully_shard(models[name], mesh=mesh)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items() if name != "fsdp_raw"}
     optimizers["fsdp_raw"] = torch.optim.SGD(models["fsdp_raw"].parameters(), lr=1e-2)  # no state of its own
     plain = {"w": torch.zeros(4), "position": 0, "tag": "start", "seen": [0, 0.0]}
     shared = {"w": torch.zeros(4), "position": 0, "tag": "start", "seen": [0, 0.0]}
+    position = Position()
     torch.manual_seed(100 + rank)  # each rank its own noise
 
     def training_state() -> dict:
@@ -70,6 +86,8 @@ def main() -> None:
             "fsdp": ett.ModelOptimizerState(models["fsdp"], optimizers["fsdp"]),
             "fsdp_raw": {"model": models["fsdp_raw"].state_dict()},
             "rng": ett.RNGState(rank),
+            "deep": {"data": {"position": position},
+                     "parts": [ett.ModelOptimizerState(models["deep"], optimizers["deep"])]},
         }
         state["gone" if hold_at else "new"] = {"x": torch.ones(3)}
         return state
@@ -91,7 +109,7 @@ def main() -> None:
                     loss = F.mse_loss(model(inputs_BD * noise_BD), inputs_BD[:, :1].sin())
                     optimizers[name].zero_grad()
                     loss.backward()
-                    if name in ("stateful", "nested"):  # not sharded: average their gradients by hand
+                    if name in ("stateful", "nested", "deep"):  # not sharded: average their gradients by hand
                         for p in model.parameters():
                             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
                     optimizers[name].step()
@@ -100,6 +118,7 @@ def main() -> None:
                 shared["w"] += inputs_BD[0, :4] if rank == 0 else 0  # then the same on every rank
                 dist.broadcast(shared["w"], src=0)
                 shared["position"], shared["tag"], shared["seen"] = step, f"step {step}", [step, 0.5 * step]
+                position.index += 3
             run.checkpoint(step, training_state(), force=step == steps)
             if step == hold_at and rank == 1:
                 Path(base, f"held-{phase}").touch()
@@ -108,6 +127,8 @@ def main() -> None:
              for name, model in models.items() for key, value in model.state_dict().items()}
     final |= {f"optim.{key}": value for key, value in optimizers["nested"].state_dict()["state"][0].items()}
     final |= {"plain": dict(plain), "shared": dict(shared), "rng": torch.get_rng_state()}
+    final |= {"position": torch.tensor(position.index)}
+    final |= {f"deep_optim.{key}": value for key, value in optimizers["deep"].state_dict()["state"][0].items()}
     torch.save(final, base / f"{phase}-rank-{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -52,8 +52,10 @@ def build():
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[2, 5])  # keyed by numbers
     loader = Loader()
+    # Statefuls below the top (ett/checkpoints/nested.py): DCP alone would load a pickled copy in their place.
+    deep = {"pipeline": {"loader": Loader(), "epochs": 0}, "all": [Loader()]}
     state = {"model": model.state_dict(), "optim": OptimizerOfMyOwn(optimizer), "sched": scheduler,
-             "loader": loader, "counts": {}, "names": {}, "growing": []}  # fmt: skip
+             "loader": loader, "counts": {}, "names": {}, "growing": [], "deep": deep}  # fmt: skip
     return model, optimizer, scheduler, loader, state
 
 
@@ -64,6 +66,9 @@ def train(model, optimizer, scheduler, loader, state, steps) -> None:
         optimizer.zero_grad()
         scheduler.step()
         loader.sampler = {"epoch": 0, "index": step}
+        state["deep"]["pipeline"]["loader"].sampler = {"index": 10 * step}
+        state["deep"]["pipeline"]["epochs"] = step // 2
+        state["deep"]["all"][0].sampler = [step, str(step)]
         state["counts"][step % 3] = state["counts"].get(step % 3, 0) + 1  # a dict keyed by numbers
         state["names"][str(step % 3)] = step  # keyed by digit strings
         state["growing"].append(torch.full((2,), float(step)))
@@ -88,6 +93,10 @@ def test_each_shape_comes_back_as_saved_and_the_next_save_works(tmp_path, tier):
         assert state2["counts"] == state["counts"] and state2["names"] == state["names"]
         assert [t.tolist() for t in state2["growing"]] == [t.tolist() for t in state["growing"]]
         assert scheduler2.state_dict() == scheduler.state_dict() and loader2.sampler == loader.sampler
+        deep, deep2 = state["deep"], state2["deep"]
+        assert isinstance(deep2["pipeline"]["loader"], Loader) and isinstance(deep2["all"][0], Loader)  # not dicts
+        assert deep2["pipeline"]["loader"].sampler == deep["pipeline"]["loader"].sampler == {"index": 30}
+        assert deep2["all"][0].sampler == deep["all"][0].sampler and deep2["pipeline"]["epochs"] == 1
         assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
         moments, moments2 = optimizer.state_dict()["state"], optimizer2.state_dict()["state"]
         assert moments.keys() == moments2.keys() == {0, 1}

@@ -1,0 +1,86 @@
+"""A `Stateful` below the top level of `state` (`{"data": {"sampler": sampler}}`), saved and restored as one
+at the top is, on every tier.
+
+DCP asks only the top-level entries of a state for their `state_dict()`: one further down is pickled whole, and
+a load puts the unpickled copy in its place, so the script's own object keeps its old state without a word (a
+sampler, a data position resumed from the start). So each top-level entry that holds a Stateful below it is
+handed to the tiers as one Stateful of its own (`lifted`): its `state_dict()` is the entry with each Stateful
+in it replaced by that one's `state_dict()`, and its `load_state_dict()` hands each its part back through the
+Stateful's own `load_state_dict()`. Containers with no Stateful below are handed over as they are, so a tier
+still loads their tensors and values in place (ett/checkpoints/state_load.py's rules).
+"""
+
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ett.state import is_stateful
+
+
+class NestedStatefuls(Stateful):
+    """A top-level entry of `state` with Statefuls below its top."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return _state_dicts(self.value)
+
+    def load_state_dict(self, loaded: Any) -> None:
+        _load_into(self.value, loaded)
+
+
+def lifted(state: dict[str, Any]) -> dict[str, Any]:
+    """`state`, each top-level entry holding a Stateful below its top made one (NestedStatefuls)."""
+    return {key: NestedStatefuls(value) if not is_stateful(value) and _holds_stateful(value) else value
+            for key, value in state.items()}
+
+
+def put_back(state: dict[str, Any], handed: dict[str, Any]) -> None:
+    """Into `state`, what a tier put in place of its top-level entries in `handed` (`lifted(state)`, loaded):
+    a value the checkpoint holds, where the entry could not be loaded in place."""
+    for key, value in handed.items():
+        if not isinstance(value, NestedStatefuls):
+            state[key] = value
+
+
+def _holds_stateful(value: Any) -> bool:
+    if is_stateful(value):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_stateful(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_stateful(item) for item in value)
+    return False
+
+
+def _state_dicts(value: Any) -> Any:
+    """`value` with each Stateful in it replaced by its state_dict(); a container holding none is `value` itself."""
+    if is_stateful(value):
+        return value.state_dict()
+    if not _holds_stateful(value):
+        return value
+    if isinstance(value, dict):
+        return {key: _state_dicts(item) for key, item in value.items()}
+    return type(value)(_state_dicts(item) for item in value)
+
+
+def _load_into(current: Any, loaded: Any) -> Any:
+    """What stands where `current` stood once `loaded` (as `_state_dicts(current)` was loaded by a tier) is
+    back: each Stateful given its part, the rest of a container on a Stateful's path taken from `loaded`."""
+    if is_stateful(current):
+        current.load_state_dict(loaded)
+        return current
+    if not _holds_stateful(current):
+        return loaded  # loaded in place where it could be, else the value the checkpoint holds
+    if isinstance(current, dict) and isinstance(loaded, dict):
+        for key, item in loaded.items():
+            current[key] = _load_into(current[key], item) if key in current else item
+        return current
+    if isinstance(current, list | tuple) and isinstance(loaded, list | tuple) and len(current) == len(loaded):
+        items = [_load_into(c, item) for c, item in zip(current, loaded, strict=True)]
+        if isinstance(current, list):
+            current[:] = items
+            return current
+        return type(current)(items)
+    return current  # a tier names what did not fit (LoadReport); the Statefuls in it keep their state
