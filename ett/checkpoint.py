@@ -222,7 +222,7 @@ class Checkpointer:
         """The fast tier after `step` (ett/snapshots/tier.py): call it at every step's end; it keeps to
         its own cadence and never blocks on a write."""
         if self.snapshots is not None:
-            self.snapshots.maybe_save(step, lifted(state))
+            self.snapshots.maybe_save(step, state)
 
     def wait_for_staging(self) -> None:
         """Block until the last save's copy of the state is done: call it before anything

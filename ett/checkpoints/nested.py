@@ -12,9 +12,13 @@ still loads their tensors and values in place (ett/checkpoints/state_load.py's r
 
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ett.state import is_stateful
+
+# What is never a Stateful nor holds one.
+LEAVES = (torch.Tensor, str, bytes, int, float, bool, type(None))
 
 
 class NestedStatefuls(Stateful):
@@ -45,6 +49,8 @@ def put_back(state: dict[str, Any], handed: dict[str, Any]) -> None:
 
 
 def _holds_stateful(value: Any) -> bool:
+    if isinstance(value, LEAVES):  # most of a state: asked first, as a failed hasattr on a tensor is slow
+        return False
     if is_stateful(value):
         return True
     if isinstance(value, dict):

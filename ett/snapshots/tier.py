@@ -37,6 +37,7 @@ from ett.snapshots.file_format import Slot, StagingBuffer
 from ett.snapshots.folder import SnapshotFolder, snapshots_root
 from ett.snapshots.peers import PeerReplica
 from ett.state import is_stateful, shard_layout
+from ett.checkpoints.nested import lifted
 from ett.checkpoints.state_load import LoadReport, load_saved
 
 logger = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ class LocalSnapshots:
             self._writing.result()
         found: list[tuple[Slot, torch.Tensor]] = []
         # Pickled now: the loop may change any value of the state once we return.
-        header = snapshot_file.header({"step": step, "state": template(state, found)})
+        # Lifted only when one is taken (ett/checkpoints/nested.py): a walk of the whole state, not for every step.
+        header = snapshot_file.header({"step": step, "state": template(lifted(state), found)})
         buffer = self.staging.copy(found)
         cost = time.perf_counter() - now + self._write_cpu_seconds + self._peer_cpu_seconds()
         previous_cost, self._last_cost = self._last_cost, cost
