@@ -63,7 +63,7 @@ def run_with_a_kill(c: Cluster, spec: dict, kill: dict = KILL, **agent: Any) -> 
     job_id = c.submit(**spec, faults=[kill])
     job = c.wait_job(job_id, timeout=300)
     assert job["state"] == "succeeded", c.logs()
-    first, second = job["attempts"]
+    first, second = c.attempts(job, 2)
     assert first["cause"] == "signal" and second["state"] == "succeeded"
     # A successful attempt's ranks leave nothing behind (DCP's checkpoint process included).
     assert f"attempt {job_id}/1: killed" not in c.logs()

@@ -114,6 +114,14 @@ class Cluster:
         return wait_for(lambda: (j := self.job(job_id))["state"] in states and j, timeout,
                         f"job {job_id} to be {'/'.join(states)}", interval=0.5)
 
+    def attempts(self, job: dict[str, Any], count: int) -> list[dict[str, Any]]:
+        """The job's attempts, asserted to be `count`; where they are not, the message says each
+        attempt's cause, detail and diagnosis, and the logs' tails: a restart nobody asked for."""
+        attempts = job["attempts"]
+        told = [(a["cause"], a["detail"], a["diagnosis"], a["summary"]) for a in attempts]
+        assert len(attempts) == count, f"attempts (cause, detail, diagnosis, summary): {told}\n{self.logs()}"
+        return attempts
+
     def agent_failures(self) -> list[str]:
         """Lines of the agents' logs where a poll of a worker group failed (a bug, not a job's fault)."""
         return [line for name in self.agents for line in (self.root / f"{name}.log").read_text(errors="replace")

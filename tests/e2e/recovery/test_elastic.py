@@ -73,7 +73,7 @@ def shrinks_and_grows_back(c: Cluster, spec: dict) -> tuple[str, dict[int, float
     job = c.wait_job(job_id, timeout=300)
     assert job["state"] == "succeeded", c.logs()
 
-    first, reduced, grown = job["attempts"]
+    first, reduced, grown = c.attempts(job, 3)
     assert (first["nodes"], first["cause"]) == (["node-0", "node-1"], "node_lost"), first
     assert (reduced["nodes"], reduced["cause"]) == (["node-0"], "grow"), reduced
     assert "growing back to 2 of 2 nodes at a checkpoint" in reduced["detail"], reduced
@@ -237,7 +237,7 @@ def test_rank_0s_node_lost_in_a_job_of_three_it_goes_on_at_two_from_the_snapshot
             assert len(c.lose_node("node-0", job_id)) > 1, "node-0's ranks were not found"
             job = c.wait_job(job_id, timeout=300)
             assert job["state"] == "succeeded", c.logs()
-            first, reduced = job["attempts"]
+            first, reduced = c.attempts(job, 2)
             assert (first["nodes"], first["cause"]) == (["node-0", "node-1", "node-2"], "node_lost"), first
             assert sorted(reduced["nodes"]) == ["node-1", "node-2"] and reduced["state"] == "succeeded", reduced
             rows = step_rows(c, job_id)

@@ -60,7 +60,7 @@ def lose_nodes(tmp_path: Path, nodes: int, spares: int, lost: list[int], copies:
 
             job = c.wait_job(job_id, timeout=300)
             assert job["state"] == "succeeded", c.logs()
-            first, second = job["attempts"]
+            first, second = c.attempts(job, 2)
             # The survivors' ranks fail first (their collectives break); the loss, known once the
             # heartbeats are overdue, is the root cause.
             assert first["cause"] == "node_lost", first

@@ -27,7 +27,7 @@ def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
         job_id = c.submit(**trainer_job(faults=[{"attempt": 0, "rank": 1, "at_step": 13, "action": "kill"}]))
         job = c.wait_job(job_id)
         assert job["state"] == "succeeded", c.logs()
-        first, second = job["attempts"]
+        first, second = c.attempts(job, 2)
         assert first["cause"] == "signal" and second["state"] == "succeeded"
         assert not c.agent_failures()  # every group ended in the agent too (its warm servers spared)
 
@@ -81,7 +81,7 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         assert not [pid for pid in ranks if pid_alive(pid)], ranks
         job = c.wait_job(job_id)
         assert job["state"] == "succeeded", c.logs()
-        first, second = job["attempts"]
+        first, second = c.attempts(job, 2)
         # Its peers' collectives usually fail first ("exit"); the silent node is declared lost after.
         assert first["cause"] in ("exit", "node_lost")
         assert victim not in second["nodes"] and len(second["nodes"]) == 2

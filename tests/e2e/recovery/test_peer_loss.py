@@ -66,7 +66,7 @@ def test_a_node_lost_with_its_ranks_is_replaced_within_2_s_of_its_last_step(tmp_
         killed_at = time.time()
         job = c.wait_job(job_id, timeout=120)
         assert job["state"] == "succeeded", c.logs()
-        first, second = job["attempts"]
+        first, second = c.attempts(job, 2)
         assert first["cause"] == "node_lost" and "after its peers lost their connection" in first["detail"], first
         spare = ({"node-0", "node-1", "node-2"} - set(first_nodes)).pop()
         assert second["nodes"] == [first_nodes[0], spare]  # the survivor keeps rank 0, the spare takes 1
