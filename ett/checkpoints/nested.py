@@ -83,8 +83,9 @@ def _load_into(current: Any, loaded: Any) -> Any:
         for key, item in loaded.items():
             current[key] = _load_into(current[key], item) if key in current else item
         return current
-    if isinstance(current, list | tuple) and isinstance(loaded, list | tuple) and len(current) == len(loaded):
-        items = [_load_into(c, item) for c, item in zip(current, loaded, strict=True)]
+    if isinstance(current, list | tuple) and isinstance(loaded, list | tuple):
+        # Of another length, the entries both have are loaded; a tier named the others (LoadReport).
+        items = [_load_into(c, item) for c, item in zip(current, loaded)] + list(current[len(loaded):])
         if isinstance(current, list):
             current[:] = items
             return current

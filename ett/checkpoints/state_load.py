@@ -7,7 +7,9 @@ persistent tier resumes right from a snapshot, its own node's or a peer's:
   `load_state_dict()`;
 - dicts and lists are loaded into in place, entry by entry; a tensor (a DTensor: its shard) is
   copied into, in place, so `{"model": model.state_dict()}` loads the model's own parameters;
-- a plain value (a number, a string, a list of them) is put back where it was.
+- a plain value (a number, a string, a list of them) is put back where it was;
+- a list DCP saves entry by entry (it holds a tensor or a dict) of another length than saved: the
+  entries both have are loaded, the others named.
 
 Additions to DCP, so that nothing is lost without a word and every tier does the same:
 - an empty dict or list below the top level of `state`, and a None there, take what the
@@ -127,6 +129,16 @@ def _loaded(current: Any, saved: Any, name: str, report: LoadReport) -> Any:
             current[:] = items
             return current
         return type(current)(items)
+    if isinstance(current, list) and current and isinstance(saved, list) and (_walked(current) or _walked(saved)):
+        # Of another length (an empty one takes what was saved, below), and saved entry by entry (as DCP does such a list): the entries both have are
+        # loaded, the others named, as the persistent tier does.
+        common = min(len(current), len(saved))
+        current[:common] = [_loaded(current[i], saved[i], f"{name}.{i}", report) for i in range(common)]
+        for i in range(common, len(saved)):
+            report.not_restored += flat_keys(saved[i], f"{name}.{i}")
+        for i in range(common, len(current)):
+            report.missing += flat_keys(current[i], f"{name}.{i}")
+        return current
     if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
         local = current._local_tensor if isinstance(current, DTensor) else current  # the shard a snapshot holds
         if local.shape != saved.shape:
@@ -139,3 +151,11 @@ def _loaded(current: Any, saved: Any, name: str, report: LoadReport) -> Any:
         report.not_restored += flat_keys(saved, name)  # a tensor where a dict was saved, or the reverse
         return current
     return saved  # a plain value, put back where it was
+
+
+def _walked(value: Any) -> bool:
+    """Whether DCP saves `value` entry by entry (torch's traverse_state_dict): a dict, or a list that holds
+    a tensor or something walked; a list of plain values is one value to it."""
+    if isinstance(value, dict) or is_stateful(value):
+        return True
+    return isinstance(value, list) and any(isinstance(item, torch.Tensor) or _walked(item) for item in value)

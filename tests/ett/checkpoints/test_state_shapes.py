@@ -103,3 +103,29 @@ def test_each_shape_comes_back_as_saved_and_the_next_save_works(tmp_path, tier):
         assert all(torch.equal(moments[p][k], moments2[p][k]) for p in moments for k in moments[p])
         train(model2, optimizer2, scheduler2, loader2, state2, range(4, 5))
         assert run.checkpoint(4, state2, force=True)  # and saving what was restored works
+
+
+@pytest.mark.parametrize("tier", ["persistent", "snapshot"])
+@pytest.mark.parametrize("restored_into", [3, 1])
+def test_a_list_of_statefuls_of_another_length_loads_the_entries_both_have_and_names_the_rest(tmp_path, tier,
+                                                                                             restored_into):
+    """Saved as two Loaders, restored into three (or one): every tier loads the ones both have through
+    their own load_state_dict and names the rest, as DCP does (found by a breaker: the snapshot tier
+    loaded none and named nothing)."""
+    snapshot = tier == "snapshot"
+    config = CheckpointConfig(dir=str(tmp_path / "ckpt"), local_dir=str(tmp_path / "local"),
+                              interval_steps=100 if snapshot else 1, snapshots=snapshot, snapshot_every=1)
+    saved = [Loader(), Loader()]
+    saved[0].sampler, saved[1].sampler = {"index": 1}, {"index": 2}
+    with ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        run.configure_checkpoints(config)
+        run.checkpoint(1, {"loaders": {"all": saved}})
+    loaders = [Loader() for _ in range(restored_into)]
+    with ett.init(checkpoint_dir=tmp_path / "ckpt") as run:
+        run.configure_checkpoints(config)
+        assert run.restore({"loaders": {"all": loaders}}) == 1
+        assert [loader.sampler for loader in loaders] == [{"index": 1}, {"index": 2}, None][:restored_into]
+        if restored_into == 3:
+            assert run.keys_missing == ["loaders.all.2.sampler"] and run.keys_not_restored == []
+        else:
+            assert run.keys_not_restored == ["loaders.all.1.sampler.index"] and run.keys_missing == []
