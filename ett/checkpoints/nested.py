@@ -26,18 +26,30 @@ class NestedStatefuls(Stateful):
 
     def __init__(self, value: Any) -> None:
         self.value = value
+        # Each Stateful's own state_dict() as the last state_dict() call was given it (by id), where it holds
+        # Statefuls (else None): a load puts them back in their places without asking it twice (a tier asks
+        # for the state_dict, loads into it, hands it back).
+        self._given: dict[int, Any] = {}
 
     def state_dict(self) -> Any:
-        return _state_dicts(self.value)
+        self._given = {}
+        return _state_dicts(self.value, self._given)
 
     def load_state_dict(self, loaded: Any) -> None:
-        _load_into(self.value, loaded)
+        _load_into(self.value, loaded, self._given)
 
 
 def lifted(state: dict[str, Any]) -> dict[str, Any]:
-    """`state`, each top-level entry holding a Stateful below its top made one (NestedStatefuls)."""
-    return {key: NestedStatefuls(value) if not is_stateful(value) and _holds_stateful(value) else value
-            for key, value in state.items()}
+    """`state`, each top-level entry that holds a Stateful below its top, or is one, made one (NestedStatefuls):
+    a Stateful's `state_dict()` may hold Statefuls too (`{"step": n, "loader": loader}`). Not ett's own
+    (ModelOptimizerState, with its `local_state`): the tiers know it, and it holds only tensors."""
+    return {key: NestedStatefuls(value) if _lifts(value) else value for key, value in state.items()}
+
+
+def _lifts(value: Any) -> bool:
+    if is_stateful(value):
+        return not hasattr(value, "local_state")
+    return _holds_stateful(value)
 
 
 def put_back(state: dict[str, Any], handed: dict[str, Any]) -> None:
@@ -60,32 +72,39 @@ def _holds_stateful(value: Any) -> bool:
     return False
 
 
-def _state_dicts(value: Any) -> Any:
-    """`value` with each Stateful in it replaced by its state_dict(); a container holding none is `value` itself."""
+def _state_dicts(value: Any, given: dict[int, Any]) -> Any:
+    """`value` with each Stateful in it replaced by its state_dict() (noted in `given`); a container holding
+    none is `value` itself."""
     if is_stateful(value):
-        return value.state_dict()
+        mine = value.state_dict()
+        given[id(value)] = mine if _holds_stateful(mine) else None
+        return _state_dicts(mine, given)  # the Statefuls in its own state_dict too
     if not _holds_stateful(value):
         return value
     if isinstance(value, dict):
-        return {key: _state_dicts(item) for key, item in value.items()}
-    return type(value)(_state_dicts(item) for item in value)
+        return {key: _state_dicts(item, given) for key, item in value.items()}
+    # A tuple as a list: DCP pickles a tuple whole, and a load would hand the Statefuls in it new tensors
+    # in place of their own; a list it walks, loading them in place as the snapshot tiers do.
+    return [_state_dicts(item, given) for item in value]
 
 
-def _load_into(current: Any, loaded: Any) -> Any:
+def _load_into(current: Any, loaded: Any, given: dict[int, Any]) -> Any:
     """What stands where `current` stood once `loaded` (as `_state_dicts(current)` was loaded by a tier) is
     back: each Stateful given its part, the rest of a container on a Stateful's path taken from `loaded`."""
     if is_stateful(current):
-        current.load_state_dict(loaded)
+        # A Stateful in its own state_dict() is loaded through its own load_state_dict() and handed back itself.
+        mine = given[id(current)] if id(current) in given else current.state_dict()
+        current.load_state_dict(_load_into(mine, loaded, given) if _holds_stateful(mine) else loaded)
         return current
     if not _holds_stateful(current):
         return loaded  # loaded in place where it could be, else the value the checkpoint holds
     if isinstance(current, dict) and isinstance(loaded, dict):
         for key, item in loaded.items():
-            current[key] = _load_into(current[key], item) if key in current else item
+            current[key] = _load_into(current[key], item, given) if key in current else item
         return current
     if isinstance(current, list | tuple) and isinstance(loaded, list | tuple):
         # Of another length, the entries both have are loaded; a tier named the others (LoadReport).
-        items = [_load_into(c, item) for c, item in zip(current, loaded)] + list(current[len(loaded):])
+        items = [_load_into(c, item, given) for c, item in zip(current, loaded)] + list(current[len(loaded):])
         if isinstance(current, list):
             current[:] = items
             return current
