@@ -77,8 +77,9 @@ def _state_dicts(value: Any, given: dict[int, Any]) -> Any:
     none is `value` itself."""
     if is_stateful(value):
         mine = value.state_dict()
-        given[id(value)] = mine if _holds_stateful(mine) else None
-        return _state_dicts(mine, given)  # the Statefuls in its own state_dict too
+        holds = _holds_stateful(mine)  # the Statefuls in its own state_dict too
+        given[id(value)] = mine if holds else None
+        return _state_dicts(mine, given) if holds else mine
     if not _holds_stateful(value):
         return value
     if isinstance(value, dict):
