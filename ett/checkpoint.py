@@ -184,22 +184,21 @@ class Checkpointer:
         self.events.emit("ckpt_start", step=step)
         state = lifted(state)  # a Stateful below the top saved as one at the top (ett/checkpoints/nested.py)
         self.wait()  # the stager reuses its CPU buffers: the previous save must be written first
-        if self.mode is None:
-            self.mode = agree_on_mode(self.cfg.async_mode, state, self.group)
-            self.stager.share_memory = self.mode == AsyncCheckpointerType.PROCESS
-        self.stager.copy_in_background(
-            t for s in state.values() if isinstance(s, ModelOptimizerState) for t in s.changed_only_by_optimizer_step()
-        )
         folder = step_folder(self.cfg.dir, step)
-        if self.rank == 0:  # a folder left by an abandoned run is rewritten: uncommit it first
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / MARKER).unlink(missing_ok=True)
         # With a local tier, DCP writes to node-local disk without fsync: the copy to `folder` is the durable one.
         target = step_folder(self.cfg.local_dir, step) if self.cfg.local_dir else folder
         try:
-            # DCP's own first step, done here once: each Stateful's state_dict, which the check of
-            # what differs between ranks reads too (ett/checkpoints/rank_values.py).
+            # DCP's own first step, done here once: each Stateful's state_dict, which the choice of the
+            # writer and the check of what differs between ranks read too (ett/checkpoints/rank_values.py).
             saved = {key: value.state_dict() if is_stateful(value) else value for key, value in state.items()}
+            if self.mode is None:
+                self.mode = agree_on_mode(self.cfg.async_mode, saved, self.group)
+                self.stager.share_memory = self.mode == AsyncCheckpointerType.PROCESS
+            self.stager.copy_in_background(t for s in state.values() if isinstance(s, ModelOptimizerState)
+                                           for t in s.changed_only_by_optimizer_step())  # fmt: skip
+            if self.rank == 0:  # a folder left by an abandoned run is rewritten: uncommit it first
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / MARKER).unlink(missing_ok=True)
             digests = rank_values.digests(saved, skip={k for k, v in state.items() if isinstance(v, ModelOptimizerState)})
             writer = FileSystemWriter(target, sync_files=not self.cfg.local_dir, thread_count=self.cfg.write_threads,
                                       overwrite=True)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ett.checkpoints.state_load import rebuilt
 from ett.state import is_stateful
 
 # What is never a Stateful nor holds one.
@@ -49,7 +50,7 @@ def lifted(state: dict[str, Any]) -> dict[str, Any]:
 def _lifts(value: Any) -> bool:
     if is_stateful(value):
         return not hasattr(value, "local_state")
-    return _holds_stateful(value)
+    return _reshaped(value)
 
 
 def put_back(state: dict[str, Any], handed: dict[str, Any]) -> None:
@@ -60,32 +61,35 @@ def put_back(state: dict[str, Any], handed: dict[str, Any]) -> None:
             state[key] = value
 
 
-def _holds_stateful(value: Any) -> bool:
+def _reshaped(value: Any) -> bool:
+    """Whether `value` is or holds what the tiers are handed in another form: a Stateful (its state_dict()),
+    or a tuple holding a tensor (as a list: DCP pickles a tuple whole, so a load would put new tensors in
+    place of its own where the snapshot tiers load them in place)."""
     if isinstance(value, LEAVES):  # most of a state: asked first, as a failed hasattr on a tensor is slow
         return False
     if is_stateful(value):
         return True
     if isinstance(value, dict):
-        return any(_holds_stateful(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return any(_holds_stateful(item) for item in value)
+        return any(_reshaped(item) for item in value.values())
+    if isinstance(value, tuple):
+        return any(isinstance(item, torch.Tensor) or _reshaped(item) for item in value)
+    if isinstance(value, list):
+        return any(_reshaped(item) for item in value)
     return False
 
 
 def _state_dicts(value: Any, given: dict[int, Any]) -> Any:
-    """`value` with each Stateful in it replaced by its state_dict() (noted in `given`); a container holding
-    none is `value` itself."""
+    """`value` with each Stateful in it replaced by its state_dict() (noted in `given`) and each tuple on the
+    way by a list; a container with neither below is `value` itself."""
     if is_stateful(value):
         mine = value.state_dict()
-        holds = _holds_stateful(mine)  # the Statefuls in its own state_dict too
-        given[id(value)] = mine if holds else None
-        return _state_dicts(mine, given) if holds else mine
-    if not _holds_stateful(value):
+        reshaped = _reshaped(mine)  # the Statefuls in its own state_dict too
+        given[id(value)] = mine if reshaped else None
+        return _state_dicts(mine, given) if reshaped else mine
+    if not _reshaped(value):
         return value
     if isinstance(value, dict):
         return {key: _state_dicts(item, given) for key, item in value.items()}
-    # A tuple as a list: DCP pickles a tuple whole, and a load would hand the Statefuls in it new tensors
-    # in place of their own; a list it walks, loading them in place as the snapshot tiers do.
     return [_state_dicts(item, given) for item in value]
 
 
@@ -95,9 +99,9 @@ def _load_into(current: Any, loaded: Any, given: dict[int, Any]) -> Any:
     if is_stateful(current):
         # A Stateful in its own state_dict() is loaded through its own load_state_dict() and handed back itself.
         mine = given[id(current)] if id(current) in given else current.state_dict()
-        current.load_state_dict(_load_into(mine, loaded, given) if _holds_stateful(mine) else loaded)
+        current.load_state_dict(_load_into(mine, loaded, given) if _reshaped(mine) else loaded)
         return current
-    if not _holds_stateful(current):
+    if not _reshaped(current):
         return loaded  # loaded in place where it could be, else the value the checkpoint holds
     if isinstance(current, dict) and isinstance(loaded, dict):
         for key, item in loaded.items():
@@ -105,9 +109,6 @@ def _load_into(current: Any, loaded: Any, given: dict[int, Any]) -> Any:
         return current
     if isinstance(current, list | tuple) and isinstance(loaded, list | tuple):
         # Of another length, the entries both have are loaded; a tier named the others (LoadReport).
-        items = [_load_into(c, item, given) for c, item in zip(current, loaded)] + list(current[len(loaded):])
-        if isinstance(current, list):
-            current[:] = items
-            return current
-        return type(current)(items)
+        return rebuilt(current, [_load_into(c, item, given) for c, item in zip(current, loaded)]
+                       + list(current[len(loaded):]))
     return current  # a tier names what did not fit (LoadReport); the Statefuls in it keep their state

@@ -124,18 +124,17 @@ def _loaded(current: Any, saved: Any, name: str, report: LoadReport) -> Any:
             report.missing += flat_keys(current[key], f"{name}.{key}")
         return current
     if isinstance(current, list | tuple) and isinstance(saved, list | tuple) and len(current) == len(saved):
-        items = [_loaded(c, s, f"{name}.{i}", report) for i, (c, s) in enumerate(zip(current, saved, strict=True))]
-        if isinstance(current, list):
-            current[:] = items
-            return current
-        return type(current)(items)
+        return rebuilt(current, [_loaded(c, s, f"{name}.{i}", report)
+                                 for i, (c, s) in enumerate(zip(current, saved, strict=True))])
     if isinstance(current, list) and current and isinstance(saved, list) and (_walked(current) or _walked(saved)):
-        # Of another length (an empty one takes what was saved, below), and saved entry by entry (as DCP does such a list): the entries both have are
-        # loaded, the others named, as the persistent tier does.
-        common = min(len(current), len(saved))
+        # Of another length (an empty one takes what was saved, below), and saved entry by entry as DCP does
+        # such a list: the entries both have are loaded and the others named, as on the persistent tier.
+        # Saved as one value to DCP (a list of plain values): named whole, as there.
+        walked = _walked(saved)
+        common = min(len(current), len(saved)) if walked else 0
         current[:common] = [_loaded(current[i], saved[i], f"{name}.{i}", report) for i in range(common)]
-        for i in range(common, len(saved)):
-            report.not_restored += flat_keys(saved[i], f"{name}.{i}")
+        report.not_restored += ([key for i in range(common, len(saved)) for key in flat_keys(saved[i], f"{name}.{i}")]
+                                if walked else [name])
         for i in range(common, len(current)):
             report.missing += flat_keys(current[i], f"{name}.{i}")
         return current
@@ -149,8 +148,18 @@ def _loaded(current: Any, saved: Any, name: str, report: LoadReport) -> Any:
         return current
     if isinstance(current, torch.Tensor | dict) and not isinstance(saved, type(current)):
         report.not_restored += flat_keys(saved, name)  # a tensor where a dict was saved, or the reverse
+        if isinstance(current, dict):
+            report.missing += flat_keys(current, name)  # and what the dict expects is not there
         return current
     return saved  # a plain value, put back where it was
+
+
+def rebuilt(current: list | tuple, items: list) -> list | tuple:
+    """`current` holding `items` instead: a list in place, a tuple (a namedtuple too) anew."""
+    if isinstance(current, list):
+        current[:] = items
+        return current
+    return type(current)(*items) if hasattr(current, "_fields") else type(current)(items)
 
 
 def _walked(value: Any) -> bool:
