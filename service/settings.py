@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     # Raise it for agents that do not long-poll (ETT_AGENT_HEARTBEAT_WAIT_SECONDS=0) or a service
     # whose heartbeat writes lag behind by more.
     peer_loss_silence_seconds: float = Field(1.0, gt=0)
+    # The next attempt need not wait that long where it has spares: once a node the survivor's text
+    # implicates has sent nothing for this long, the next attempt starts on a spare in its place (the
+    # silence window above still decides whether it is lost and fenced). A node whose own ranks failed
+    # reports within it (its agent sees them end as its peers do).
+    peer_loss_grace_seconds: float = Field(0.3, ge=0)
     # Longest a heartbeat may wait for a command (long-poll).
     max_heartbeat_wait_seconds: float = Field(10.0, ge=0)
     # An agent clock further off than this is flagged in the node's state.

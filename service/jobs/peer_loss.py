@@ -89,6 +89,22 @@ def lost_to_their_peers(session: Session, settings: Settings, now: float,
     return lost
 
 
+def suspects(attempt: Attempt, settings: Settings, now: float) -> list[AttemptNode]:
+    """The shares of a failed attempt the next may start without, on spares in their place: of an attempt
+    that failed `peer_lost` peer_loss_grace_seconds ago or more, the shares still running when every one
+    of them is implicated by the survivor's text and none has reported since (a survivor still stopping
+    is waited for). Their silence window goes on: lost_to_their_peers declares them lost, or they report."""
+    running = [share for share in attempt.nodes if share.state in ACTIVE_ATTEMPT_STATES]
+    ended = attempt.ended_at
+    if (not running or attempt.state != AttemptState.failed or attempt.diagnosis != PEER_LOST or ended is None
+            or ended > _at(now - settings.peer_loss_grace_seconds)):
+        return []
+    named = implicated(attempt.summary or "", attempt.master_port, running)
+    if len(named) != len(running) or any(share.node.last_heartbeat_at >= ended for share in running):
+        return []
+    return running
+
+
 def fence(node: Node, share: AttemptNode, now: float) -> None:
     """Takes the node out of the scheduler's choice until its agent shows it runs nothing of the
     share's attempt (answer_fenced), and refuses what it sends of that attempt from now on."""

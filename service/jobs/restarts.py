@@ -3,6 +3,7 @@
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.jobs.peer_loss import suspects
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
 from service.models import Attempt, Checkpoint, Job, JobState, Node, NodeState
 from service.settings import Settings
@@ -28,12 +29,15 @@ def _ready(session: Session, job: Job, settings: Settings, now: float) -> bool:
     last = job.attempts[-1]
     if last.state in ACTIVE or last.ended_at is None:
         return False
+    # Wait for the survivors to stop, so they can be reused and hold no stale ranks; not for the nodes
+    # a survivor lost its connection to and that say nothing since: spares take their places (peer_loss.py).
+    stopped = all(s.state not in ACTIVE for s in last.nodes)
+    lost_to_peers = not stopped and bool(suspects(last, settings, now))
     # A lost node is no crash loop of the job's: the next attempt runs without it, at once; nor is
     # an elastic job's growing back, which stopped it at a checkpoint (service/jobs/elastic.py).
-    backoff_over = (last.cause in ("node_lost", "grow") or made_progress(session, last)
+    backoff_over = (last.cause in ("node_lost", "grow") or lost_to_peers or made_progress(session, last)
                     or now >= last.ended_at.timestamp() + settings.restart_backoff_seconds)
-    # Wait for the survivors to stop, so they can be reused and hold no stale ranks.
-    return backoff_over and all(s.state not in ACTIVE for s in last.nodes)
+    return backoff_over and (stopped or lost_to_peers)
 
 
 def made_progress(session: Session, attempt: Attempt) -> bool:

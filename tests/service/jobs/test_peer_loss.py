@@ -17,7 +17,7 @@ from service.agents import commands
 from service.jobs import peer_loss, scheduler
 from service.jobs.checkpoints import newest_checkpoint
 from service.failures.failure_text import DEFAULT_COMPILED, read_lines
-from service.models import (AttemptNode, AttemptState, Job, JobEvent, Node, NodeEvidence, NodeState, RankLog, Role,
+from service.models import (ACTIVE_ATTEMPT_STATES, AttemptNode, AttemptState, Job, JobEvent, Node, NodeEvidence, NodeState, RankLog, Role,
                             Token, utcnow)
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
@@ -122,20 +122,49 @@ def test_a_silent_node_its_peers_lost_is_lost_for_the_job_fenced_and_replaced_at
     attempt = job.attempts[0]
     assert (attempt.state, attempt.diagnosis) == (AttemptState.failed, "peer_lost")
     heard((n["a"], T0 + 10.3), (n["c"], T0 + 10.3))  # b, last heard at T0, stays silent
-    tick(session, settings, T0 + 10 + settings.peer_loss_silence_seconds / 2)
-    assert len(job.attempts) == 1 and n["b"].state == NodeState.busy, "the window is not over"
+    tick(session, settings, T0 + 10 + settings.peer_loss_grace_seconds / 2)
+    assert len(job.attempts) == 1, "b may yet report a failure of its own"
+    # Past the grace, the spare takes b's rank at once (no restart backoff for a node lost to its peers)...
+    tick(session, settings, T0 + 10 + settings.peer_loss_grace_seconds)
+    session.refresh(job)
+    assert [s.node.name for s in job.attempts[1].nodes] == ["a", "c"]
+    # ... while b's silence window goes on: not yet lost nor fenced, its share still held.
+    b_share = attempt.nodes[1]
+    assert n["b"].state == NodeState.busy and not n["b"].fenced and b_share.state == AttemptState.running
 
     tick(session, settings, T0 + 10 + settings.peer_loss_silence_seconds)
     session.refresh(job)
-    b_share = attempt.nodes[1]
     assert (attempt.cause, attempt.diagnosis) == ("node_lost", "node_lost"), attempt.detail
     assert f"sent no heartbeat for {settings.peer_loss_silence_seconds:g} s after its peers lost their" in attempt.detail
     assert n["b"].state == NodeState.lost and n["b"].fenced and b_share.fenced_at is not None
     assert b_share.state == AttemptState.failed
-    # No restart backoff for a lost node, and the spare takes b's rank.
-    assert [s.node.name for s in job.attempts[1].nodes] == ["a", "c"]
+    assert len(job.attempts) == 2 and job.attempts[1].state in ACTIVE_ATTEMPT_STATES  # the new attempt goes on
     [evidence] = session.scalars(select(NodeEvidence).where(NodeEvidence.node_id == n["b"].id)).all()
     assert evidence.kind == "node_lost"
+
+
+def test_without_a_spare_the_next_attempt_waits_for_the_silence_window(session, settings):
+    job, n = started(session, settings, "ab")
+    fails(session, n["a"], job, 0, T0 + 10, GLOO.format("127.0.0.1"))
+    heard((n["a"], T0 + 10.1))
+    tick(session, settings, T0 + 10 + settings.peer_loss_grace_seconds)
+    assert len(job.attempts) == 1 and job.reason is None  # no shrinking, no waiting reason: the window decides
+    tick(session, settings, T0 + 10 + settings.peer_loss_silence_seconds)
+    assert n["b"].state == NodeState.lost and len(job.attempts) == 1  # now it waits for a node, as any lost one
+
+
+def test_a_node_whose_own_ranks_failed_reports_within_the_grace_and_keeps_its_rank(session, settings):
+    """A SIGKILLed rank's node: its peers' report comes first, its own a moment later (its agent sees the
+    rank end as they see the connection close): the next attempt runs on the same nodes, not the spare."""
+    job, n = started(session, settings, "abc")
+    fails(session, n["a"], job, 0, T0 + 10, GLOO.format("127.0.0.1"))
+    report = AttemptReport(job_id=job.id, attempt=0, state="failed", cause="signal", detail="rank 2 killed by SIGKILL")
+    n["b"].last_heartbeat_at = at(T0 + 10.2)
+    scheduler.on_reports(session, n["b"], [report], T0 + 10.2)
+    session.commit()
+    tick(session, settings, T0 + 10 + settings.restart_backoff_seconds)
+    assert job.attempts[0].cause == "signal" and n["b"].fenced is None
+    assert [s.node.name for s in job.attempts[1].nodes] == ["a", "b"]
 
 
 def test_a_node_that_answers_its_stop_is_not_lost(session, settings):
@@ -180,7 +209,7 @@ def test_no_silence_is_counted_while_the_agents_may_still_back_off_from_the_serv
     heard((n["a"], T0 + 10.3), (n["c"], T0 + 10.3))
     back = T0 + 9  # the service came back just before the failure
     tick(session, settings, T0 + 12, up_since=back)
-    assert n["b"].fenced is None and len(job.attempts) == 1
+    assert n["b"].fenced is None and n["b"].state == NodeState.busy  # the next attempt went on on the spare
     tick(session, settings, back + HEARTBEAT_RETRY_MAX_SECONDS + settings.peer_loss_silence_seconds, up_since=back)
     assert n["b"].fenced and n["b"].state == NodeState.lost
 
