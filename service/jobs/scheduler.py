@@ -23,7 +23,7 @@ from service.jobs.elastic import elastic_size, weigh_growing
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command, learn_imports, warm_spares
 from service.jobs.owners import number_owner
-from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers, suspects
+from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers
 from service.jobs.placement import assignable, may_take, rank_order, served_job, straggler_avoided
 from service.jobs.rendezvous import free_master_port
 from service.jobs.restarts import needs_attempt
@@ -254,8 +254,6 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         if size is None and avoided:  # the spare was taken meanwhile: back where it ran, not stranded
             fitting = [n for n in idle if may_take(n, job, ())]
             size, reason = elastic_size(session, job, fitting, set())
-        if (size or 0) < spec.nodes and job.attempts and suspects(job.attempts[-1], settings, now):
-            continue  # too few spares to start without the nodes its peers lost: their silence window decides
         if size is None:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)
                 slots = spec.procs_per_node

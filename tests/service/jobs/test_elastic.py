@@ -4,6 +4,7 @@ when nodes return, weighed by the straggler policy's cost model. The events a ru
 `elastic` declaration, its steps and timing windows) go through the service's own ingestion."""
 
 import time
+from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import select
@@ -14,7 +15,7 @@ from ett.protocol.messages import command_adapter
 from service.ingest.store import ingest_trusted
 from service.jobs import scheduler
 from service.jobs.elastic import elastic_size
-from service.models import AttemptState, Job, JobEvent, JobState, Node, NodeState, utcnow
+from service.models import AttemptState, Job, JobEvent, JobState, Node, NodeState, RankLog, utcnow
 from service.stragglers.watch import Watch
 from tests.service.factories import job_spec
 from tests.service.jobs.test_scheduler import add_job, add_nodes, report, taken, tick
@@ -230,3 +231,23 @@ def test_a_stragglers_node_with_no_spare_is_left_out_where_the_run_declared_a_sm
     tick(session, settings, now + 42)
     session.refresh(job)
     assert [n.node.name for n in job.attempts[1].nodes] == ["a"] and job.attempts[1].full_nodes == 2
+
+
+def test_no_shrink_on_a_suspicion_a_node_its_peers_lost_is_waited_for_through_its_silence_window(session, settings):
+    """Node a's ranks lose their connection to b, which says nothing since: with no spare, the elastic job does
+    not shrink to a alone after the short grace (b may be only late), only once b's silence window is over."""
+    now = time.time() - 300  # the ticks below run within the nodes' heartbeats (stamped at the real time)
+    job, a, b = running_on_a_and_b(session, settings, ELASTIC, now)
+    declare(session, job, 0, [2], now + 2)
+    gloo = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:15024"
+    session.add(RankLog(job_id=job.id, attempt=0, rank=0, node="a", text=f"step 7\n{gloo}\n"))
+    b.last_heartbeat_at = datetime.fromtimestamp(now + 1, UTC)
+    report(session, a, job, 0, "failed", now + 5, cause="exit", detail="rank 0 exit code 1", exit_code=1)
+    assert job.attempts[0].diagnosis == "peer_lost"
+    scheduler.tick(session, settings, now + 5 + settings.peer_loss_grace_seconds)
+    session.commit()
+    assert len(job.attempts) == 1 and b.state == NodeState.busy
+    scheduler.tick(session, settings, now + 5 + settings.peer_loss_silence_seconds)
+    session.commit()
+    session.refresh(job)
+    assert b.state == NodeState.lost and [s.node.name for s in job.attempts[1].nodes] == ["a"]
