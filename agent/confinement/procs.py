@@ -92,3 +92,21 @@ def cpu_and_state(pid: int) -> tuple[int, str] | None:
     except OSError:
         return None
     return int(fields[11]) + int(fields[12]), fields[0].decode()
+
+
+def a_thread_runs_or_waits_on_io(pid: int) -> bool:
+    """Whether a thread of the process is runnable (R: it waits for a CPU) or in uninterruptible sleep
+    (D: a page fault under memory pressure, a write to a stalled disk), by the kernel's word: held up by
+    the machine, not frozen by its own code."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat_file:
+                if stat_file.read().rsplit(b")", 1)[1].split()[0] in (b"R", b"D"):
+                    return True
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+    return False

@@ -25,7 +25,8 @@ does, so a pulse that stands still for FROZEN_SECONDS while the rank's process u
 either means no thread of it runs: stopped (SIGSTOP, a debugger), or blocked in C code that holds
 the GIL and waits. Its peers wait for it in their next collective, and nothing will end that. A
 rank that is slow but live is never taken for it: its pulse goes on while it sleeps, waits on I/O
-or waits for its peers, and its CPU time goes up while it computes with the GIL held. A rank
+or waits for its peers, and its CPU time goes up while it computes with the GIL held; nor is one the
+machine holds up (a thread of it runnable or in uninterruptible sleep: agent/groups/progress.py). A rank
 without a pulse (a script not on the library, or one whose run has closed) is judged by the limit
 above only.
 """

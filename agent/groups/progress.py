@@ -7,7 +7,7 @@ The group acts on a hang (agent.groups.workers); this only says when there is on
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.confinement.procs import cpu_and_state
+from agent.confinement.procs import a_thread_runs_or_waits_on_io, cpu_and_state
 from agent.files.spool import SpoolReader
 from agent.groups.hang import FrozenRanks, HangLimit
 from ett.events import read_progress_mark
@@ -110,7 +110,9 @@ class Progress:
         for rank, seconds in sorted(self.frozen.frozen(now).items()):
             pid = rank_pids[rank]
             vitals = cpu_and_state(pid)
-            if vitals is None or not owns(pid):
+            # A thread held up by the machine (waiting for a CPU on a loaded node, or in a page fault or a
+            # stalled write) stops the pulse and CPU time too: that is no freeze, and the limit above judges it.
+            if vitals is None or not owns(pid) or a_thread_runs_or_waits_on_io(pid):
                 continue
             how = "stopped" if vitals[1] in "Tt" else f"state {vitals[1]}"
             after = f"after step {self.last_step}" if self.last_step is not None else "before its first step"
