@@ -76,8 +76,10 @@ def rank_of_progress_file(name: str) -> int | None:
 # A live rank's library counts this mark's pulse up every PULSE_SECONDS from a thread of its own;
 # its agent takes a rank whose pulse and CPU time both stood still for FROZEN_SECONDS for a hang
 # (agent/groups/hang.py, "A frozen rank").
+# Five pulses: a rank held up by its machine (a thread runnable or in a page fault) is never taken for
+# frozen (agent/groups/progress.py), so what stands still this long stands still by its own code.
 PULSE_SECONDS = 0.1
-FROZEN_SECONDS = 1.0
+FROZEN_SECONDS = 0.5
 
 
 # -- heartbeats (docs/reliability.md, "Node loss") --------------------------------------------------
