@@ -9,7 +9,8 @@ from agent.confinement.procs import a_thread_runs_or_waits_on_io, cpu_and_state
 from tests.support.waiting import wait_for
 
 # A main thread asleep beside a thread that computes: the leader's state says S, a thread's R.
-SPINS_IN_A_THREAD = "import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\ntime.sleep(60)"
+SPINS_IN_A_THREAD = ("import threading, time\n"
+                     "threading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\ntime.sleep(60)")
 
 
 def test_a_thread_that_computes_is_told_from_a_process_asleep_or_stopped():

@@ -239,7 +239,7 @@ def test_no_shrink_on_a_suspicion_a_node_its_peers_lost_is_waited_for_through_it
     now = time.time() - 300  # the ticks below run within the nodes' heartbeats (stamped at the real time)
     job, a, b = running_on_a_and_b(session, settings, ELASTIC, now)
     declare(session, job, 0, [2], now + 2)
-    gloo = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:15024"
+    gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:15024"
     session.add(RankLog(job_id=job.id, attempt=0, rank=0, node="a", text=f"step 7\n{gloo}\n"))
     b.last_heartbeat_at = datetime.fromtimestamp(now + 1, UTC)
     report(session, a, job, 0, "failed", now + 5, cause="exit", detail="rank 0 exit code 1", exit_code=1)

@@ -17,8 +17,8 @@ from service.agents import commands
 from service.jobs import peer_loss, scheduler
 from service.jobs.checkpoints import newest_checkpoint
 from service.failures.failure_text import DEFAULT_COMPILED, read_lines
-from service.models import (ACTIVE_ATTEMPT_STATES, AttemptNode, AttemptState, Job, JobEvent, Node, NodeEvidence, NodeState, RankLog, Role,
-                            Token, utcnow)
+from service.models import (ACTIVE_ATTEMPT_STATES, AttemptNode, AttemptState, Job, JobEvent, Node, NodeEvidence,
+                            NodeState, RankLog, Role, Token, utcnow)
 from service.schemas.agents import AttemptReport
 from service.settings import Settings
 from tests.service.factories import job_spec, submit
@@ -135,7 +135,8 @@ def test_a_silent_node_its_peers_lost_is_lost_for_the_job_fenced_and_replaced_at
     tick(session, settings, T0 + 10 + settings.peer_loss_silence_seconds)
     session.refresh(job)
     assert (attempt.cause, attempt.diagnosis) == ("node_lost", "node_lost"), attempt.detail
-    assert f"sent no heartbeat for {settings.peer_loss_silence_seconds:g} s after its peers lost their" in attempt.detail
+    said = f"sent no heartbeat for {settings.peer_loss_silence_seconds:g} s after its peers lost their"
+    assert said in attempt.detail
     assert n["b"].state == NodeState.lost and n["b"].fenced and b_share.fenced_at is not None
     assert b_share.state == AttemptState.failed
     assert len(job.attempts) == 2 and job.attempts[1].state in ACTIVE_ATTEMPT_STATES  # the new attempt goes on
