@@ -22,6 +22,7 @@ from service.notification_models import Notification  # noqa: F401 (every table 
 from service.spec.job_spec import JobSpec
 from service.states import (  # noqa: F401 (the states are the models' vocabulary: imported from here)
     ACTIVE_ATTEMPT_STATES,
+    BROKEN_CAUSES,
     AttemptState,
     JobState,
     NodeState,

@@ -26,6 +26,9 @@ class AttemptState(enum.StrEnum):
 
 
 ACTIVE_ATTEMPT_STATES = (AttemptState.allocated, AttemptState.running)  # an attempt or share that holds its nodes
+# Failures after which an attempt's collectives cannot complete: its other shares are killed at once
+# (StopCommand.at_once), not given a grace to save; a straggler's or a growing job's stop saves first.
+BROKEN_CAUSES = ("exit", "signal", "hang", "node_lost")
 
 
 class NodeState(enum.StrEnum):

@@ -219,7 +219,7 @@ class Supervisor:
         if group is None:
             log.info("stop for attempt %s/%d, which does not run here; ignored", *command.key)
             return
-        self._guarded(group, lambda: group.stop(command.reason))
+        self._guarded(group, lambda: group.stop(command.reason, at_once=command.at_once))
         self._report(group)
 
     def poll(self) -> bool:

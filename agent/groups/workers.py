@@ -138,15 +138,19 @@ class WorkerGroup:
         ))  # fmt: skip
         log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 
-    def stop(self, reason: str, failure: GroupEnd | None = None) -> None:
-        """SIGTERM to the group, SIGKILL after the grace. `failure`: the stop ends the attempt as
-        this failure (Slurm's time limit or preemption) rather than as stopped."""
+    def stop(self, reason: str, failure: GroupEnd | None = None, at_once: bool = False) -> None:
+        """SIGTERM to the group, SIGKILL after the grace; `at_once`: SIGKILL now (a broken attempt's
+        survivors: StopCommand.at_once). `failure`: the stop ends the attempt as this failure (Slurm's
+        time limit or preemption) rather than as stopped."""
         if not self.state.is_terminal and self._proc is not None:
             self._read_rank_records(self.clock())  # a rank that already failed here is the cause, not the stop
         if self.state.is_terminal or self._ending is not None or self._proc is None:
-            return  # already ending: the first cause stands
+            return  # already ending (its failed rank's last output still to reach its log): the first cause stands
         self._ending = failure or GroupEnd(WorkerState.STOPPED, None, f"stopped: {reason}" if reason else "stopped")
         self.state = WorkerState.STOPPING
+        if at_once:
+            self.kill()
+            return
         signal_group(self._proc.pid, SIGTERM)  # torchrun passes it on to the ranks
         self._kill_at = self.clock() + self.stop_grace_seconds
 

@@ -126,6 +126,9 @@ class LaunchCommand(AttemptCommand):
 class StopCommand(AttemptCommand):
     type: Literal["stop"]
     reason: str = ""
+    # SIGKILL at once, no SIGTERM and grace: the attempt is broken (a rank exited, was killed, hung or
+    # lost its node), its collectives cannot complete, so no final save can; the next attempt waits for it.
+    at_once: bool = False
 
 
 class IntervalCommand(AttemptCommand):

@@ -30,24 +30,28 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
     failed = False
     stragglers = Watch()  # each attempt's straggler score, kept from tick to tick
 
-    def tick_once() -> None:
+    def tick_once() -> float | None:
         nonlocal up_since, failed
         if failed:
             up_since = time.time()
         with context.sessions() as session:
-            scheduler.tick(session, settings, up_since=up_since)
+            due = scheduler.tick(session, settings, up_since=up_since)
             session.commit()
         stragglers.run(context.sessions, settings, time.time())  # outside the tick's transaction
         failed = False
+        return due
 
     while not stop.is_set():
+        wait = settings.scheduler_period_seconds
         try:
-            await run_in_threadpool(tick_once)
+            due = await run_in_threadpool(tick_once)
+            if due is not None:  # a lost node's grace ends sooner: its restart waits for no period
+                wait = min(wait, max(0.0, due - time.time()))
         except Exception:
             failed = True
             log.exception("scheduler tick failed; retrying next period")
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), settings.scheduler_period_seconds)
+            await asyncio.wait_for(wake.wait(), wait)
         wake.clear()
 
 

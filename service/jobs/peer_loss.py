@@ -105,6 +105,21 @@ def suspects(attempt: Attempt, settings: Settings, now: float) -> list[AttemptNo
     return running
 
 
+def next_due(session: Session, settings: Settings, now: float) -> float | None:
+    """The next moment a node-loss decision falls due, for the scheduler to tick then and not at its
+    next period: the grace's end (suspects) or the silence window's (lost_to_their_peers) of an
+    attempt that failed `peer_lost` with shares still running."""
+    ends = session.scalars(
+        select(Attempt.ended_at).join(AttemptNode)
+        .where(Attempt.state == AttemptState.failed, Attempt.diagnosis == PEER_LOST,
+               AttemptNode.state.in_(ACTIVE_ATTEMPT_STATES),
+               Attempt.ended_at > _at(now - settings.peer_loss_silence_seconds))
+    ).all()  # fmt: skip
+    due = [end.timestamp() + window for end in ends
+           for window in (settings.peer_loss_grace_seconds, settings.peer_loss_silence_seconds)]
+    return min((t for t in due if t > now), default=None)
+
+
 def fence(node: Node, share: AttemptNode, now: float) -> None:
     """Takes the node out of the scheduler's choice until its agent shows it runs nothing of the
     share's attempt (answer_fenced), and refuses what it sends of that attempt from now on."""
@@ -129,7 +144,7 @@ def answer_fenced(session: Session, node: Node, reports: Sequence[AttemptReport]
         return False
     for report in still:
         commands.enqueue(session, node, StopCommand(type="stop", job_id=report.job_id, attempt=report.attempt,
-                                                    reason="fenced: this node was declared lost for it"))
+                                                    reason="fenced: this node was declared lost for it", at_once=True))
     return True
 
 

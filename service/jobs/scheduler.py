@@ -23,23 +23,14 @@ from service.jobs.elastic import elastic_size, weigh_growing
 from service.jobs.intervals import retune_auto_intervals
 from service.jobs.launch import launch_command, learn_imports, warm_spares
 from service.jobs.owners import number_owner
-from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers
+from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers, next_due
 from service.jobs.placement import assignable, may_take, rank_order, served_job, straggler_avoided
 from service.jobs.rendezvous import free_master_port
 from service.jobs.restarts import needs_attempt
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
-from service.models import (
-    Attempt,
-    AttemptNode,
-    AttemptState,
-    Job,
-    JobEvent,
-    JobState,
-    Node,
-    NodeState,
-    SlurmState,
-)
+from service.models import BROKEN_CAUSES, Attempt, AttemptNode, AttemptState, Job, JobEvent, JobState, Node, NodeState
+from service.models import SlurmState
 from service.settings import Settings
 
 
@@ -132,7 +123,7 @@ def fail_attempt(
     attempt.diagnosis, attempt.summary = diagnosis.kind, diagnosis.summary
     attempt.failed_node_id = node.id if node is not None else None
     emit(session, attempt.job_id, attempt.number, "attempt_failed", now, data)
-    _stop_shares(session, attempt, "attempt failed")
+    _stop_shares(session, attempt, "attempt failed", at_once=cause in BROKEN_CAUSES)
     job = attempt.job
     if job.state != JobState.running:
         return
@@ -149,10 +140,11 @@ def _names_the_root_cause(cause: str, recorded: str | None, diagnosis: Diagnosis
     return recorded == "exit" and cause in ("signal", "hang", "node_lost")
 
 
-def _stop_shares(session: Session, attempt: Attempt, reason: str) -> None:
+def _stop_shares(session: Session, attempt: Attempt, reason: str, at_once: bool = False) -> None:
     for share in attempt.nodes:
         if share.state in ACTIVE:
-            stop = StopCommand(type="stop", job_id=attempt.job_id, attempt=attempt.number, reason=reason)
+            stop = StopCommand(type="stop", job_id=attempt.job_id, attempt=attempt.number, reason=reason,
+                               at_once=at_once)
             commands.enqueue(session, share.node, stop)
 
 
@@ -173,9 +165,10 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
     finish_job(session, job, JobState.cancelled, "cancelled", now)
 
 
-def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> None:
+def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> float | None:
     """One pass: lost nodes, unconfirmed stops, allocation. `up_since`: from when nodes may be lost (the
-    service's start or its database's return, service/asgi/background.py)."""
+    service's start or its database's return, service/asgi/background.py). Returns when a decision falls
+    due before the next period (a lost node's grace or window ends), for the caller to tick then."""
     now = time.time() if now is None else now
     if up_since is None or now - up_since >= settings.heartbeat_timeout_seconds:
         _declare_lost_nodes(session, settings, now)
@@ -188,6 +181,7 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
     for attempt, why in weigh_growing(session, settings, now):  # an elastic job's smaller attempt grows back
         fail_attempt(session, attempt, "grow", why, now)
     retune_auto_intervals(session, settings, now)
+    return next_due(session, settings, now)
 
 
 def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> None:

@@ -302,6 +302,22 @@ def test_stop_escalates_to_sigkill_and_leaves_no_process(supervisor):
     assert pids_with_env("ETT_JOB_ID", command.job_id) == []
 
 
+def test_a_stop_at_once_kills_without_a_sigterm_and_leaves_no_process(supervisor):
+    """A broken attempt's survivors (StopCommand.at_once): SIGKILLed, not asked to save first."""
+    command = launch_command("--steps", "100000")
+    supervisor.launch(command)
+    group = supervisor.groups[command.key]
+    wait_for(lambda: group.state == "running", 60, "ranks to start", while_waiting=supervisor.poll)
+
+    supervisor.stop(command_adapter_stop(command, reason="attempt failed", at_once=True))
+    report = run_to_end(supervisor)
+
+    assert report["state"] == "stopped" and report["detail"] == "stopped: attempt failed"
+    exits = [e["data"] for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "worker_exited"]
+    assert {e.get("signal") for e in exits} == {"SIGKILL"}  # a SIGTERM would have ended these ranks itself
+    assert pids_with_env("ETT_JOB_ID", command.job_id) == []
+
+
 def attempt_cgroups(cgroups) -> list[Path]:
     return [p for p in cgroups.root.glob("owner-*/*") if p.is_dir() and p.name != "warm"]
 
@@ -376,11 +392,11 @@ def test_a_pid_the_job_writes_into_its_records_is_not_signalled(supervisor):
         bystander.wait()
 
 
-def command_adapter_stop(command):
+def command_adapter_stop(command, **fields):
     from ett.protocol.messages import command_adapter
 
     return command_adapter.validate_python({"type": "stop", "job_id": command.job_id, "attempt": command.attempt,
-                                            "reason": "cancelled"})
+                                            "reason": "cancelled", **fields})
 
 
 AGENT_CRASH_SCRIPT = """

@@ -144,6 +144,30 @@ def test_a_silent_node_its_peers_lost_is_lost_for_the_job_fenced_and_replaced_at
     assert evidence.kind == "node_lost"
 
 
+def test_the_scheduler_ticks_when_the_grace_and_the_window_end_and_the_survivors_are_killed_at_once(session, settings):
+    """The decisions of a node loss fall due between the scheduler's periods: each tick says when the
+    next one does (service/asgi/background.py waits for no more). The silent node's stop kills at once."""
+    job, n = started(session, settings, "abc")
+    fails(session, n["a"], job, 0, T0 + 10, GLOO.format("127.0.0.1"))
+    [stop] = commands.take_pending(session, n["b"].id)
+    assert stop["at_once"] is True, "a broken attempt's survivors have nothing to save"
+    grace, window = settings.peer_loss_grace_seconds, settings.peer_loss_silence_seconds
+    assert scheduler.tick(session, settings, T0 + 10.01) == pytest.approx(T0 + 10 + grace)
+    assert len(job.attempts) == 1
+    assert scheduler.tick(session, settings, T0 + 10 + grace) == pytest.approx(T0 + 10 + window)
+    session.commit()
+    assert len(job.attempts) == 2
+    assert scheduler.tick(session, settings, T0 + 10 + window) is None  # lost and fenced: nothing more falls due
+    session.commit()
+    assert n["b"].state == NodeState.lost
+
+
+def test_a_stop_that_lets_a_healthy_attempt_save_is_not_at_once(session, settings):
+    job, n = started(session, settings, "ab")
+    scheduler.fail_attempt(session, job.attempts[0], "straggler", "rank 1 slow", T0 + 10)
+    assert {stop["at_once"] for node in n.values() for stop in commands.take_pending(session, node.id)} == {False}
+
+
 def test_without_a_spare_the_next_attempt_waits_for_the_silence_window(session, settings):
     job, n = started(session, settings, "ab")
     fails(session, n["a"], job, 0, T0 + 10, GLOO.format("127.0.0.1"))
@@ -234,7 +258,8 @@ def test_a_fenced_node_that_comes_back_is_told_to_stop_first_and_takes_no_work_u
     session.commit()
     tick(session, settings, T0 + 12)
     assert commands.take_pending(session, b.id) == [
-        {"type": "stop", "job_id": job.id, "attempt": 0, "reason": "fenced: this node was declared lost for it"}]
+        {"type": "stop", "job_id": job.id, "attempt": 0, "reason": "fenced: this node was declared lost for it",
+         "at_once": True}]
     assert other.attempts == [] and b.fenced, "a fenced node takes no new work"
     # Its agent stopped them: the fence is lifted, and the node takes work.
     stopped = AttemptReport(job_id=job.id, attempt=0, state="stopped")

@@ -108,7 +108,8 @@ def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, setti
     report(session, b, job, 0, "failed", T0 + 5, cause="signal", detail="rank 3 killed by SIGKILL")
     session.refresh(job)
     assert job.attempts[0].state == AttemptState.failed and job.attempts[0].cause == "signal"
-    assert taken(session, a) == [{"type": "stop", "job_id": job.id, "attempt": 0, "reason": "attempt failed"}]
+    assert taken(session, a) == [{"type": "stop", "job_id": job.id, "attempt": 0, "reason": "attempt failed",
+                                 "at_once": True}]
     tick(session, settings, T0 + 10)
     assert len(job.attempts) == 1, "no new attempt while node a still runs the old one"
     report(session, a, job, 0, "stopped", T0 + 11)
