@@ -4,14 +4,14 @@
         |                                     |
         +-----stop / hang (agent tears down)--+--> STOPPING --torchrun exits--> STOPPED | FAILED
 
-A rank that fails makes torchrun tear the others down; the first failure a rank runner records is the attempt's
-cause, reported as soon as that rank's last output is in its log (the service diagnoses from those lines), before
-the group is gone. A success is reported once every local rank exited cleanly, before torchrun's own wind-down,
-which is not waited for after a failure or a stop either. A hang is torn down at once with SIGKILL; a stop gets
-SIGTERM, then SIGKILL after a grace. At the end every process carrying the group's marker is SIGKILLed and the
-attempt's cgroup frozen, killed and waited for (agent.confinement.cgroups). A pid in the ranks' records (the job's)
-is signalled only while the kernel says the group owns it. What the job wrote that the agent cannot handle fails the
-attempt, never the agent. The group's parts: its states (agent.groups.states), its runners' records
+A rank that fails makes torchrun tear the others down; the first failure a rank runner records is the attempt's cause,
+reported as soon as that rank's last output is in its log (the service diagnoses from those lines), before the group is
+gone. A success is reported once every local rank exited cleanly, before torchrun's own wind-down, which is not waited
+for after a failure or a stop either. A hang is torn down at once with SIGKILL; a stop gets SIGTERM, then SIGKILL after
+a grace (one `at_once`, a broken attempt's: SIGKILL now). At the end every process carrying the group's marker is
+SIGKILLed and the attempt's cgroup frozen, killed and waited for (agent.confinement.cgroups). A pid in the ranks'
+records (the job's) is signalled only while the kernel says the group owns it. What the job wrote that the agent cannot
+handle fails the attempt, never the agent. The group's parts: its states (agent.groups.states), its runners' records
 (agent.groups.rank_records), its ranks' progress and hangs (agent.groups.progress), its watched processes
 (agent.groups.wakeup); the group decides how it ends and acts on it.
 """
@@ -56,8 +56,7 @@ class WorkerGroup:
         self.run_as = run_as  # the job's interpreter and user (agent.confinement.job_user)
         self.warm_socket = warm_socket  # the agent's warm server (agent.warm.server), if it runs one
         self.paths = paths
-        self.stop_grace_seconds = stop_grace_seconds
-        self.clock = clock
+        self.stop_grace_seconds, self.clock = stop_grace_seconds, clock
         self.state = WorkerState.LAUNCHING
         self.end: GroupEnd | None = None
         # What the service was last told (Supervisor._report); reported_state moves with the clock too.
@@ -119,8 +118,7 @@ class WorkerGroup:
                     env=worker_env(self.command, self.paths, self.marker, self.warm_socket, self.run_as, self.cgroup,
                                    self.cgroups.placer_socket if self.cgroups is not None else None),
                     stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, pass_fds=(go_read,),
-                    start_new_session=True, **self.run_as.popen(),
-                )  # fmt: skip
+                    start_new_session=True, **self.run_as.popen())  # fmt: skip
             if self.cgroup is not None:
                 (self.cgroup / PROCS).write_text(str(self._proc.pid))
             os.write(go_write, b"1")
@@ -139,9 +137,8 @@ class WorkerGroup:
         log.info("attempt %s/%d launched (guard pid %d)", self.command.job_id, self.command.attempt, self._proc.pid)
 
     def stop(self, reason: str, failure: GroupEnd | None = None, at_once: bool = False) -> None:
-        """SIGTERM to the group, SIGKILL after the grace; `at_once`: SIGKILL now (a broken attempt's
-        survivors: StopCommand.at_once). `failure`: the stop ends the attempt as this failure (Slurm's
-        time limit or preemption) rather than as stopped."""
+        """SIGTERM to the group, SIGKILL after the grace; `at_once` (StopCommand's): SIGKILL now. `failure`: the
+        stop ends the attempt as this failure (Slurm's time limit or preemption) rather than as stopped."""
         if not self.state.is_terminal and self._proc is not None:
             self._read_rank_records(self.clock())  # a rank that already failed here is the cause, not the stop
         if self.state.is_terminal or self._ending is not None or self._proc is None:
@@ -149,8 +146,7 @@ class WorkerGroup:
         self._ending = failure or GroupEnd(WorkerState.STOPPED, None, f"stopped: {reason}" if reason else "stopped")
         self.state = WorkerState.STOPPING
         if at_once:
-            self.kill()
-            return
+            return self.kill()
         signal_group(self._proc.pid, SIGTERM)  # torchrun passes it on to the ranks
         self._kill_at = self.clock() + self.stop_grace_seconds
 

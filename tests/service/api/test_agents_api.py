@@ -55,7 +55,7 @@ def test_long_poll_returns_as_soon_as_a_command_is_queued(service):
     threading.Thread(target=queue_later).start()
     started = time.monotonic()
     reply = agent.post("/api/v1/agents/node-a/heartbeat", params={"wait": 60}, json={"clock": time.time()}).json()
-    assert reply["commands"] == [{"type": "stop", "job_id": "j", "attempt": 0, "reason": "test"}]
+    assert reply["commands"] == [{"type": "stop", "job_id": "j", "attempt": 0, "reason": "test", "at_once": False}]
     # Woken by the bell, not by the end of the 60 s wait (half of it: a margin no load eats).
     assert time.monotonic() - started < 30
     # A command is handed out once.
