@@ -68,10 +68,11 @@ if args.forge_pid and rank == 1:
     with open(records, "a") as f:
         f.write(json.dumps({"rank": 1, "pid": args.forge_pid, "runner_pid": args.forge_pid}) + "\n")
 if args.escape and rank == 0:
-    escaped = subprocess.Popen(["setsid", "env", "-i", sys.executable, "-c", "import time; time.sleep(600)"])
-    with open(args.escape + ".tmp", "w") as f:
-        f.write(str(escaped.pid))
-    os.rename(args.escape + ".tmp", args.escape)
+    # The escaped process writes its own pid once env -i has run: Popen's pid is setsid's, which still has
+    # this rank's environment until it execs on.
+    says_its_pid = ("import os, sys, time; f = open(sys.argv[1] + '.tmp', 'w'); f.write(str(os.getpid())); "
+                    "f.close(); os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(600)")
+    subprocess.Popen(["setsid", "env", "-i", sys.executable, "-c", says_its_pid, args.escape])
 if args.lay_traps and rank == 0:
     events = os.environ[JobEnv.EVENT_DIR]
     os.mkdir(os.path.join(events, rank_spool(9)))
