@@ -62,8 +62,9 @@ def straggler_avoided(attempts: Iterable[Attempt]) -> set[int]:
     return {a.failed_node_id for a in attempts if a.cause == "straggler" and a.failed_node_id is not None}
 
 
-def assignable(fresh: datetime) -> tuple[ColumnElement[bool], ...]:
-    """What makes a node one an attempt may be given: idle, alive (a heartbeat since `fresh`),
+def assignable(fresh: datetime, state: NodeState = NodeState.idle) -> tuple[ColumnElement[bool], ...]:
+    """What makes a node one an attempt may be given: idle (or `state`: a broken attempt's node, busy,
+    to the next attempt of its job: service/jobs/restarts.py), alive (a heartbeat since `fresh`),
     healthy, neither drained nor fenced."""
-    return (Node.state == NodeState.idle, Node.last_heartbeat_at >= fresh, Node.health.is_(None),
+    return (Node.state == state, Node.last_heartbeat_at >= fresh, Node.health.is_(None),
             Node.drained.is_(None), Node.fenced.is_(None))  # fmt: skip

@@ -26,7 +26,7 @@ from service.jobs.owners import number_owner
 from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers, next_due
 from service.jobs.placement import assignable, may_take, rank_order, served_job, straggler_avoided
 from service.jobs.rendezvous import free_master_port
-from service.jobs.restarts import needs_attempt
+from service.jobs.restarts import handed_over_nodes, needs_attempt
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
 from service.models import BROKEN_CAUSES, Attempt, AttemptNode, AttemptState, Job, JobEvent, JobState, Node, NodeState
@@ -83,7 +83,7 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
         attempt.state, attempt.ended_at = AttemptState.succeeded, _at(now)
         finish_job(session, attempt.job, JobState.succeeded, None, now)
     if share.state not in ACTIVE:
-        _release(share.node)
+        _release(session, share.node)
 
 
 def _every_share_succeeded(session: Session, attempt: Attempt) -> bool:
@@ -96,8 +96,15 @@ def _every_share_succeeded(session: Session, attempt: Attempt) -> bool:
     return locked_state in ACTIVE and all(state == AttemptState.succeeded for state in states)
 
 
-def _release(node: Node) -> None:
-    node.state = NodeState.idle if node.state == NodeState.busy else node.state
+def _release(session: Session, node: Node) -> None:
+    """Idle once none of its shares is active: the next attempt of a broken one may hold it already
+    (service/jobs/restarts.py, `hands_over`)."""
+    if node.state != NodeState.busy:
+        return
+    session.flush()  # the share's end, written before it is asked
+    active = select(AttemptNode.id).where(AttemptNode.node_id == node.id, AttemptNode.state.in_(ACTIVE)).limit(1)
+    if session.scalar(active) is None:
+        node.state = NodeState.idle
 
 
 def fail_attempt(
@@ -215,7 +222,7 @@ def _give_up_unconfirmed_stops(session: Session, settings: Settings, now: float)
     ).all()  # fmt: skip
     for share in unconfirmed:
         share.state = AttemptState.stopped
-        _release(share.node)
+        _release(session, share.node)
 
 
 def _allocate(session: Session, settings: Settings, now: float) -> None:
@@ -243,10 +250,11 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         if serves and not (job.slurm_allocations and job.slurm_allocations[-1].state == SlurmState.running):
             continue  # its allocation's start (and nodes) not yet recorded (service/slurm/)
         avoided = straggler_avoided(job.attempts)  # service/stragglers/
-        fitting = [n for n in idle if may_take(n, job, avoided)]
+        free = idle + handed_over_nodes(session, job, fresh)  # and its broken attempt's, still being killed
+        fitting = [n for n in free if may_take(n, job, avoided)]
         size, reason = elastic_size(session, job, fitting, avoided)  # all its nodes, or an elastic job's fewer
         if size is None and avoided:  # the spare was taken meanwhile: back where it ran, not stranded
-            fitting = [n for n in idle if may_take(n, job, ())]
+            fitting = [n for n in free if may_take(n, job, ())]
             size, reason = elastic_size(session, job, fitting, set())
         if size is None:  # gang: all nodes or none; smaller jobs behind may still fit
             if job.state == JobState.queued and serves is None:  # a Slurm job's reason is Slurm's (service/slurm/)

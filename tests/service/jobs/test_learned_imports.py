@@ -21,12 +21,12 @@ def test_the_imports_a_node_reports_reach_the_next_launch_on_every_node_the_spar
     job = add_job(session, entrypoint=["python", "train.py"], procs_per_node=1)
     tick(session, settings, T0)
     assert [c["warm_imports"] for c in launches(session, a) + launches(session, b)] == [[], []]
+    report(session, a, job, 0, "running", T0 + 1, imports=LEARNED)  # as soon as its local rank 0 wrote them
     b.last_heartbeat_at = utcnow().replace(year=2000)  # b goes silent: lost, its share with it
     session.commit()
     scheduler.tick(session, settings, time.time())
     session.commit()
     assert b.state == NodeState.lost
-    report(session, a, job, 0, "stopped", time.time(), imports=LEARNED)
     tick(session, settings, time.time() + settings.restart_backoff_seconds + 1)
     session.refresh(job)
     assert [s.node.name for s in job.attempts[1].nodes] == ["a", "c-spare"]

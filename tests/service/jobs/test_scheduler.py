@@ -20,6 +20,7 @@ from service.models import (
     JobState,
     Node,
     NodeState,
+    RankLog,
     Role,
     Token,
     utcnow,
@@ -99,7 +100,7 @@ def test_a_job_without_hang_detection_launches_without_it(session, settings):
     assert command_adapter.validate_python(launch).hang_timeout_seconds is None
 
 
-def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, settings):
+def test_failure_kills_the_others_and_restarts_on_the_same_nodes_without_waiting_for_them(session, settings):
     a, b = add_nodes(session, "a", "b")
     job = add_job(session, faults=[{"attempt": 1, "rank": 3, "at_step": 4, "action": "kill", "code": None}])
     tick(session, settings, T0)
@@ -108,17 +109,47 @@ def test_failure_stops_the_others_then_restarts_on_the_same_nodes(session, setti
     report(session, b, job, 0, "failed", T0 + 5, cause="signal", detail="rank 3 killed by SIGKILL")
     session.refresh(job)
     assert job.attempts[0].state == AttemptState.failed and job.attempts[0].cause == "signal"
-    assert taken(session, a) == [{"type": "stop", "job_id": job.id, "attempt": 0, "reason": "attempt failed",
-                                 "at_once": True}]
-    tick(session, settings, T0 + 10)
-    assert len(job.attempts) == 1, "no new attempt while node a still runs the old one"
-    report(session, a, job, 0, "stopped", T0 + 11)
-    tick(session, settings, T0 + 20)
+    # Node a still runs the old attempt's ranks, killed at once: the next attempt is given it all the same,
+    # its launch queued after the stop, which the agent carries out first (and holds the launch until then).
+    tick(session, settings, T0 + 5.5 + settings.restart_backoff_seconds)  # no checkpoint yet: its backoff
     session.refresh(job)
     assert len(job.attempts) == 2 and job.restarts == 1
-    relaunch_a, relaunch_b = taken(session, a)[0], taken(session, b)[0]
+    stop, relaunch_a = taken(session, a)
+    assert stop == {"type": "stop", "job_id": job.id, "attempt": 0, "reason": "attempt failed", "at_once": True}
+    [relaunch_b] = taken(session, b)
     assert (relaunch_a["attempt"], relaunch_a["node_rank"], relaunch_b["node_rank"]) == (1, 0, 1)
     assert relaunch_b["faults"] == [job.spec.faults[0].model_dump()] and relaunch_a["faults"] == []
+    # The old share's end leaves node a to the new attempt; its end frees it.
+    report(session, a, job, 0, "failed", T0 + 6, cause="signal", detail="rank 1 killed by SIGKILL")
+    session.refresh(a)
+    assert a.state == NodeState.busy and job.attempts[0].cause == "signal"  # a root cause still corrects the record
+    report(session, a, job, 1, "succeeded", T0 + 9)
+    report(session, b, job, 1, "succeeded", T0 + 9)
+    session.refresh(a), session.refresh(job)
+    assert a.state == NodeState.idle and job.state == JobState.succeeded
+
+
+@pytest.mark.parametrize("end", ["straggler", "peer_lost"])
+def test_the_next_attempt_waits_for_nodes_that_save_or_that_may_be_dead(session, settings, end):
+    """A straggler's replacement lets the ranks save (a SIGTERM, a grace): the checkpoint is the next
+    attempt's; a survivor's lost connection may name a dead node among those still running."""
+    a, b, c = add_nodes(session, "a", "b", "c")
+    job = add_job(session)
+    tick(session, settings, T0)
+    report(session, a, job, 0, "running", T0 + 1)
+    report(session, b, job, 0, "running", T0 + 1)
+    if end == "straggler":
+        scheduler.fail_attempt(session, job.attempts[0], "straggler", "node b is slow", T0 + 5, node=b)
+    else:
+        text = "RuntimeError: [pair.cc:537] Read error [10.0.0.1]:29500: Connection reset by peer"
+        session.add(RankLog(job_id=job.id, attempt=0, rank=0, node="a", text=f"step 7\n{text}\n"))
+        report(session, a, job, 0, "failed", T0 + 5, cause="exit", detail="rank 0 exit code 1", exit_code=1)
+    session.commit()
+    stops = [s for s in taken(session, a) + taken(session, b) if s["type"] == "stop"]
+    assert all(not s["at_once"] for s in stops) if end == "straggler" else job.attempts[0].diagnosis == "peer_lost"
+    tick(session, settings, T0 + 5.5 + settings.restart_backoff_seconds)
+    session.refresh(job)
+    assert len(job.attempts) == 1 and b.state == NodeState.busy
 
 
 def test_the_killed_rank_names_the_cause_when_its_peer_reports_first(session, settings):
@@ -189,7 +220,7 @@ def test_the_restart_backoff_is_only_for_attempts_that_committed_no_checkpoint(s
     tick(session, settings, T0 + 5)
     session.refresh(job)
     assert len(job.attempts) == (2 if committed else 1)  # a crash loop waits; progress restarts at once
-    tick(session, settings, T0 + 5 + settings.restart_backoff_seconds)
+    tick(session, settings, T0 + 5.5 + settings.restart_backoff_seconds)
     session.refresh(job)
     assert len(job.attempts) == 2
 
