@@ -23,6 +23,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def utc_at(ts: float) -> datetime:
+    """A time.time() value as the columns hold it."""
+    return datetime.fromtimestamp(ts, UTC)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, datetime: UTCDateTime, JobSpec: JobSpecJSON}

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Mapped, mapped_column, relationship, validates
 
 from service.column_types import UTCDateTime  # noqa: F401 (the migrations name it service.models.UTCDateTime)
 from service.evidence_models import NodeEvidence, RankLog, StragglerFlag  # noqa: F401 (every table is imported from here)
-from service.model_base import Base, enum_column, utcnow
+from service.model_base import Base, enum_column, utc_at, utcnow  # noqa: F401 (utc_at: imported from here)
 from service.notification_models import Notification  # noqa: F401 (every table is imported from here)
 from service.spec.job_spec import JobSpec
 from service.states import (  # noqa: F401 (the states are the models' vocabulary: imported from here)

@@ -34,8 +34,11 @@ async def run_scheduler(context: ServiceContext, wake: asyncio.Event, stop: asyn
         nonlocal up_since, failed
         if failed:
             up_since = time.time()
+        now = time.time()
         with context.sessions() as session:
-            due = scheduler.tick(session, settings, up_since=up_since)
+            scheduler.decide(session, settings, now, up_since=up_since)
+            session.commit()  # a new attempt's launches go out now, not after the upkeep below
+            due = scheduler.tend(session, settings, now)
             session.commit()
         stragglers.run(context.sessions, settings, time.time())  # outside the tick's transaction
         failed = False

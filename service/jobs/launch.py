@@ -1,6 +1,6 @@
-"""What each node of a new attempt is told to launch: its share of the ranks, the job's program and
-owner, checkpoint folders and interval, timeouts and the faults meant for its ranks; and what the
-spares that could take its next attempt are told to warm."""
+"""A new attempt, allocated: what each of its nodes is told to launch (its share of the ranks, the job's
+program and owner, checkpoint folders and interval, timeouts and the faults meant for its ranks); and
+what the spares that could take its next attempt are told to warm."""
 
 from collections import defaultdict
 from collections.abc import Sequence
@@ -10,18 +10,51 @@ from itertools import islice
 from sqlalchemy import select
 from sqlalchemy.orm import Session, contains_eager
 
+from ett.protocol.event_fields import AttemptAllocatedData
 from ett.protocol.messages import CheckpointSpec, Fault, LaunchCommand, TrainerSpec, WarmCommand, module_names
 from service.agents import commands
-from service.jobs.checkpoints import job_checkpoint_dir, owner_area
-from service.jobs.owners import owner_numbers
+from service.jobs.checkpoints import checkpoint_interval_steps, job_checkpoint_dir, newest_checkpoint, owner_area
+from service.jobs.owners import number_owner, owner_numbers
 from service.jobs.placement import assignable, may_take, straggler_avoided
-from service.models import ACTIVE_ATTEMPT_STATES, AgentCommand, Attempt, AttemptNode, Job, JobState, Node
+from service.jobs.rendezvous import free_master_port
+from service.jobs.service_events import emit
+from service.models import ACTIVE_ATTEMPT_STATES, AgentCommand, Attempt, AttemptNode, Job, JobState, Node, NodeState
+from service.models import utc_at
 from service.settings import Settings
 
 # Spares told to warm per attempt, at most: a node loss's restart takes the first idle ones by name
 # (service/jobs/placement.py), one per lost node; each agent keeps a few servers, least recently used
 # stopped first (agent.warm.servers, MAX_SERVERS).
 WARM_SPARES_MAX = 4
+
+
+def start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float,
+                   reason: str | None = None) -> None:
+    """Allocates the attempt on `nodes` (fewer than the job's: an elastic job's, `reason` says why) and tells
+    each its share; its spares are told what to warm by the same tick's warm_spares (below)."""
+    number, full = len(job.attempts), job.spec.nodes
+    attempt = Attempt(
+        job=job, number=number, allocated_at=utc_at(now), master_addr=nodes[0].address,
+        master_port=free_master_port(session, settings, nodes[0].address, job),
+        resume_from=newest_checkpoint(session, job.id), full_nodes=full if len(nodes) < full else None,
+    )  # fmt: skip
+    for rank, node in enumerate(nodes):
+        attempt.nodes.append(AttemptNode(node=node, node_rank=rank))
+        node.state = NodeState.busy
+    job.state, job.restarts, job.reason = JobState.running, number, reason
+    session.add(attempt)
+    session.flush()
+    allocated = AttemptAllocatedData(nodes=[n.name for n in nodes])
+    if attempt.full_nodes is not None:
+        allocated |= AttemptAllocatedData(full_nodes=attempt.full_nodes)
+    if job.slurm_allocations:  # where it runs in Slurm's terms too
+        slurm = job.slurm_allocations[-1]
+        allocated |= AttemptAllocatedData(slurm_job_id=slurm.slurm_job_id, slurm_nodes=slurm.slurm_nodes)
+    emit(session, job.id, number, "attempt_allocated", now, allocated)
+    interval = attempt.interval_steps = checkpoint_interval_steps(session, job, settings)
+    owner = number_owner(session, job.owner)
+    for share in attempt.nodes:
+        commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval, owner))
 
 
 def launch_command(settings: Settings, job: Job, attempt: Attempt, share: AttemptNode, interval: int,

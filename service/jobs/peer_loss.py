@@ -22,7 +22,6 @@ backoff, HEARTBEAT_RETRY_MAX_SECONDS).
 
 import re
 from collections.abc import Sequence
-from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, contains_eager
@@ -30,7 +29,7 @@ from sqlalchemy.orm import Session, contains_eager
 from ett.protocol import HEARTBEAT_RETRY_MAX_SECONDS
 from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands
-from service.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, AttemptState, Node, NodeState
+from service.models import ACTIVE_ATTEMPT_STATES, Attempt, AttemptNode, AttemptState, Node, NodeState, utc_at
 from service.settings import Settings
 
 PEER_LOST = "peer_lost"
@@ -79,7 +78,7 @@ def lost_to_their_peers(session: Session, settings: Settings, now: float,
     for shares in by_attempt.values():
         attempt = shares[0].attempt
         ended = attempt.ended_at
-        if ended is None or ended > _at(cutoff):
+        if ended is None or ended > utc_at(cutoff):
             continue  # the window is not over yet
         for share in implicated(attempt.summary or "", attempt.master_port, shares):
             if share.node.last_heartbeat_at < ended:
@@ -97,7 +96,7 @@ def suspects(attempt: Attempt, settings: Settings, now: float) -> list[AttemptNo
     running = [share for share in attempt.nodes if share.state in ACTIVE_ATTEMPT_STATES]
     ended = attempt.ended_at
     if (not running or attempt.state != AttemptState.failed or attempt.diagnosis != PEER_LOST or ended is None
-            or ended > _at(now - settings.peer_loss_grace_seconds)):
+            or ended > utc_at(now - settings.peer_loss_grace_seconds)):
         return []
     named = implicated(attempt.summary or "", attempt.master_port, running)
     if len(named) != len(running) or any(share.node.last_heartbeat_at >= ended for share in running):
@@ -113,7 +112,7 @@ def next_due(session: Session, settings: Settings, now: float) -> float | None:
         select(Attempt.ended_at).join(AttemptNode)
         .where(Attempt.state == AttemptState.failed, Attempt.diagnosis == PEER_LOST,
                AttemptNode.state.in_(ACTIVE_ATTEMPT_STATES),
-               Attempt.ended_at > _at(now - settings.peer_loss_silence_seconds))
+               Attempt.ended_at > utc_at(now - settings.peer_loss_silence_seconds))
     ).all()  # fmt: skip
     due = [end.timestamp() + window for end in ends
            for window in (settings.peer_loss_grace_seconds, settings.peer_loss_silence_seconds)]
@@ -123,7 +122,7 @@ def next_due(session: Session, settings: Settings, now: float) -> float | None:
 def fence(node: Node, share: AttemptNode, now: float) -> None:
     """Takes the node out of the scheduler's choice until its agent shows it runs nothing of the
     share's attempt (answer_fenced), and refuses what it sends of that attempt from now on."""
-    share.fenced_at = _at(now)
+    share.fenced_at = utc_at(now)
     attempt = share.attempt
     node.fenced = f"lost for job {attempt.job_id} attempt {attempt.number}: fenced until its agent stops it"[:512]
 
@@ -147,7 +146,4 @@ def answer_fenced(session: Session, node: Node, reports: Sequence[AttemptReport]
                                                     reason="fenced: this node was declared lost for it", at_once=True))
     return True
 
-
-def _at(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, UTC)
 

@@ -7,35 +7,30 @@ processes never hand one node two attempts; SQLite has a single writer and one p
 
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, contains_eager, selectinload
 
-from ett.protocol.event_fields import AttemptAllocatedData, AttemptFailedData, AttemptStoppedData, JobFinishedData
+from ett.protocol.event_fields import AttemptFailedData, AttemptStoppedData, JobFinishedData
 from ett.protocol.messages import AttemptReport, StopCommand
 from service.agents import commands, node_evidence
 from service.agents.nodes import fleet_capacity, waiting_reason
-from service.jobs.checkpoints import checkpoint_interval_steps, newest_checkpoint
+from service.jobs.checkpoints import newest_checkpoint
 from service.failures.diagnosis import (Diagnosis, FailurePolicy, diagnose, no_restart_reason, reported_failure,
                                     without_logs)
 from service.jobs.elastic import elastic_size, weigh_growing
 from service.jobs.intervals import retune_auto_intervals
-from service.jobs.launch import launch_command, learn_imports, warm_spares
-from service.jobs.owners import number_owner
+from service.jobs.launch import learn_imports, start_attempt, warm_spares
 from service.jobs.peer_loss import PEER_LOST, fence, lost_to_their_peers, next_due
 from service.jobs.placement import assignable, may_take, rank_order, served_job, straggler_avoided
-from service.jobs.rendezvous import free_master_port
 from service.jobs.restarts import handed_over_nodes, needs_attempt
 from service.jobs.service_events import emit
 from service.models import ACTIVE_ATTEMPT_STATES as ACTIVE
 from service.models import BROKEN_CAUSES, Attempt, AttemptNode, AttemptState, Job, JobEvent, JobState, Node, NodeState
-from service.models import SlurmState
+from service.models import SlurmState, utc_at
 from service.settings import Settings
 
-
-def _at(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, UTC)
 
 
 def on_reports(session: Session, node: Node, reports: Sequence[AttemptReport], now: float) -> None:
@@ -80,7 +75,7 @@ def apply_report(session: Session, node: Node, share: AttemptNode, report: Attem
         # The agent stopped it without being told to (an agent restart): the attempt is lost.
         fail_attempt(session, attempt, "exit", f"stopped by the agent on {node.name}", now)
     elif share.state == AttemptState.succeeded and _every_share_succeeded(session, attempt):
-        attempt.state, attempt.ended_at = AttemptState.succeeded, _at(now)
+        attempt.state, attempt.ended_at = AttemptState.succeeded, utc_at(now)
         finish_job(session, attempt.job, JobState.succeeded, None, now)
     if share.state not in ACTIVE:
         _release(session, share.node)
@@ -126,7 +121,7 @@ def fail_attempt(
         emit(session, attempt.job_id, attempt.number, "attempt_failed", first_report, data)
     if attempt.state not in ACTIVE:
         return
-    attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, _at(now)
+    attempt.state, attempt.cause, attempt.detail, attempt.ended_at = AttemptState.failed, cause, detail, utc_at(now)
     attempt.diagnosis, attempt.summary = diagnosis.kind, diagnosis.summary
     attempt.failed_node_id = node.id if node is not None else None
     emit(session, attempt.job_id, attempt.number, "attempt_failed", now, data)
@@ -156,7 +151,7 @@ def _stop_shares(session: Session, attempt: Attempt, reason: str, at_once: bool 
 
 
 def finish_job(session: Session, job: Job, state: JobState, reason: str | None, now: float) -> None:
-    job.state, job.reason, job.finished_at = state, reason[:512] if reason else reason, _at(now)
+    job.state, job.reason, job.finished_at = state, reason[:512] if reason else reason, utc_at(now)
     if job.attempts:  # a job never allocated has no window, so no job_finished event
         emit(session, job.id, job.attempts[-1].number, "job_finished", now, JobFinishedData(state=state.value))
 
@@ -166,17 +161,24 @@ def cancel_job(session: Session, job: Job, now: float) -> None:
         return
     for attempt in job.attempts:
         if attempt.state in ACTIVE:
-            attempt.state, attempt.ended_at = AttemptState.stopped, _at(now)
+            attempt.state, attempt.ended_at = AttemptState.stopped, utc_at(now)
             emit(session, job.id, attempt.number, "attempt_stopped", now, AttemptStoppedData(reason="cancelled"))
             _stop_shares(session, attempt, "cancelled")
     finish_job(session, job, JobState.cancelled, "cancelled", now)
 
 
 def tick(session: Session, settings: Settings, now: float | None = None, up_since: float | None = None) -> float | None:
-    """One pass: lost nodes, unconfirmed stops, allocation. `up_since`: from when nodes may be lost (the
-    service's start or its database's return, service/asgi/background.py). Returns when a decision falls
-    due before the next period (a lost node's grace or window ends), for the caller to tick then."""
+    """One pass: decide, then tend. Returns when a decision falls due before the next period (a lost
+    node's grace or window ends), for the caller to tick then."""
     now = time.time() if now is None else now
+    decide(session, settings, now, up_since)
+    return tend(session, settings, now)
+
+
+def decide(session: Session, settings: Settings, now: float, up_since: float | None = None) -> None:
+    """Lost nodes, unconfirmed stops, allocation: what starts or ends attempts, which the service commits
+    before it tends (service/asgi/background.py), so that the launches go out at once. `up_since`: from
+    when nodes may be lost (the service's start or its database's return)."""
     if up_since is None or now - up_since >= settings.heartbeat_timeout_seconds:
         _declare_lost_nodes(session, settings, now)
     for share, detail in lost_to_their_peers(session, settings, now, up_since):  # service/jobs/peer_loss.py
@@ -184,6 +186,10 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
         _lose(session, share.node, [share], detail, settings, now)
     _give_up_unconfirmed_stops(session, settings, now)
     _allocate(session, settings, now)
+
+
+def tend(session: Session, settings: Settings, now: float) -> float | None:
+    """Warm spares, elastic growth, checkpoint intervals; when the next node-loss decision falls due."""
     warm_spares(session, settings, now)  # spares of attempts just started, idle since, or learned imports concern
     for attempt, why in weigh_growing(session, settings, now):  # an elastic job's smaller attempt grows back
         fail_attempt(session, attempt, "grow", why, now)
@@ -192,7 +198,7 @@ def tick(session: Session, settings: Settings, now: float | None = None, up_sinc
 
 
 def _declare_lost_nodes(session: Session, settings: Settings, now: float) -> None:
-    deadline = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    deadline = utc_at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
     silent = session.scalars(select(Node).where(Node.state != NodeState.lost, Node.last_heartbeat_at < deadline)
                              .with_for_update(skip_locked=True)).all()  # fmt: skip
     for node in silent:
@@ -206,7 +212,7 @@ def _lose(session: Session, node: Node, shares: Sequence[AttemptNode], detail: s
           now: float) -> None:
     """Declares the node lost with its active shares: node evidence either way it was found."""
     node.state = NodeState.lost
-    node_evidence.node_lost(session, node, shares, detail, settings, _at(now))  # unless a job's drill
+    node_evidence.node_lost(session, node, shares, detail, settings, utc_at(now))  # unless a job's drill
     for share in shares:
         # The lost node is told to stop too: a slow agent that comes back must not run stale ranks.
         fail_attempt(session, share.attempt, "node_lost", detail, now)
@@ -215,7 +221,7 @@ def _lose(session: Session, node: Node, shares: Sequence[AttemptNode], detail: s
 
 def _give_up_unconfirmed_stops(session: Session, settings: Settings, now: float) -> None:
     """Shares of ended attempts whose agent never confirmed the stop stop holding their node."""
-    deadline = _at(now) - timedelta(seconds=settings.stop_grace_seconds)
+    deadline = utc_at(now) - timedelta(seconds=settings.stop_grace_seconds)
     unconfirmed = session.scalars(
         select(AttemptNode).join(Attempt)
         .where(AttemptNode.state.in_(ACTIVE), Attempt.state.not_in(ACTIVE), Attempt.ended_at < deadline)
@@ -236,7 +242,7 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
         .with_for_update(skip_locked=True)
         .options(selectinload(Job.attempts))  # one query for all jobs' attempts, not one per job each tick
     ).all()  # fmt: skip
-    fresh = _at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
+    fresh = utc_at(now) - timedelta(seconds=settings.heartbeat_timeout_seconds)
     idle: list[Node] | None = None  # read (and locked) once per tick, by the first job that needs nodes
     capacity: dict[int, tuple[int, int]] = {}  # slots per node -> the fleet's nodes, and those with that many
     for job in candidates:
@@ -266,34 +272,5 @@ def _allocate(session: Session, settings: Settings, now: float) -> None:
                 job.reason = reason
             continue
         nodes = rank_order(job, fitting, size)
-        _start_attempt(session, settings, job, nodes, now, reason or None)
+        start_attempt(session, settings, job, nodes, now, reason or None)
         idle = [node for node in idle if node not in nodes]
-
-
-def _start_attempt(session: Session, settings: Settings, job: Job, nodes: Sequence[Node], now: float,
-                   reason: str | None = None) -> None:
-    """Allocates the attempt on `nodes` (fewer than the job's: an elastic job's, `reason` says why) and tells
-    each its share; its spares are told what to warm by the same tick's warm_spares (service/jobs/launch.py)."""
-    number, full = len(job.attempts), job.spec.nodes
-    attempt = Attempt(
-        job=job, number=number, allocated_at=_at(now), master_addr=nodes[0].address,
-        master_port=free_master_port(session, settings, nodes[0].address, job),
-        resume_from=newest_checkpoint(session, job.id), full_nodes=full if len(nodes) < full else None,
-    )  # fmt: skip
-    for rank, node in enumerate(nodes):
-        attempt.nodes.append(AttemptNode(node=node, node_rank=rank))
-        node.state = NodeState.busy
-    job.state, job.restarts, job.reason = JobState.running, number, reason
-    session.add(attempt)
-    session.flush()
-    allocated = AttemptAllocatedData(nodes=[n.name for n in nodes])
-    if attempt.full_nodes is not None:
-        allocated |= AttemptAllocatedData(full_nodes=attempt.full_nodes)
-    if job.slurm_allocations:  # where it runs in Slurm's terms too
-        slurm = job.slurm_allocations[-1]
-        allocated |= AttemptAllocatedData(slurm_job_id=slurm.slurm_job_id, slurm_nodes=slurm.slurm_nodes)
-    emit(session, job.id, number, "attempt_allocated", now, allocated)
-    interval = attempt.interval_steps = checkpoint_interval_steps(session, job, settings)
-    owner = number_owner(session, job.owner)
-    for share in attempt.nodes:
-        commands.enqueue(session, share.node, launch_command(settings, job, attempt, share, interval, owner))

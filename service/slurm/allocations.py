@@ -19,14 +19,13 @@ leaves nothing unrecorded behind).
 import logging
 import os
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.jobs.scheduler import ACTIVE, fail_attempt, finish_job
-from service.models import Job, JobState, Node, NodeState, Role, SlurmAllocation, SlurmState, Token
+from service.models import Job, JobState, Node, NodeState, Role, SlurmAllocation, SlurmState, Token, utc_at
 from service.security import create_token, find_token
 from service.settings import Settings
 from service.slurm.batch import SCRIPT_FILE, TOKEN_FILE, render_script, sbatch_options
@@ -39,9 +38,6 @@ log = logging.getLogger(__name__)
 # ends so before any of its agents registered fails the job (its batch script cannot start them).
 CAUSES = {"TIMEOUT": "time_limit", "PREEMPTED": "preempted", "NODE_FAIL": "node_lost", "BOOT_FAIL": "node_lost"}
 
-
-def _at(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, UTC)
 
 
 class SlurmBridge:
@@ -89,7 +85,7 @@ class SlurmBridge:
             return
         allocation.slurm_state, allocation.slurm_reason = job_now.state, job_now.reason
         if allocation.slurm_job_id in started:
-            allocation.state, allocation.started_at = SlurmState.running, _at(now)
+            allocation.state, allocation.started_at = SlurmState.running, utc_at(now)
             allocation.slurm_nodes = started[allocation.slurm_job_id]
             log.info("job %s: Slurm job %s runs on %s", job.id, allocation.slurm_job_id,
                      ",".join(allocation.slurm_nodes))
@@ -164,7 +160,7 @@ class SlurmBridge:
 
     @staticmethod
     def _retire(session: Session, allocation: SlurmAllocation, agents: list[Node], now: float) -> None:
-        allocation.state, allocation.ended_at = SlurmState.ended, _at(now)
+        allocation.state, allocation.ended_at = SlurmState.ended, utc_at(now)
         for node in agents:
             node.state = NodeState.lost  # its agents say they are leaving, or are gone: not revived
 
@@ -173,7 +169,7 @@ class SlurmBridge:
         to forward the last events (a final checkpoint's) and are gone; nothing may use them since."""
         spent = select(SlurmAllocation.token_id).where(
             SlurmAllocation.state == SlurmState.ended,
-            SlurmAllocation.ended_at < _at(now - self.settings.stop_grace_seconds))
+            SlurmAllocation.ended_at < utc_at(now - self.settings.stop_grace_seconds))
         for token in session.scalars(select(Token).where(Token.id.in_(spent), ~Token.revoked)):
             token.revoked = True
 
@@ -237,7 +233,7 @@ class SlurmBridge:
                         refused)
             slurm_job_id = self.slurm.submit(str(script), sbatch_options(job.spec, job.id, folder, []))
         session.add(SlurmAllocation(job=job, number=number, slurm_job_id=slurm_job_id, token_id=token.id,
-                                    submitted_at=_at(now)))  # fmt: skip
+                                    submitted_at=utc_at(now)))  # fmt: skip
         if job.state == JobState.queued:
             job.reason = f"submitted to Slurm as job {slurm_job_id}"
         log.info("job %s: submitted to Slurm as job %s (allocation %d)", job.id, slurm_job_id, number)
