@@ -23,7 +23,9 @@ A frozen rank (docs/agent.md, "Hang detection") is caught sooner than any limit:
 writer thread counts its progress mark's pulse up every PULSE_SECONDS whatever the training loop
 does, so a pulse that stands still for FROZEN_SECONDS while the rank's process uses no CPU time
 either means no thread of it runs: stopped (SIGSTOP, a debugger), or blocked in C code that holds
-the GIL and waits. Its peers wait for it in their next collective, and nothing will end that. A
+the GIL and waits. Its peers wait for it in their next collective, and nothing will end that. One
+the kernel reports stopped by a signal (state T) is taken after STOPPED_SECONDS: nothing else can
+hold all its threads still (ett/protocol). A
 rank that is slow but live is never taken for it: its pulse goes on while it sleeps, waits on I/O
 or waits for its peers, and its CPU time goes up while it computes with the GIL held; nor is one the
 machine holds up (a thread of it runnable or in uninterruptible sleep: agent/groups/progress.py). A rank
@@ -106,6 +108,6 @@ class FrozenRanks:
         elif seen is None or (seen.pulse, seen.cpu_ticks) != (pulse, cpu_ticks):
             self._vitals[rank] = _Vitals(pulse, cpu_ticks, now)
 
-    def frozen(self, now: float) -> dict[int, float]:
-        """{rank: seconds frozen} of the ranks frozen for FROZEN_SECONDS or more."""
-        return {rank: now - v.since for rank, v in self._vitals.items() if now - v.since >= FROZEN_SECONDS}
+    def frozen(self, now: float, seconds: float = FROZEN_SECONDS) -> dict[int, float]:
+        """{rank: seconds frozen} of the ranks whose pulse and CPU time stood still for `seconds` or more."""
+        return {rank: now - v.since for rank, v in self._vitals.items() if now - v.since >= seconds}

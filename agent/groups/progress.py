@@ -11,7 +11,7 @@ from agent.confinement.procs import a_thread_runs_or_waits_on_io, cpu_and_state
 from agent.files.spool import SpoolReader
 from agent.groups.hang import FrozenRanks, HangLimit
 from ett.events import read_progress_mark
-from ett.protocol import FROZEN_SECONDS, PROGRESS_GLOB, RANK_SPOOL_GLOB, rank_of_progress_file
+from ett.protocol import FROZEN_SECONDS, PROGRESS_GLOB, RANK_SPOOL_GLOB, STOPPED_SECONDS, rank_of_progress_file
 from ett.protocol.messages import LaunchCommand
 
 # (phase, seconds waited, limit, detail) of a hang
@@ -107,15 +107,18 @@ class Progress:
     def _frozen_rank(self, now: float, rank_pids: dict[int, int],
                      owns: Callable[[int], bool]) -> tuple[float, float, str] | None:
         """(seconds, limit, detail) of a rank of this group that froze (hang.py), by the kernel's word."""
-        for rank, seconds in sorted(self.frozen.frozen(now).items()):
+        for rank, seconds in sorted(self.frozen.frozen(now, STOPPED_SECONDS).items()):
             pid = rank_pids[rank]
             vitals = cpu_and_state(pid)
             # A thread held up by the machine (waiting for a CPU on a loaded node, or in a page fault or a
             # stalled write) stops the pulse and CPU time too: that is no freeze, and the limit above judges it.
             if vitals is None or not owns(pid) or a_thread_runs_or_waits_on_io(pid):
                 continue
+            limit = STOPPED_SECONDS if vitals[1] == "T" else FROZEN_SECONDS  # stopped by a signal: ett/protocol
+            if seconds < limit:
+                continue
             how = "stopped" if vitals[1] in "Tt" else f"state {vitals[1]}"
             after = f"after step {self.last_step}" if self.last_step is not None else "before its first step"
-            return seconds, FROZEN_SECONDS, (f"rank {rank} frozen {after}: its pulse and CPU time stood still for "
-                                             f"{seconds:.1f}s (process {how})")
+            return seconds, limit, (f"rank {rank} frozen {after}: its pulse and CPU time stood still for "
+                                    f"{seconds:.1f}s (process {how})")
         return None

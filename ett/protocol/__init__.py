@@ -78,8 +78,12 @@ def rank_of_progress_file(name: str) -> int | None:
 # (agent/groups/hang.py, "A frozen rank").
 # Five pulses: a rank held up by its machine (a thread runnable or in a page fault) is never taken for
 # frozen (agent/groups/progress.py), so what stands still this long stands still by its own code.
+# A rank the kernel reports stopped by a signal (state T: SIGSTOP, the `hang` fault) can run no
+# thread until a SIGCONT, whatever its machine does: three pulses of stillness are enough there. A
+# tracing stop (t: a debugger, py-spy's sample) is no such word and waits the full FROZEN_SECONDS.
 PULSE_SECONDS = 0.1
 FROZEN_SECONDS = 0.5
+STOPPED_SECONDS = 0.3
 
 
 # -- heartbeats (docs/reliability.md, "Node loss") --------------------------------------------------

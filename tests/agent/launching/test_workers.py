@@ -17,7 +17,15 @@ from agent.confinement.uid_sweep import parent_pid
 from agent.files.spool import AttemptPaths
 from agent.groups.supervisor import Supervisor
 from agent.warm.servers import WarmServers
-from ett.protocol import FROZEN_SECONDS, INTERVAL_FILE, PROGRESS_GLOB, progress_file, rank_log, rank_spool
+from ett.protocol import (
+    FROZEN_SECONDS,
+    INTERVAL_FILE,
+    PROGRESS_GLOB,
+    STOPPED_SECONDS,
+    progress_file,
+    rank_log,
+    rank_spool,
+)
 from ett.protocol.messages import IntervalCommand
 from tests.agent.helpers import ETT_RANK, free_port, launch_command, read_events, run_to_end
 from tests.conftest import WORKER_ENV
@@ -471,20 +479,25 @@ def test_a_success_is_reported_once_the_ranks_exit_while_torchrun_waits_for_the_
             node.shutdown()
 
 
-def test_a_frozen_rank_is_a_hang_within_the_frozen_limit_far_below_the_adaptive_floor(supervisor):
-    # Rank 1 stops itself in step 3 of 0.05 s steps: the ceiling (30 s) would still apply, the
-    # adaptive limit's 3 s floor after 5 steps.
-    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "1000", "--stall-at-step", "3", "--stall", "freeze"]
+@pytest.mark.parametrize(("stall", "limit", "kernel_word"), [("freeze", STOPPED_SECONDS, "(process stopped)"),
+                                                           ("block", FROZEN_SECONDS, "(process state S)")])
+def test_a_frozen_rank_is_a_hang_within_the_frozen_limit_far_below_the_adaptive_floor(supervisor, stall, limit,
+                                                                                     kernel_word):
+    # Rank 1 stops itself (SIGSTOP), or waits in C code with the GIL held, in step 3 of 0.05 s steps:
+    # the ceiling (30 s) would still apply, the adaptive limit's 3 s floor after 5 steps. Only the
+    # kernel's "stopped" takes the shorter limit.
+    entrypoint = [sys.executable, str(ETT_RANK), "--steps", "1000", "--stall-at-step", "3", "--stall", stall,
+                  "--stall-seconds", "30"]
     command = launch_command(hang_timeout_seconds=30).model_copy(update={"entrypoint": entrypoint})
     supervisor.launch(command)
     report = run_to_end(supervisor)
 
     assert (report["state"], report["cause"]) == ("failed", "hang")
     assert report["detail"].startswith("rank 1 frozen after step "), report["detail"]
-    assert "(process stopped)" in report["detail"]
+    assert kernel_word in report["detail"], report["detail"]
     [hang] = [e for e in spool_events(supervisor, command, "node:node-a") if e["kind"] == "hang_detected"]
-    assert hang["data"]["timeout_seconds"] == FROZEN_SECONDS and hang["data"]["phase"] == "train"
-    assert FROZEN_SECONDS <= hang["data"]["seconds_without_progress"] < 3.0  # below the floor, by a margin
+    assert hang["data"]["timeout_seconds"] == limit and hang["data"]["phase"] == "train"
+    assert limit <= hang["data"]["seconds_without_progress"] < 3.0  # below the floor, by a margin
 
 
 def test_a_slow_but_live_rank_is_not_frozen(supervisor):

@@ -5,12 +5,15 @@
 (or, with --silent, not marked at all).
 --stall-at-step S --stall KIND[,KIND] --stall-seconds X: in step S rank 1 (or, with two kinds,
 rank 0 the first and rank 1 the second) stops itself (freeze: SIGSTOP), or for X seconds sleeps
-(sleep: slow but live) or computes holding the GIL (spin: its library's thread cannot pulse
-meanwhile, but its CPU time goes up).
+(sleep: slow but live), computes holding the GIL (spin: its library's thread cannot pulse
+meanwhile, but its CPU time goes up) or waits in C code holding the GIL (block: libc's sleep through
+ctypes.PyDLL, which keeps the GIL: frozen, though not stopped).
 """
 
 import argparse
+import ctypes
 import json
+import math
 import os
 import signal
 import time
@@ -36,6 +39,8 @@ def stall(kind: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "sleep":
         time.sleep(args.stall_seconds)
+    elif kind == "block":
+        ctypes.PyDLL(None).sleep(math.ceil(args.stall_seconds))
     else:  # spin: one C call the interpreter cannot switch threads in, sized from a short one
         start = time.perf_counter()
         sum(range(1_000_000))
