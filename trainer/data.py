@@ -130,5 +130,8 @@ class ByteBatchLoader:
                 "the corpus under %s differs from the one the checkpoint was trained on "
                 "(another Python version?); the data order will not match the original run", self.corpus.root
             )
-        self.epoch, self.batch = state["epoch"], state["batch"]
-        self._order = self._epoch_order()
+        # The order held is always this epoch's (a permutation of every window): drawn again only for another.
+        if state["epoch"] != self.epoch:
+            self.epoch = state["epoch"]
+            self._order = self._epoch_order()
+        self.batch = state["batch"]

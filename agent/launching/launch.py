@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import agent
 from agent.confinement.job_user import RunAs
 from agent.confinement.procs import GROUP_CGROUP_ENV, GROUP_MARKER_ENV, GROUP_PLACER_ENV
 from agent.files.spool import AttemptPaths
@@ -13,6 +14,23 @@ from agent.launching.rank_log import DEFAULT_MAX_BYTES
 from agent.warm.client import WARM_SOCKET_ENV, python_module, runs_script
 from ett.protocol import LIBRARY_FAULT_ACTIONS, JobEnv
 from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
+
+
+# The guard and every rank runner are fresh interpreters at every launch, on the restart's path. They import
+# only the standard library and our own packages, so they start without `site` (-S: no site-packages scan,
+# no .pth file, no editable install's finder), our packages' folder put first on the path by hand: half
+# the start-up of a `python -P -m` (BENCHMARKS.md, "Recovery"), on a node whose CPUs the ranks want too.
+PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
+
+
+def lean_main(python: str, module: str) -> list[str]:
+    """`python -S -P -c BOOT ARGS`: runs `module.main(ARGS)` and exits with what it returns (see above).
+    With our packages from where the agent has them: only for the agent's own interpreter. Another
+    job_python has its own install of ett, which its `site` finds (python_module)."""
+    if os.path.abspath(python) != os.path.abspath(sys.executable):
+        return python_module(python, module)
+    boot = f"import sys; sys.path.insert(0, {PACKAGES_ROOT!r}); from {module} import main; sys.exit(main(sys.argv[1:]))"
+    return [python, "-S", "-P", "-c", boot]
 
 
 def override_value(value: Any) -> str:
@@ -47,12 +65,12 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
     """torchrun, under the group's guard, runs each rank through agent.launching.rank_runner, which records
     its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
     Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
-    started must not shadow them. Every node but the master's waits for the master's store
+    started must not shadow them (the guard and the runner: lean_main). Every node but the master's waits for the master's store
     (agent.launching.guard) rather than let torchrun back off; with `go_fd`, the guard waits for the agent's
     word that it is in the attempt's cgroup."""
     master = f"{command.master_addr}:{command.master_port}"
     return [
-        *python_module(python, "agent.launching.guard"), str(os.getpid()),
+        *lean_main(python, "agent.launching.guard"), str(os.getpid()),
         *(["--go-fd", str(go_fd)] if go_fd is not None else []),
         *(["--wait-for", master] if command.node_rank else []), "--",
         *python_module(python, "torch.distributed.run"),
@@ -63,7 +81,7 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
         "--master-port", str(command.master_port),
         "--max-restarts", "0",
         "--no-python",
-        *python_module(python, "agent.launching.rank_runner"),
+        *lean_main(python, "agent.launching.rank_runner"),
         "--ranks-file", str(paths.ranks_file),
         "--control-dir", str(paths.control_dir),
         "--log-dir", str(paths.logs_dir), "--log-max-bytes", str(log_max_bytes),

@@ -1,7 +1,9 @@
 """Runs one rank under torchrun and records how it ended, which torchrun itself does not tell.
 
-    torchrun --no-python python -m agent.launching.rank_runner --ranks-file F --control-dir D
+    torchrun --no-python python -S -P -c BOOT --ranks-file F --control-dir D
         [--log-dir L --log-max-bytes N [--secret-env NAME,...]] -- ARGV...
+
+(BOOT: agent.launching.launch.lean_main, which runs main() below.)
 
 Appends `{"rank", "pid", "runner_pid"}` to F when the rank starts, `{"rank", "exit_code"}` or
 `{"rank", "signal"}` when it ends, and `{"rank", "output_in_log": true}` once what the rank wrote is
@@ -16,11 +18,10 @@ With $ETT_WARM_SOCKET set, a rank the agent's warm server can start is forked fr
 imports already done (agent.warm.server); otherwise, or when the server cannot, it is a fresh process.
 """
 
-import argparse
 import os
 import signal
 import sys
-from pathlib import Path
+from types import SimpleNamespace
 
 from agent.confinement.procs import set_parent_death_signal
 from agent.files.jsonl import append_json_line
@@ -37,20 +38,33 @@ from agent.warm.client import WARM_SOCKET_ENV, start_process
 from ett.protocol import EXIT_CONFIG_ERROR, fault_exit_file, rank_log
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+USAGE = ("usage: agent.launching.rank_runner --ranks-file F --control-dir D [--log-dir L --log-max-bytes N "
+         "[--secret-env NAME,...]] -- ARGV...")
+
+
+# The agent's options (agent.launching.launch, which alone writes them) and their defaults.
+OPTIONS = {"ranks_file": None, "control_dir": None, "log_dir": None, "log_max_bytes": str(DEFAULT_MAX_BYTES),
+           "secret_env": ""}  # secret_env: names of variables whose values the log blanks, by commas
+
+
+def parse(argv: list[str]) -> tuple[SimpleNamespace, list[str]]:
+    """The options, then the rank's argv after `--`. Neither argparse nor a dataclass: this interpreter
+    starts at every launch, and either would be a third of its imports."""
+    given: dict[str, str] = {}
+    while len(argv) >= 2 and argv[0].startswith("--") and argv[0] != "--":
+        given[argv[0][2:].replace("-", "_")], argv = argv[1], argv[2:]
+    rank_argv = argv[1:] if argv[:1] == ["--"] else argv
+    options = {**OPTIONS, **given}
+    wrong = sorted(set(given) - set(OPTIONS)) + [name for name in ("ranks_file", "control_dir") if not options[name]]
+    wrong += [] if options["log_max_bytes"].isdigit() else ["log_max_bytes"]
+    wrong += [] if rank_argv else ["the rank's ARGV after --"]
+    if wrong:
+        sys.exit(f"{USAGE}\n(wrong or missing: {', '.join(wrong)})")
+    return SimpleNamespace(**{**options, "log_max_bytes": int(options["log_max_bytes"])}), rank_argv
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="agent.launching.rank_runner")
-    parser.add_argument("--ranks-file", type=Path, required=True)
-    parser.add_argument("--control-dir", type=Path, required=True)
-    parser.add_argument("--log-dir", type=Path, default=None)
-    parser.add_argument("--log-max-bytes", type=int, default=DEFAULT_MAX_BYTES)
-    parser.add_argument("--secret-env", default="", help="names of variables whose values the log blanks, by commas")
-    parser.add_argument("argv", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    rank_argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
-    if not rank_argv:
-        parser.error("no rank command after --")
+    args, rank_argv = parse(argv)
     rank = int(os.environ["RANK"])
 
     set_parent_death_signal()  # torchrun gone: we go, and our rank goes with us (below)
@@ -63,7 +77,8 @@ def main(argv: list[str]) -> int:
         if args.log_dir is not None:  # the rank's output, in its own bounded file (agent.launching.rank_log)
             log_read, log_write = os.pipe()
             secrets = [os.environ.get(name, "") for name in args.secret_env.split(",")]
-            copying = PipeCopier(log_read, RotatingLog(str(args.log_dir / rank_log(rank)), args.log_max_bytes), secrets)
+            copying = PipeCopier(log_read, RotatingLog(os.path.join(args.log_dir, rank_log(rank)), args.log_max_bytes),
+                                 secrets)
         try:
             # Not the rank's business: it is forked warm or started fresh here.
             child = start_process(rank_argv, os.environ.pop(WARM_SOCKET_ENV, None), log_write, process_group=0)
@@ -86,7 +101,8 @@ def main(argv: list[str]) -> int:
     def fault_exit(_signum: int, _frame: object) -> None:
         nonlocal fault_code
         try:
-            fault_code = int((args.control_dir / fault_exit_file(rank)).read_text())
+            with open(os.path.join(args.control_dir, fault_exit_file(rank))) as written:
+                fault_code = int(written.read())
         except (OSError, ValueError):
             fault_code = 1
         child.kill()

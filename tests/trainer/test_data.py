@@ -68,6 +68,17 @@ def test_a_loader_restored_from_its_state_serves_the_same_next_batches(stdlib):
         assert torch.equal(loader.next_batch()[0], restored.next_batch()[0])
 
 
+def test_a_loader_restored_in_a_later_epoch_serves_that_epochs_order(small_corpus):
+    loader = ByteBatchLoader(small_corpus, 2, 32, rank=0, world_size=2, seed=3)
+    while loader.epoch < 2:
+        loader.next_batch()
+    restored = ByteBatchLoader(small_corpus, 2, 32, rank=0, world_size=2, seed=3)
+    restored.load_state_dict(loader.state_dict())
+    assert (restored.epoch, restored.batch) == (2, loader.batch)
+    for _ in range(3):
+        assert torch.equal(loader.next_batch()[0], restored.next_batch()[0])
+
+
 def test_each_epoch_splits_every_window_between_the_ranks_in_a_new_order(small_corpus):
     def windows_per_epoch(rank: int) -> list[set[int]]:
         loader = ByteBatchLoader(small_corpus, batch_size=2, seq_len=10, rank=rank, world_size=2, seed=0)

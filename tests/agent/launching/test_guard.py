@@ -8,6 +8,7 @@ import sys
 import time
 
 from agent.confinement.procs import GROUP_MARKER_ENV
+from agent.launching.launch import PACKAGES_ROOT
 from tests.agent.helpers import free_port
 from tests.support.waiting import wait_for
 
@@ -54,10 +55,13 @@ def test_a_sigterm_while_the_guard_waits_ends_it_and_nothing_starts(tmp_path):
 def test_the_guard_and_the_rank_runner_import_only_what_they_need():
     # Both start as fresh interpreters at every launch (once per node, once per rank), on CPUs the
     # other ranks are using: the agent's own modules, logging or torch would cost every restart.
-    code = "import sys, agent.launching.guard, agent.launching.rank_runner; print(*sys.modules)"
-    loaded = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    heavy = {"torch", "pydantic", "logging", "dataclasses", "agent.files.spool", "agent.warm.server",
-             "agent.confinement.job_user"}
+    # They start without `site` (agent.launching.launch.lean_main): nothing installed may be needed.
+    code = (f"import sys; sys.path.insert(0, {PACKAGES_ROOT!r}); import agent.launching.guard, "
+            "agent.launching.rank_runner; print(*sys.modules)")
+    loaded = subprocess.run([sys.executable, "-S", "-P", "-c", code], capture_output=True, text=True,
+                            check=True).stdout.split()
+    heavy = {"torch", "pydantic", "logging", "dataclasses", "argparse", "pathlib", "agent.files.spool",
+             "agent.warm.server", "agent.confinement.job_user", "site"}
     assert not heavy & set(loaded)
     # Of the library, only the protocol's names (exit codes, file names), its rule for blanking
     # secrets (the runner blanks them as it copies the rank's output; an event's declared fields,

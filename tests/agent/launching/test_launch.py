@@ -5,12 +5,13 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry
 
 from agent import cli
 from agent.confinement.procs import GROUP_MARKER_ENV
 from agent.files.spool import AttemptPaths
-from agent.launching.launch import torchrun_argv, worker_env
+from agent.launching.launch import lean_main, torchrun_argv, worker_env
 from agent.node.metrics import AgentStats, serve_metrics
 from agent.settings import AgentSettings
 from tests.agent.helpers import free_port, launch_command
@@ -27,8 +28,9 @@ def test_trainer_argv_under_torchrun_with_the_rank_runner(tmp_path):
     paths = AttemptPaths.of(tmp_path, command.job_id, 0)
     argv = torchrun_argv(command, paths)
 
-    runner = argv.index("agent.launching.rank_runner")
-    torchrun = argv[argv.index("torch.distributed.run") + 1: runner - 3]
+    boot = lean_main(sys.executable, "agent.launching.rank_runner")
+    runner = next(i for i in range(len(argv)) if argv[i:i + len(boot)] == boot) + len(boot) - 1
+    torchrun = argv[argv.index("torch.distributed.run") + 1: runner - len(boot) + 1]
     assert torchrun == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                         "--master-port", "29517", "--max-restarts", "0", "--no-python"]
     rank = argv[argv.index("--", runner) + 1:]
@@ -43,10 +45,24 @@ def test_only_the_nodes_but_the_master_wait_for_its_store(tmp_path):
     def guard_options(node_rank: int) -> list[str]:
         argv = torchrun_argv(trainer_command(nnodes=2, node_rank=node_rank, master_port=29517),
                              AttemptPaths.of(tmp_path, "j", 0))
-        return argv[argv.index("agent.launching.guard") + 2: argv.index("--")]  # after the agent's pid
+        boot = lean_main(sys.executable, "agent.launching.guard")
+        assert argv[:len(boot)] == boot
+        return argv[len(boot) + 1: argv.index("--")]  # after the agent's pid
 
     assert guard_options(0) == []
     assert guard_options(1) == ["--wait-for", "127.0.0.1:29517"]
+
+
+@pytest.mark.parametrize("module", ["agent.launching.guard", "agent.launching.rank_runner"])
+def test_the_guard_and_the_rank_runner_start_without_site_and_say_their_usage(module):
+    # lean_main's boot finds our packages without `site` (what they import: test_guard.py), and each says
+    # its usage for a command line it cannot take, in one line with no traceback.
+    refused = subprocess.run(lean_main(sys.executable, module), capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and refused.stderr.startswith("usage: "), refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert lean_main(sys.executable, module)[1] == "-S"
+    # Another interpreter (job_python) has ett installed its own way: found by its site, as a module.
+    assert lean_main("/opt/other/bin/python", module) == ["/opt/other/bin/python", "-P", "-m", module]
 
 
 def test_no_resume_point_named_means_the_newest_that_verifies(tmp_path):
