@@ -95,7 +95,7 @@ class _Vitals:
 
 
 class FrozenRanks:
-    """The ranks of this node whose pulse and CPU time stood still for FROZEN_SECONDS."""
+    """The ranks of this node whose pulse and CPU time stand still, and since when (progress.py judges them)."""
 
     def __init__(self) -> None:
         self._vitals: dict[int, _Vitals] = {}
