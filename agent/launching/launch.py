@@ -65,9 +65,9 @@ def torchrun_argv(command: LaunchCommand, paths: AttemptPaths, python: str = sys
     """torchrun, under the group's guard, runs each rank through agent.launching.rank_runner, which records
     its exit code or signal. Stop escalation is the agent's (SIGKILL after its grace), not torchrun's.
     Our modules run with `python -P`: a folder named `agent` or `trainer` where the agent was
-    started must not shadow them (the guard and the runner: lean_main). Every node but the master's waits for the master's store
-    (agent.launching.guard) rather than let torchrun back off; with `go_fd`, the guard waits for the agent's
-    word that it is in the attempt's cgroup."""
+    started must not shadow them (the guard and the runner too: lean_main). Every node but the master's
+    waits for the master's store (agent.launching.guard) rather than let torchrun back off; with `go_fd`,
+    the guard waits for the agent's word that it is in the attempt's cgroup."""
     master = f"{command.master_addr}:{command.master_port}"
     return [
         *lean_main(python, "agent.launching.guard"), str(os.getpid()),
