@@ -77,7 +77,13 @@ class EventWriter:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._seq = self._next_seq_in(self.path)
-            self._thread = threading.Thread(target=self._write_loop, name="ett-events", daemon=True)
+            # The mark with its first pulse is written before this returns, not by the thread: a rank that
+            # freezes at once (SIGSTOP, C code holding the GIL) is judged by it before the thread ever ran.
+            spool = _Spool(self.path)
+            mark_fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _write_mark(mark_fd, self._mark, spool, 1)  # its bytes exist from now on: overwriting needs no free space
+            self._thread = threading.Thread(target=self._write_loop, args=(spool, mark_fd), name="ett-events",
+                                            daemon=True)
             self._thread.start()
 
     # Each rank kind's fields, as typed in ett/protocol/event_fields.py. Any kind is taken (Run.emit's,
@@ -148,12 +154,9 @@ class EventWriter:
                     last = max(last, int(event.get("seq", -1)))
         return last + 1
 
-    def _write_loop(self) -> None:
-        spool = _Spool(self.path)
-        fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def _write_loop(self, spool: "_Spool", fd: int) -> None:
         mark, pulse, next_pulse = (0, 0, 0), 1, time.monotonic() + PULSE_SECONDS
         try:
-            _write_mark(fd, mark, spool, pulse)  # its bytes exist from now on: overwriting them needs no free space
             closing = False
             while not closing:
                 try:  # the pulse's pace; while lines wait for space, they are tried again as often

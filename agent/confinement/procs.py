@@ -15,6 +15,7 @@ GROUP_MARKER_ENV = "ETT_WORKER_GROUP"
 # forks, asked at its placer's socket (agent.confinement.placement), before the process runs a line.
 GROUP_CGROUP_ENV = "ETT_WORKER_CGROUP"
 GROUP_PLACER_ENV = "ETT_CGROUP_PLACER"
+TREE_LIMIT = 256  # processes read below a rank (process_tree)
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -94,19 +95,56 @@ def cpu_and_state(pid: int) -> tuple[int, str] | None:
     return int(fields[11]) + int(fields[12]), fields[0].decode()
 
 
-def a_thread_runs_or_waits_on_io(pid: int) -> bool:
-    """Whether a thread of the process is runnable (R: it waits for a CPU) or in uninterruptible sleep
-    (D: a page fault under memory pressure, a write to a stalled disk), by the kernel's word: held up by
-    the machine, not frozen by its own code."""
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in threads:
+def process_tree(pid: int) -> list[int]:
+    """The process and those below it (its children, theirs, ...), by the kernel's word (each thread's
+    `children`): a rank started through a wrapper (`bash train.sh`) runs in a grandchild. At most
+    TREE_LIMIT of them, so a job that forks thousands costs the agent no more."""
+    tree, below = [], [pid]
+    while below and len(tree) < TREE_LIMIT:
+        current = below.pop(0)
+        tree.append(current)
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as stat_file:
-                if stat_file.read().rsplit(b")", 1)[1].split()[0] in (b"R", b"D"):
-                    return True
-        except (OSError, IndexError):
-            continue  # the thread ended meanwhile
+            threads = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue  # gone meanwhile
+        for tid in threads:
+            try:
+                with open(f"/proc/{current}/task/{tid}/children", "rb") as children:
+                    below.extend(int(child) for child in children.read().split())
+            except (OSError, ValueError):
+                continue
+    return tree
+
+
+def tree_cpu_and_states(pid: int) -> tuple[int, list[str]] | None:
+    """The CPU time of the process and those below it together (clock ticks), and each one's state
+    letter, the process's own first; None: the process is gone."""
+    ticks, states = 0, []
+    for index, member in enumerate(process_tree(pid)):
+        vitals = cpu_and_state(member)
+        if vitals is None:
+            if index == 0:
+                return None
+            continue  # a child that ended meanwhile
+        ticks += vitals[0]
+        states.append(vitals[1])
+    return ticks, states
+
+
+def a_thread_runs_or_waits_on_io(pid: int) -> bool:
+    """Whether a thread of the process, or of one below it, is runnable (R: it waits for a CPU) or in
+    uninterruptible sleep (D: a page fault under memory pressure, a write to a stalled disk), by the
+    kernel's word: held up by the machine, not frozen by its own code."""
+    for member in process_tree(pid):
+        try:
+            threads = os.listdir(f"/proc/{member}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{member}/task/{tid}/stat", "rb") as stat_file:
+                    if stat_file.read().rsplit(b")", 1)[1].split()[0] in (b"R", b"D"):
+                        return True
+            except (OSError, IndexError):
+                continue  # the thread ended meanwhile
     return False

@@ -7,7 +7,7 @@ The group acts on a hang (agent.groups.workers); this only says when there is on
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.confinement.procs import a_thread_runs_or_waits_on_io, cpu_and_state
+from agent.confinement.procs import a_thread_runs_or_waits_on_io, tree_cpu_and_states
 from agent.files.spool import SpoolReader
 from agent.groups.hang import FrozenRanks, HangLimit
 from ett.events import read_progress_mark
@@ -69,7 +69,9 @@ class Progress:
             self.spool_trouble[path.name] = (mark.unwritten, mark.dropped)
             rank = rank_of_progress_file(path.name)
             if rank is not None:
-                vitals = cpu_and_state(live[rank]) if rank in live else None
+                # The CPU time of the rank's whole tree: one started through a wrapper (`bash train.sh`)
+                # computes in a grandchild while the wrapper waits.
+                vitals = tree_cpu_and_states(live[rank]) if rank in live else None
                 self.frozen.observe(rank, mark.pulse, vitals[0] if vitals else None, now)
             if (mark.step, mark.beats) != self._marks.get(path.name):
                 self._marks[path.name] = (mark.step, mark.beats)
@@ -109,15 +111,17 @@ class Progress:
         """(seconds, limit, detail) of a rank of this group that froze (hang.py), by the kernel's word."""
         for rank, seconds in sorted(self.frozen.frozen(now, STOPPED_SECONDS).items()):
             pid = rank_pids[rank]
-            vitals = cpu_and_state(pid)
+            vitals = tree_cpu_and_states(pid)
             # A thread held up by the machine (waiting for a CPU on a loaded node, or in a page fault or a
             # stalled write) stops the pulse and CPU time too: that is no freeze, and the limit above judges it.
             if vitals is None or not owns(pid) or a_thread_runs_or_waits_on_io(pid):
                 continue
-            limit = STOPPED_SECONDS if vitals[1] == "T" else FROZEN_SECONDS  # stopped by a signal: ett/protocol
+            states = vitals[1]
+            # Every process of its tree stopped by a signal: ett/protocol's STOPPED_SECONDS.
+            limit = STOPPED_SECONDS if all(state == "T" for state in states) else FROZEN_SECONDS
             if seconds < limit:
                 continue
-            how = "stopped" if vitals[1] in "Tt" else f"state {vitals[1]}"
+            how = "stopped" if "T" in states else "in a tracing stop" if "t" in states else f"state {states[0]}"
             after = f"after step {self.last_step}" if self.last_step is not None else "before its first step"
             return seconds, limit, (f"rank {rank} frozen {after}: its pulse and CPU time stood still for "
                                     f"{seconds:.1f}s (process {how})")

@@ -3,7 +3,7 @@
 --env-file F: rank 0 writes the ETT_* environment it was handed to F (JSON).
 --busy-seconds S: S seconds of work before the first step, marked with run.progress() every 0.2 s
 (or, with --silent, not marked at all).
---stall-at-step S --stall KIND[,KIND] --stall-seconds X: in step S rank 1 (or, with two kinds,
+--stall-at-step S --stall KIND[,KIND] --stall-seconds X: in step S (0: as soon as ett.init() returns) rank 1 (or, with two kinds,
 rank 0 the first and rank 1 the second) stops itself (freeze: SIGSTOP), or for X seconds sleeps
 (sleep: slow but live), computes holding the GIL (spin: its library's thread cannot pulse
 meanwhile, but its CPU time goes up) or waits in C code holding the GIL (block: libc's sleep through
@@ -47,6 +47,8 @@ def stall(kind: str) -> None:
         sum(range(int(1_000_000 * args.stall_seconds / (time.perf_counter() - start))))
 
 with ett.init() as run:
+    if args.stall_at_step == 0 and run.rank in STALLS:  # at once, before the library's thread may have run
+        stall(STALLS[run.rank])
     if args.env_file and run.rank == 0:
         with open(args.env_file, "w") as f:
             json.dump({k: v for k, v in os.environ.items() if k.startswith("ETT_")}, f)
