@@ -43,7 +43,7 @@ def test_a_rank_started_through_a_shell_is_read_with_the_process_it_waits_for():
         assert a_thread_runs_or_waits_on_io(wrapper.pid)
         child = process_tree(wrapper.pid)[1]
         os.kill(child, signal.SIGSTOP)
-        wait_for(lambda: tree_cpu_and_states(wrapper.pid)[1] == ["S", "T"], 10, "the child stopped, the wrapper waiting")
+        wait_for(lambda: tree_cpu_and_states(wrapper.pid)[1] == ["S", "T"], 10, "the child stopped alone")
         os.kill(wrapper.pid, signal.SIGSTOP)
         wait_for(lambda: tree_cpu_and_states(wrapper.pid)[1] == ["T", "T"], 10, "both stopped")
     finally:
