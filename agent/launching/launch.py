@@ -18,8 +18,8 @@ from ett.protocol.messages import CheckpointSpec, LaunchCommand, TrainerSpec
 
 # The guard and every rank runner are fresh interpreters at every launch, on the restart's path. They import
 # only the standard library and our own packages, so they start without `site` (-S: no site-packages scan,
-# no .pth file, no editable install's finder), our packages' folder put first on the path by hand: half
-# the start-up of a `python -P -m` (BENCHMARKS.md, "Recovery"), on a node whose CPUs the ranks want too.
+# no .pth file, no editable install's finder), our packages' folder put first on the path by hand: less
+# start-up than a `python -P -m` (BENCHMARKS.md, "Twenty-fifth session"), on CPUs the ranks want too.
 PACKAGES_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
 
 
