@@ -96,23 +96,20 @@ def cpu_and_state(pid: int) -> tuple[int, str] | None:
 
 
 def process_tree(pid: int) -> list[int]:
-    """The process and those below it (its children, theirs, ...), by the kernel's word (each thread's
-    `children`): a rank started through a wrapper (`bash train.sh`) runs in a grandchild. At most
-    TREE_LIMIT of them, so a job that forks thousands costs the agent no more."""
+    """The process and those below it (its children, theirs, ...), by the kernel's word: a rank started
+    through a wrapper (`bash train.sh`) runs in the wrapper's child. The children each main thread
+    started (`/proc/PID/task/PID/children`), where a shell, a launcher or a DataLoader starts theirs: one
+    read a process, for a check made at every poll of every rank. At most TREE_LIMIT of them, so a job
+    that forks thousands costs the agent no more."""
     tree, below = [], [pid]
     while below and len(tree) < TREE_LIMIT:
         current = below.pop(0)
         tree.append(current)
         try:
-            threads = os.listdir(f"/proc/{current}/task")
-        except OSError:
+            with open(f"/proc/{current}/task/{current}/children", "rb") as children:
+                below.extend(int(child) for child in children.read().split())
+        except (OSError, ValueError):
             continue  # gone meanwhile
-        for tid in threads:
-            try:
-                with open(f"/proc/{current}/task/{tid}/children", "rb") as children:
-                    below.extend(int(child) for child in children.read().split())
-            except (OSError, ValueError):
-                continue
     return tree
 
 
