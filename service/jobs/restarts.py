@@ -59,10 +59,12 @@ def handed_over(share: AttemptNode) -> bool:
     node among them may be dead: peer_loss.py decides). Its agent carries out the stop, queued first, and
     holds the launch until the old ranks are gone (agent/groups/supervisor.py); the new attempt's
     rendezvous waits for every node: no rank of it starts beside one of the old. A node dead meanwhile
-    is found as it would have been while waiting for its stop: by its silence past the deadline."""
+    is found as it would have been while waiting for its stop: by its silence past the deadline.
+    Never node rank 0's: its rank 0 commits the checkpoints, and its end, reported once its events are in,
+    may bring the newest commit, which the next attempt must be named to resume from."""
     attempt = share.attempt
     return (share.state in ACTIVE and attempt.state == AttemptState.failed and attempt.cause in BROKEN_CAUSES
-            and attempt.diagnosis != PEER_LOST)
+            and attempt.diagnosis != PEER_LOST and share.node_rank != 0)
 
 
 def handed_over_nodes(session: Session, job: Job, fresh: datetime) -> list[Node]:

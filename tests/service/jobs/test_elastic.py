@@ -110,8 +110,9 @@ def test_min_nodes_equal_to_nodes_behaves_as_a_job_that_is_not_elastic(session, 
 
 
 def test_no_shrink_while_its_own_nodes_are_still_stopping(session, settings):
-    """A killed rank, every node healthy: node a still stops its share (killed at once), so the job
-    restarts on both nodes at once, though it declared a smaller size and only b is idle meanwhile."""
+    """A killed rank, every node healthy: node a (node rank 0, whose end may bring the newest commit) still
+    stops its share (killed at once), so the job waits for it and restarts on both nodes, though it
+    declared a smaller size and only b is idle meanwhile."""
     now = time.time() - 300  # the ticks below run within the nodes' heartbeats (stamped at the real time)
     job, a, b = running_on_a_and_b(session, settings, ELASTIC, now)
     declare(session, job, 0, [2], now + 2)
@@ -120,6 +121,10 @@ def test_no_shrink_while_its_own_nodes_are_still_stopping(session, settings):
     session.refresh(job)
     assert elastic_size(session, job, [b], set()) == (None, "")  # a comes back: no smaller attempt
     tick(session, settings, now + 5 + settings.restart_backoff_seconds + 0.5)  # no checkpoint yet: its backoff
+    session.refresh(job)
+    assert len(job.attempts) == 1  # not on b alone
+    report(session, a, job, 0, "failed", now + 6, cause="exit", detail="rank 1 exit code 1", exit_code=1)
+    tick(session, settings, now + 6 + settings.restart_backoff_seconds + 0.5)
     session.refresh(job)
     assert [s.node.name for s in job.attempts[1].nodes] == ["a", "b"] and job.attempts[1].full_nodes is None
     launches = [c for node in (a, b) for c in taken(session, node) if c["type"] == "launch"]

@@ -27,6 +27,7 @@ def test_the_imports_a_node_reports_reach_the_next_launch_on_every_node_the_spar
     scheduler.tick(session, settings, time.time())
     session.commit()
     assert b.state == NodeState.lost
+    report(session, a, job, 0, "stopped", time.time())  # node rank 0's end is waited for (restarts.handed_over)
     tick(session, settings, time.time() + settings.restart_backoff_seconds + 1)
     session.refresh(job)
     assert [s.node.name for s in job.attempts[1].nodes] == ["a", "c-spare"]

@@ -105,28 +105,45 @@ def test_failure_kills_the_others_and_restarts_on_the_same_nodes_without_waiting
     job = add_job(session, faults=[{"attempt": 1, "rank": 3, "at_step": 4, "action": "kill", "code": None}])
     tick(session, settings, T0)
     taken(session, a), taken(session, b)
-    report(session, a, job, 0, "running", T0 + 1)
-    report(session, b, job, 0, "failed", T0 + 5, cause="signal", detail="rank 3 killed by SIGKILL")
+    report(session, b, job, 0, "running", T0 + 1)
+    report(session, a, job, 0, "failed", T0 + 5, cause="exit", detail="rank 1 exit code 1", exit_code=1)
     session.refresh(job)
-    assert job.attempts[0].state == AttemptState.failed and job.attempts[0].cause == "signal"
-    # Node a still runs the old attempt's ranks, killed at once: the next attempt is given it all the same,
+    assert job.attempts[0].state == AttemptState.failed and job.attempts[0].cause == "exit"
+    # Node b still runs the old attempt's ranks, killed at once: the next attempt is given it all the same,
     # its launch queued after the stop, which the agent carries out first (and holds the launch until then).
     tick(session, settings, T0 + 5.5 + settings.restart_backoff_seconds)  # no checkpoint yet: its backoff
     session.refresh(job)
     assert len(job.attempts) == 2 and job.restarts == 1
-    stop, relaunch_a = taken(session, a)
+    stop, relaunch_b = taken(session, b)
     assert stop == {"type": "stop", "job_id": job.id, "attempt": 0, "reason": "attempt failed", "at_once": True}
-    [relaunch_b] = taken(session, b)
+    [relaunch_a] = taken(session, a)
     assert (relaunch_a["attempt"], relaunch_a["node_rank"], relaunch_b["node_rank"]) == (1, 0, 1)
     assert relaunch_b["faults"] == [job.spec.faults[0].model_dump()] and relaunch_a["faults"] == []
-    # The old share's end leaves node a to the new attempt; its end frees it.
-    report(session, a, job, 0, "failed", T0 + 6, cause="signal", detail="rank 1 killed by SIGKILL")
-    session.refresh(a)
-    assert a.state == NodeState.busy and job.attempts[0].cause == "signal"  # a root cause still corrects the record
+    # The old share's end leaves node b to the new attempt; its end frees it.
+    report(session, b, job, 0, "failed", T0 + 6, cause="signal", detail="rank 3 killed by SIGKILL")
+    session.refresh(b)
+    assert b.state == NodeState.busy and job.attempts[0].cause == "signal"  # a root cause still corrects the record
     report(session, a, job, 1, "succeeded", T0 + 9)
     report(session, b, job, 1, "succeeded", T0 + 9)
-    session.refresh(a), session.refresh(job)
-    assert a.state == NodeState.idle and job.state == JobState.succeeded
+    session.refresh(b), session.refresh(job)
+    assert b.state == NodeState.idle and job.state == JobState.succeeded
+
+
+def test_the_next_attempt_waits_for_node_rank_0_whose_end_may_bring_the_newest_commit(session, settings):
+    """Rank 0 commits the checkpoints: its node's end, reported once its events are in, may bring a commit
+    the next attempt must be named to resume from, so that share is waited for even when killed at once."""
+    a, b = add_nodes(session, "a", "b")
+    job = add_job(session)
+    tick(session, settings, T0)
+    report(session, a, job, 0, "running", T0 + 1)
+    report(session, b, job, 0, "failed", T0 + 5, cause="signal", detail="rank 3 killed by SIGKILL")
+    tick(session, settings, T0 + 5.5 + settings.restart_backoff_seconds)
+    session.refresh(job)
+    assert len(job.attempts) == 1 and a.state == NodeState.busy
+    report(session, a, job, 0, "failed", T0 + 6, cause="exit", detail="rank 1 exit code 1", exit_code=1)
+    tick(session, settings, T0 + 6.5 + settings.restart_backoff_seconds)
+    session.refresh(job)
+    assert len(job.attempts) == 2
 
 
 @pytest.mark.parametrize("end", ["straggler", "peer_lost"])
