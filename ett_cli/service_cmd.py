@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workers > 1 and settings.resolved_database_url.startswith("sqlite"):
         print("ett: several workers need PostgreSQL (ETT_DATABASE_URL); SQLite has one writer", file=sys.stderr)
         return 2
-    # Idle connections are kept longer than clients keep theirs (httpx: 5 s), so a client never
-    # sends on a connection the service is closing at that moment (a transport error for the
-    # agent); agents heartbeating every few seconds keep theirs open.
+    from service.main import KEEP_ALIVE_SECONDS
+
     uvicorn.run("service.main:create_app", factory=True, host=settings.host, port=settings.port,
-                workers=args.workers, log_level="info", timeout_keep_alive=20)
+                workers=args.workers, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
     return 0

@@ -31,6 +31,11 @@ from service.outcomes import Refused
 from service.pages import install_pages
 from service.settings import Settings, get_settings
 
+# Idle connections are kept longer than clients keep theirs (httpx: 5 s), so a client never sends
+# on a connection the service is closing at that moment (a connection reset for the agent or the
+# user); agents heartbeating every few seconds keep theirs open.
+KEEP_ALIVE_SECONDS = 20
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()

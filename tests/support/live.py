@@ -11,7 +11,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from service.context import ServiceContext, context_of
-from service.main import create_app
+from service.main import KEEP_ALIVE_SECONDS, create_app
 from service.models import Role
 from service.security import create_token
 from service.settings import Settings
@@ -43,7 +43,8 @@ def live_service(settings: Settings) -> Iterator[LiveService]:
     """Serves a fresh app for the block; the database must already be at head."""
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                          timeout_keep_alive=KEEP_ALIVE_SECONDS))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
