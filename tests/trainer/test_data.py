@@ -108,3 +108,12 @@ def test_at_fewer_ranks_a_step_takes_the_full_sizes_batches_and_its_position_res
     grown = ByteBatchLoader(stdlib, 2, 32, rank=1, world_size=2, seed=3)
     grown.load_state_dict(shrunk.state_dict())
     assert torch.equal(grown.next_batch()[0], shrunk.next_step()[1][0])
+
+
+def test_an_epochs_order_is_the_int64_permutation_checkpoints_of_earlier_versions_were_trained_on(stdlib):
+    # The order is drawn in int32 for speed; a checkpoint written when it was drawn in int64
+    # (torch's default) must resume on the same windows.
+    loader = ByteBatchLoader(stdlib, batch_size=2, seq_len=128, rank=0, world_size=2, seed=3)
+    loader.epoch = 1
+    expected = torch.randperm(loader.num_windows, generator=torch.Generator().manual_seed(3 * 1_000_003 + 1))
+    assert torch.equal(loader._epoch_order().long(), expected)
