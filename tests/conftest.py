@@ -10,6 +10,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from agent.warm.servers import SINGLE_THREAD_ENV
 from service.db import make_engine, make_session_factory
 from service.migrate import upgrade
 from service.models import Base
@@ -27,6 +28,11 @@ WORKER_ENV = {"ETT_MASTER_PORT_FIRST": str(20000 + 1000 * _WORKER), "ETT_MASTER_
 # Set, not defaulted: the workers inherit the controller's environment, where this module set
 # worker 0's range first (both workers then shared it: "EADDRINUSE" on a master port, BENCHMARKS.md).
 os.environ.update(WORKER_ENV)
+# The suite plays many nodes on one machine: each of its processes computes on one thread, as
+# torchrun gives each of several ranks on a node. The ranks of one-process "nodes" each ran as many
+# intra-op threads as there are cores, and spun against each other: the elastic trainer test took
+# 57 s and 94 s of CPU alone, 33 s and 60 s with one thread a process (BENCHMARKS.md, 2026-11-29).
+os.environ.update(SINGLE_THREAD_ENV)
 _database_numbers = itertools.count()
 # Each test's budget on a quiet 2-core machine (two xdist workers): one that needs more says why in
 # `@pytest.mark.over_budget(reason)`; the others over it are named at the end of the run (not failed:
