@@ -27,14 +27,7 @@ def setup_logging(cfg: LogConfig, rank: int) -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.propagate = False  # DCP's checkpoint process configures the root logger its own way
-        _set_level(logger, cfg.level.upper() if rank == 0 else logging.WARNING)
+        logger.setLevel(cfg.level.upper() if rank == 0 else logging.WARNING)
     # Process-based checkpointing pickles DTensors to the checkpoint process, where torch warns
     # on every save that their mesh cannot find its groups for torch.compile, which we do not use.
-    _set_level(logging.getLogger("torch.distributed.device_mesh"), logging.ERROR)
-
-
-def _set_level(logger: logging.Logger, level: int | str) -> None:
-    # Only a change: each setLevel clears every logger's cache, and a rank has a few thousand
-    # (torch's), at every start (setup_logging runs before the config is read and after).
-    if logger.level != (level if isinstance(level, int) else logging.getLevelNamesMapping()[level]):
-        logger.setLevel(level)
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
