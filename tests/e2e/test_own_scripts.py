@@ -23,7 +23,7 @@ from tests.support.cluster import (
     cluster,
     events,
     example_job,
-    newest_committed_before_the_failure,
+    named_checkpoint_step,
 )
 from ett.checkpoints.folders import verify
 from ett.protocol import MARKER
@@ -68,8 +68,8 @@ def run_with_a_kill(c: Cluster, spec: dict, kill: dict = KILL, **agent: Any) -> 
     # A successful attempt's ranks leave nothing behind (DCP's checkpoint process included).
     assert f"attempt {job_id}/1: killed" not in c.logs()
 
-    # The second attempt restored the newest checkpoint committed before the failure.
-    newest = newest_committed_before_the_failure(c, job_id)
+    # The second attempt restored the checkpoint the service named: the newest committed when it was scheduled.
+    newest = named_checkpoint_step(c, job_id)
     [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
     assert restore.step == newest and second["resume_from"].endswith(str(newest))
 

@@ -4,6 +4,7 @@ processes (each a "node"), real torchrun ranks under them."""
 import contextlib
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -140,14 +141,26 @@ def events(c: Cluster, job_id: str, kind: str) -> list:
 
 
 def newest_committed_before_the_failure(c: Cluster, job_id: str) -> int:
-    """The step of the newest checkpoint attempt 0 committed before it failed: where attempt 1 must resume."""
+    """The step of the newest checkpoint attempt 0 committed before it failed: where attempt 1 resumes
+    at the earliest."""
     from service.models import Checkpoint
 
     failed_at = events(c, job_id, "attempt_failed")[0].ts
     with c.service.context.sessions() as session:
         committed = session.scalars(select(Checkpoint).where(
             Checkpoint.job_id == job_id, Checkpoint.attempt == 0, Checkpoint.committed_at <= failed_at)).all()
-    return max(ckpt.step for ckpt in committed)
+    return max((ckpt.step for ckpt in committed), default=0)
+
+
+def named_checkpoint_step(c: Cluster, job_id: str, attempt: int = 1) -> int:
+    """The step of the checkpoint the service named for `attempt` (its `resume_from`: the newest committed
+    when the attempt was scheduled; 0: none), asserted to be no older than the newest committed before the
+    failure. It may be newer: the survivors' save whose commit came in as the attempt failed (seen on a
+    loaded machine)."""
+    named = c.job(job_id)["attempts"][attempt]["resume_from"]
+    step = int(re.findall(r"\d+", Path(named).name)[-1]) if named else 0
+    assert step >= newest_committed_before_the_failure(c, job_id), named
+    return step
 
 
 def assert_categories_sum_to_wall(report: dict) -> None:

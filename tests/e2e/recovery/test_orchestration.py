@@ -12,7 +12,7 @@ from tests.support.cluster import (
     assert_categories_sum_to_wall,
     cluster,
     events,
-    newest_committed_before_the_failure,
+    named_checkpoint_step,
     trainer_job,
 )
 from tests.support.processes import pid_alive, pids_in_cgroups_of, pids_with_env
@@ -31,7 +31,7 @@ def test_sigkill_of_a_rank_resumes_from_the_last_committed_checkpoint(tmp_path):
         assert first["cause"] == "signal" and second["state"] == "succeeded"
         assert not c.agent_failures()  # every group ended in the agent too (its warm servers spared)
 
-        newest = newest_committed_before_the_failure(c, job_id)
+        newest = named_checkpoint_step(c, job_id)
         assert second["resume_from"].endswith(f"step-{newest:08d}")
         [restore] = [e for e in events(c, job_id, "restore_end") if e.attempt == 1 and e.source == "rank:0"]
         assert restore.step == newest and second["restored_step"] == newest and first["restored_step"] is None
@@ -86,13 +86,13 @@ def test_killed_agent_is_replaced_by_a_spare(tmp_path):
         assert first["cause"] in ("exit", "node_lost")
         assert victim not in second["nodes"] and len(second["nodes"]) == 2
         # The spare's disk holds nothing of the job: its ranks (EP 2, ZeRO-3 shards) take their state
-        # from the copies the survivor's ranks kept of the lost node's snapshots, unless a persistent
-        # checkpoint of the same step was committed (it wins a tie).
+        # from the copies the survivor's ranks kept of the lost node's snapshots, unless the checkpoint
+        # the service named is of the same step (it wins a tie).
         spare_ranks = {f"rank:{2 * second['nodes'].index('node-c') + i}" for i in (0, 1)}
         restores = {e.source: e for e in events(c, job_id, "restore_end") if e.attempt == 1}
         sources = {rank: e.data["source"] for rank, e in restores.items()}
         assert len(sources) == 4 and len({e.step for e in restores.values()}) == 1, sources
-        if restores["rank:0"].step > newest_committed_before_the_failure(c, job_id):
+        if restores["rank:0"].step > named_checkpoint_step(c, job_id):
             assert all(v == ("peer-snapshot" if k in spare_ranks else "local-snapshot") for k, v in sources.items())
         else:
             assert all((v == "persistent") == (k in spare_ranks) for k, v in sources.items()), sources
