@@ -3,7 +3,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup demo service test clean
+.PHONY: setup bytecode demo service test clean
 
 $(BIN)/ett: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +15,12 @@ $(BIN)/ett: pyproject.toml
 
 setup: $(BIN)/ett
 
-demo: setup
+# Our modules compiled once: where PYTHONDONTWRITEBYTECODE is set (these machines set it), every
+# process compiled them again, 0.4 s of CPU for each that imports the trainer (BENCHMARKS.md, 2026-11-29).
+bytecode: setup
+	$(BIN)/python -m compileall -q agent ett ett_cli service trainer tests migrations > /dev/null
+
+demo: setup bytecode
 	$(BIN)/ett demo
 
 service: setup
@@ -25,7 +30,7 @@ service: setup
 # Two workers, a test file each at a time (--dist loadfile: a file's shared runs and servers start
 # once): most tests wait on processes. Three took as long in all (each test 1.5x longer: the 2
 # cores are the limit; BENCHMARKS.md, "Eleventh session"). The slowest tests are listed at the end.
-test: setup
+test: setup bytecode
 	$(BIN)/pytest -q -n 2 --dist loadfile --durations=15
 
 clean:

@@ -181,11 +181,12 @@ def trainer_job(name: str = "e2e", **overrides: Any) -> dict[str, Any]:
 
 @contextmanager
 def cluster(tmp_path: Path, **settings: Any) -> Iterator[Cluster]:
-    """The service on SQLite (short deadlines for tests); agents are added with start_agent."""
+    """The service on SQLite (short deadlines for tests); agents are added with start_agent. The scheduler
+    ticks at the service's own period: woken by each submit and report, it needs no faster one, and at a
+    quarter second its ticks took 12% of a core in each test's process (BENCHMARKS.md, 2026-11-29)."""
     config = Settings(
         database_url=f"sqlite:///{tmp_path / 'ett.db'}", data_dir=tmp_path / "service",
-        checkpoint_root=tmp_path / "checkpoints", restart_backoff_seconds=0.5, scheduler_period_seconds=0.25,
-        **settings,
+        checkpoint_root=tmp_path / "checkpoints", restart_backoff_seconds=0.5, **settings,
     )  # fmt: skip
     upgrade(config.resolved_database_url)
     with live_service(config) as live:
