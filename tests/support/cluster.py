@@ -75,13 +75,21 @@ class Cluster:
     def lose_node(self, name: str, job_id: str) -> set[int]:
         """The node goes as a machine does, all at once: its agent, the job's ranks on it (SIGKILL)
         and its node-local checkpoint folder; returns the pids killed."""
-        local = self.root / name / "checkpoints" / job_id
-        pids = {*pids_with_env(JobEnv.CHECKPOINT_LOCAL_DIR, str(local)),
-                *pids_in_cgroups_of(agent_cgroup_name(name, self.root / name)), self.agents[name].pid}
+        return self.lose_nodes([name], job_id)
+
+    def lose_nodes(self, names: list[str], job_id: str) -> set[int]:
+        """Several nodes go at the same moment (lose_node): every process of theirs is found before
+        any is killed. Killed one node after the other, the second's agent lived through the first's
+        loss on a loaded machine, heartbeating after its peers' failure: it was not lost with the first."""
+        local = [self.root / name / "checkpoints" / job_id for name in names]
+        pids = {pid for name, folder in zip(names, local, strict=True)
+                for pid in (*pids_with_env(JobEnv.CHECKPOINT_LOCAL_DIR, str(folder)),
+                            *pids_in_cgroups_of(agent_cgroup_name(name, self.root / name)), self.agents[name].pid)}
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile is gone all the same
                 os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(local, ignore_errors=True)
+        for folder in local:
+            shutil.rmtree(folder, ignore_errors=True)
         return pids
 
     def wait_registered(self, name: str) -> None:

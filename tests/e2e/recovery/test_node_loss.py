@@ -51,7 +51,7 @@ def lose_nodes(tmp_path: Path, nodes: int, spares: int, lost: list[int], copies:
 
             replicated_step = wait_for(replicated, 120, "each lost rank's snapshot of step 10 or later on a peer")
             # Each node goes at once: its agent, its ranks, its disk (rank 0's spool stays on its node's disk).
-            killed = set().union(*(c.lose_node(first_nodes[r], job_id) for r in lost))
+            killed = c.lose_nodes([first_nodes[r] for r in lost], job_id)
             # Rank 0 alone writes step events: with its node, its last ones may not have reached
             # the service. Its spool on its node says which step it last finished.
             spool = AttemptPaths.of(c.root / first_nodes[0] / "spool", job_id, 0).events_dir / rank_spool(0)
