@@ -16,7 +16,7 @@ $(BIN)/ett: pyproject.toml
 setup: $(BIN)/ett
 
 # Our modules compiled once: where PYTHONDONTWRITEBYTECODE is set (these machines set it), every
-# process compiled them again, 0.4 s of CPU for each that imports the trainer (BENCHMARKS.md, 2026-11-29).
+# process compiled them again, about 0.5 s of CPU for each that imports the trainer (BENCHMARKS.md, 2026-11-29).
 bytecode: setup
 	$(BIN)/python -m compileall -q agent ett ett_cli service trainer tests migrations > /dev/null
 
