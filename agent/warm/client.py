@@ -48,12 +48,14 @@ def start_process(argv: list[str], warm_socket: str | None, output: int | None =
 class WarmProcess:
     """A process forked by the server: the few calls of the Popen it stands in for."""
 
-    def __init__(self, socket_path: str, argv: list[str], fds: list[int] = [0, 1, 2]) -> None:  # noqa: B006 (read only)
+    def __init__(self, socket_path: str, argv: list[str], fds: list[int] = [0, 1, 2],  # noqa: B006 (read only)
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+        """`env` and `cwd`: the process's (default: ours, as a fresh process inherits them)."""
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._conn.settimeout(HANDSHAKE_TIMEOUT_SECONDS)  # a stuck server must not stall the launch
             self._conn.connect(socket_path)
-            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+            request = {"argv": argv, "env": dict(os.environ) if env is None else env, "cwd": cwd or os.getcwd()}
             socket.send_fds(self._conn, [json.dumps(request).encode()], fds)
             self.pid = int(self._answer()["pid"])
             self._conn.settimeout(None)
@@ -66,6 +68,10 @@ class WarmProcess:
         if not message:
             raise ConnectionError("the warm server closed the connection")
         return json.loads(message)
+
+    def fileno(self) -> int:
+        """Readable once it has ended (its keeper's word): for select."""
+        return self._conn.fileno()
 
     def send_signal(self, signum: int) -> None:
         try:

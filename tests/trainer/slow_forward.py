@@ -8,12 +8,13 @@ import time
 
 from trainer.model import TransformerBlock
 
-if os.environ.get("RANK") == os.environ["SLOW_FORWARD_RANK"]:
-    seconds, forward = float(os.environ["SLOW_FORWARD_SECONDS"]), TransformerBlock.forward
+if __name__ == "__main__":  # the suite's warm server imports it first (tests/support/warm.py)
+    if os.environ.get("RANK") == os.environ["SLOW_FORWARD_RANK"]:
+        seconds, forward = float(os.environ["SLOW_FORWARD_SECONDS"]), TransformerBlock.forward
 
-    def slow_forward(self, *args):
-        time.sleep(seconds)
-        return forward(self, *args)
+        def slow_forward(self, *args):
+            time.sleep(seconds)
+            return forward(self, *args)
 
-    TransformerBlock.forward = slow_forward  # type: ignore[method-assign]
-runpy.run_module("trainer.train", run_name="__main__")
+        TransformerBlock.forward = slow_forward  # type: ignore[method-assign]
+    runpy.run_module("trainer.train", run_name="__main__")

@@ -4,7 +4,6 @@ its ranks the way the agent does: on seeing a given event."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -12,10 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ett.protocol import EVENTS_DIR, RANK_SPOOL_GLOB, rank_spool
+from tests.support import warm
 from tests.support.postgres import free_port
+from tests.support.warm import WarmPopen
 
 REPO = Path(__file__).resolve().parents[2]
 # Dropout draws from each rank's generator every step: an exact resume needs the generators restored.
+STDERR_LOG = "stderr.log"
 TINY_EP_ZERO3 = ["--preset", "tiny", "--parallel.ep", "2", "--parallel.zero", "3", "--model.dropout", "0.1"]
 
 
@@ -45,20 +47,22 @@ def read_events(path: Path) -> list[dict]:
 
 
 def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Path | None, attempt: int,
-           module: str = "trainer.train", env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path, Path]:
-    """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None;
-    `module`: the trainer, or a test's wrapper of it; `env`: variables added to the ranks'."""
+           module: str = "trainer.train", env: dict[str, str] | None = None) -> tuple[WarmPopen, Path, Path]:
+    """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None, forked from the
+    suite's warm server (tests/support/warm.py); `module`: the trainer, or a test's wrapper of it; `env`:
+    variables added to the ranks'. What they write on stderr goes to workdir/stderr.log."""
     event_dir, checkpoint_dir = workdir / EVENTS_DIR, checkpoint_dir or workdir / "ckpt"
     env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1",
            **(env or {})}
+    trainer_args = ["--checkpoint.dir", str(checkpoint_dir), *args]
     if nproc is None:
-        command = [sys.executable, "-m", module]
+        command = [sys.executable, "-m", module, *trainer_args]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--master-port", str(free_port()), "-m", module]
-    command += ["--checkpoint.dir", str(checkpoint_dir), *args]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+        command = warm.torchrun_command(nproc, free_port(), module, trainer_args, workdir / "runners")
+        env = warm.warm_env(env)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(os.devnull, "w") as stdout, open(workdir / STDERR_LOG, "w") as stderr:
+        process = warm.start(command, REPO, env, stdout.fileno(), stderr.fileno())
     return process, event_dir, checkpoint_dir
 
 
@@ -88,12 +92,12 @@ def run_trainer(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"trainer {args}: condition not met in {timeout} s")
             time.sleep(0.01)
-        _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        process.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if process.poll() is None:
             kill_tree(process.pid)
             process.wait()
-    return TrainerRun(process.returncode, stderr, event_dir, checkpoint_dir)
+    return TrainerRun(process.returncode, (workdir / STDERR_LOG).read_text(errors="replace"), event_dir, checkpoint_dir)
 
 
 def kill_tree(pid: int) -> None:

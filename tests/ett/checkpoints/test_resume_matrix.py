@@ -21,24 +21,29 @@ from ett.checkpoints.folders import step_folder
 from ett.protocol import MARKER
 from ett.protocol import JobEnv, rank_spool
 from ett.snapshots.folder import SnapshotFolder, snapshots_root
+from tests.support import warm
 from tests.support.waiting import wait_for
+from tests.support.warm import WarmPopen
 
 REPO = Path(__file__).parents[3]
 STEPS, HOLD_AT, WORLD = 12, 8, 2
 
 
-def launch(base: Path, phase: str, tier: str, *hold: int) -> list[subprocess.Popen]:
+def launch(base: Path, phase: str, tier: str, *hold: int) -> list[WarmPopen]:
+    """The ranks of a phase, forked from the suite's warm server (tests/support/warm.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETT_")}
     env |= {"MASTER_ADDR": "127.0.0.1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": "1",
             JobEnv.EVENT_DIR: str(base / f"events-{phase}")}
-    return [subprocess.Popen([sys.executable, "-m", "tests.ett.checkpoints.matrix_ranks", str(base), str(rank), str(WORLD), phase,
-                              tier, str(STEPS), *map(str, hold)], cwd=REPO,
-                             env=env | {"RANK": str(rank), "WORLD_SIZE": str(WORLD)},
-                             stdout=open(base / f"{phase}-rank-{rank}.log", "w"), stderr=subprocess.STDOUT)
-            for rank in range(WORLD)]  # fmt: skip
+    ranks = []
+    for rank in range(WORLD):
+        with open(base / f"{phase}-rank-{rank}.log", "w") as log:
+            ranks.append(warm.start([sys.executable, "-m", "tests.ett.checkpoints.matrix_ranks", str(base), str(rank),
+                                     str(WORLD), phase, tier, str(STEPS), *map(str, hold)], REPO,
+                                    env | {"RANK": str(rank), "WORLD_SIZE": str(WORLD)}, log.fileno(), log.fileno()))
+    return ranks
 
 
-def finish(base: Path, phase: str, ranks: list[subprocess.Popen]) -> None:
+def finish(base: Path, phase: str, ranks: list[WarmPopen]) -> None:
     for rank, process in enumerate(ranks):
         try:
             code = process.wait(timeout=120)

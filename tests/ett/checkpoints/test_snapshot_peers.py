@@ -10,7 +10,6 @@ import logging
 import pickle
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from ett.snapshots import mac as snapshot_mac
 from ett.snapshots.folder import SnapshotFolder, snapshots_root
 from ett.snapshots.peers import HELLO, MESSAGE, NONCE_BYTES, REFUSED, PeerReplica, ring_peers
 from ett.snapshots.restore import choose
+from tests.support import warm
 from tests.trainer.trainer_runs import REPO
 
 
@@ -32,19 +32,24 @@ def ranks(base: Path, world: int, *args: str, before_end=None, copies: int = 1) 
     """`world` ranks of tests/ett/checkpoints/peer_ranks.py; `before_end` runs once every rank wrote its address."""
     # A fresh rendezvous file each call: gloo's FileStore may leave its file behind when a run's
     # processes end, and a second run on a stale file reads the first run's keys and hangs.
-    env = {**os.environ, "PEER_COPIES": str(copies), "PEER_RENDEZVOUS": str(base / f"rendezvous-{uuid.uuid4().hex}")}
-    processes = [subprocess.Popen([sys.executable, "-m", "tests.ett.checkpoints.peer_ranks", str(base), str(rank), str(world),
-                                   *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for rank in range(world)]  # fmt: skip
+    call = uuid.uuid4().hex
+    env = {**os.environ, "PEER_COPIES": str(copies), "PEER_RENDEZVOUS": str(base / f"rendezvous-{call}")}
+    outputs = [(base / f"rank-{rank}-{call}.out", base / f"rank-{rank}-{call}.err") for rank in range(world)]
+    processes = []
+    for rank, (out, err) in enumerate(outputs):  # forked from the suite's warm server (tests/support/warm.py)
+        with open(out, "w") as out_file, open(err, "w") as err_file:
+            processes.append(warm.start([sys.executable, "-m", "tests.ett.checkpoints.peer_ranks", str(base), str(rank),
+                                         str(world), *args], REPO, env, out_file.fileno(), err_file.fileno()))
     try:
         if before_end is not None:
             before_end()
     finally:
         (base / "go").touch()
-        outputs = [process.communicate(timeout=120) for process in processes]
+        for process in processes:
+            process.wait(timeout=120)
     for process, (_, err) in zip(processes, outputs, strict=True):
-        assert process.returncode == 0, err[-3000:]
-    return [out for out, _ in outputs]
+        assert process.returncode == 0, err.read_text()[-3000:]
+    return [out.read_text() for out, _ in outputs]
 
 
 def node(base: Path, rank: int, world: int = 2) -> SnapshotFolder:

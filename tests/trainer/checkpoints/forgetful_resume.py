@@ -6,5 +6,6 @@ import runpy
 
 from ett.state import RNGState
 
-RNGState.load_state_dict = lambda self, state: None  # type: ignore[method-assign]
-runpy.run_module("trainer.train", run_name="__main__")
+if __name__ == "__main__":  # the suite's warm server imports it first (tests/support/warm.py)
+    RNGState.load_state_dict = lambda self, state: None  # type: ignore[method-assign]
+    runpy.run_module("trainer.train", run_name="__main__")
