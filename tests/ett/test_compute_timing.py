@@ -3,11 +3,10 @@ its own beyond `run.step`: two torchrun ranks on gloo, rank 1 slow inside its fo
 of rank 0 in FSDP2's all-gathers are taken off its work (ett/waits.py)."""
 
 import os
-import subprocess
 import sys
 
 from ett.protocol import EVENTS_DIR, rank_spool
-from tests.support.postgres import free_port
+from tests.support import warm
 from tests.trainer.trainer_runs import REPO, read_events
 
 SLOW_SECONDS = 0.02  # in each of the script's 4 blocks' forwards: 0.08 s a step on rank 1
@@ -21,10 +20,10 @@ def test_an_fsdp2_rank_slow_in_its_forward_shows_more_work_than_its_peer(tmp_pat
     event_dir = tmp_path / EVENTS_DIR
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETT_", "RANK", "WORLD_SIZE"))}
     env.update(ETT_JOB_ID="fsdp-timing", ETT_ATTEMPT="0", ETT_EVENT_DIR=str(event_dir), OMP_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-            "-m", "tests.ett.fsdp_ranks", "10", "1", str(SLOW_SECONDS)]
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-4000:]
+    with open(tmp_path / "output.log", "w") as output:  # torchrun and its ranks forked warm (tests/support/warm.py)
+        run = warm.torchrun(2, [sys.executable, "-m", "tests.ett.fsdp_ranks", "10", "1", str(SLOW_SECONDS)],
+                            tmp_path / "runners", REPO, env, output.fileno(), output.fileno())
+    assert run.wait(timeout=300) == 0, (tmp_path / "output.log").read_text()[-4000:]
     fast, slow = last_window(event_dir, 0), last_window(event_dir, 1)
     assert fast["steps"] == slow["steps"] == 5
     injected = 4 * SLOW_SECONDS

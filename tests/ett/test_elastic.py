@@ -3,7 +3,6 @@ samples, its refusals, the `elastic` event; and examples/plain_ddp.py, real torc
 shrunk from 2 ranks to 1 and grown back, against an uninterrupted 2-rank run."""
 
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ from ett.env import JobEnvironment
 from ett.errors import UsageError
 from ett.protocol import EVENTS_DIR, JobEnv, rank_spool
 from ett.run import Run
-from tests.support.postgres import free_port
+from tests.support import warm
 from tests.trainer.trainer_runs import REPO, kill_tree, read_events
 
 PLAIN_DDP = REPO / "examples" / "plain_ddp.py"
@@ -89,18 +88,22 @@ def plain_ddp(workdir: Path, ranks: int, steps: int, checkpoints: Path, full: in
     env = {**os.environ, "ETT_JOB_ID": "elastic", "ETT_EVENT_DIR": str(events), "OMP_NUM_THREADS": "1",
            "ETT_CHECKPOINT_DIR": str(checkpoints), "ETT_CHECKPOINT_INTERVAL_STEPS": "1000",
            **({JobEnv.FULL_WORLD_SIZE: str(full)} if ranks < full else {})}  # fmt: skip
-    # One rank is one process of its own (the script makes its one-rank group): no torchrun to start.
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-                 str(free_port())] if ranks > 1 else [sys.executable])
-    command = [*launcher, str(PLAIN_DDP), "--steps", str(steps), "--out", str(workdir / "final.pt")]
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    # One rank is one process of its own (the script makes its one-rank group): no torchrun to start. Both forked
+    # from the suite's warm server (tests/support/warm.py).
+    command = [sys.executable, str(PLAIN_DDP), "--steps", str(steps), "--out", str(workdir / "final.pt")]
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(os.devnull, "w") as stdout, open(workdir / "stderr.log", "w") as stderr_file:
+        if ranks > 1:
+            process = warm.torchrun(ranks, command, workdir / "runners", REPO, env, stdout.fileno(), stderr_file.fileno())
+        else:
+            process = warm.start(command, REPO, env, stdout.fileno(), stderr_file.fileno())
     try:
-        _, stderr = process.communicate(timeout=120)
+        process.wait(timeout=120)
     finally:
         if process.poll() is None:
             kill_tree(process.pid)
             process.wait()
+    stderr = (workdir / "stderr.log").read_text(errors="replace")
     assert process.returncode == 0, stderr[-3000:]
     by_kind: dict[str, list[dict]] = {}
     for event in read_events(events / rank_spool(0)):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from ett.protocol import EVENTS_DIR, RANK_SPOOL_GLOB, rank_spool
 from tests.support import warm
-from tests.support.postgres import free_port
 from tests.support.warm import WarmPopen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,15 +53,13 @@ def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Pa
     event_dir, checkpoint_dir = workdir / EVENTS_DIR, checkpoint_dir or workdir / "ckpt"
     env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1",
            **(env or {})}
-    trainer_args = ["--checkpoint.dir", str(checkpoint_dir), *args]
-    if nproc is None:
-        command = [sys.executable, "-m", module, *trainer_args]
-    else:
-        command = warm.torchrun_command(nproc, free_port(), module, trainer_args, workdir / "runners")
-        env = warm.warm_env(env)
+    command = [sys.executable, "-m", module, "--checkpoint.dir", str(checkpoint_dir), *args]
     workdir.mkdir(parents=True, exist_ok=True)
     with open(os.devnull, "w") as stdout, open(workdir / STDERR_LOG, "w") as stderr:
-        process = warm.start(command, REPO, env, stdout.fileno(), stderr.fileno())
+        if nproc is None:
+            process = warm.start(command, REPO, env, stdout.fileno(), stderr.fileno())
+        else:
+            process = warm.torchrun(nproc, command, workdir / "runners", REPO, env, stdout.fileno(), stderr.fileno())
     return process, event_dir, checkpoint_dir
 
 
