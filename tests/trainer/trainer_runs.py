@@ -4,6 +4,7 @@ its ranks the way the agent does: on seeing a given event."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ett.protocol import EVENTS_DIR, RANK_SPOOL_GLOB, rank_spool
 from tests.support import warm
+from tests.support.postgres import free_port
 from tests.support.warm import WarmPopen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,17 +48,24 @@ def read_events(path: Path) -> list[dict]:
 
 
 def launch(workdir: Path, args: list[str], nproc: int | None, checkpoint_dir: Path | None, attempt: int,
-           module: str = "trainer.train", env: dict[str, str] | None = None) -> tuple[WarmPopen, Path, Path]:
+           module: str = "trainer.train", env: dict[str, str] | None = None, fresh: bool = False
+           ) -> tuple[WarmPopen | subprocess.Popen, Path, Path]:
     """nproc ranks under torchrun, or one plain `python -m trainer.train` when nproc is None, forked from the
     suite's warm server (tests/support/warm.py); `module`: the trainer, or a test's wrapper of it; `env`:
-    variables added to the ranks'. What they write on stderr goes to workdir/stderr.log."""
+    variables added to the ranks'. What they write on stderr goes to workdir/stderr.log. `fresh`: under plain
+    torchrun, every process a fresh interpreter: a reference for what an agent's warm ranks compute."""
     event_dir, checkpoint_dir = workdir / EVENTS_DIR, checkpoint_dir or workdir / "ckpt"
     env = {**os.environ, "ETT_EVENT_DIR": str(event_dir), "ETT_ATTEMPT": str(attempt), "OMP_NUM_THREADS": "1",
            **(env or {})}
     command = [sys.executable, "-m", module, "--checkpoint.dir", str(checkpoint_dir), *args]
     workdir.mkdir(parents=True, exist_ok=True)
     with open(os.devnull, "w") as stdout, open(workdir / STDERR_LOG, "w") as stderr:
-        if nproc is None:
+        if fresh:
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc or 1),
+                        "--master-port", str(free_port())]
+            process = subprocess.Popen([*torchrun, *command[1:]], cwd=REPO, env=env, stdout=stdout, stderr=stderr,
+                                       start_new_session=True)  # fmt: skip
+        elif nproc is None:
             process = warm.start(command, REPO, env, stdout.fileno(), stderr.fileno())
         else:
             process = warm.torchrun(nproc, command, workdir / "runners", REPO, env, stdout.fileno(), stderr.fileno())
@@ -74,10 +83,11 @@ def run_trainer(
     timeout: float = 300,
     module: str = "trainer.train",
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> TrainerRun:
     """Run to completion; with signal_when, send signum to every rank (pids from their
     init_start events) as soon as signal_when(rank 0's events so far) is true."""
-    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt, module, env)
+    process, event_dir, checkpoint_dir = launch(workdir, args, nproc, checkpoint_dir, attempt, module, env, fresh)
     deadline = time.monotonic() + timeout
     try:
         while signal_when is not None and process.poll() is None:

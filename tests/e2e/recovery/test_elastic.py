@@ -150,7 +150,7 @@ def test_the_trainer_shrinks_to_one_node_without_a_spare_grows_back_and_trains_a
 
     def uninterrupted() -> dict[int, float]:
         args = ["--preset", "tiny", *(arg for k, v in TINY_EP2.items() for arg in (f"--{k}", str(v)))]
-        run = run_trainer(tmp_path / "uninterrupted", args)
+        run = run_trainer(tmp_path / "uninterrupted", args, fresh=True)  # plain torchrun, as a user runs it
         assert run.returncode == 0, run.stderr
         return run.losses()
 
