@@ -1,6 +1,7 @@
 """The suite's own torch processes, forked warm: one warm server (agent.warm.server, the agent's own) per
 xdist worker holds torch, torchrun and the trainer, and forks the processes the tests start themselves
-(the trainer's runs, the checkpoint tiers' ranks, the plain torchrun runs of our examples), as an agent's server forks a job's ranks.
+(the trainer's runs, the checkpoint tiers' ranks, the library's plain-DDP and FSDP2 runs), as an agent's
+server forks a job's ranks. A reference for what a user's plain torchrun computes stays a fresh one.
 
 A fresh interpreter spent 2.7 s of CPU importing torchrun and 6 s the trainer before its first line, on
 a suite bound by its two cores (BENCHMARKS.md, "Twenty-eighth session"). What these processes then run is
