@@ -17,8 +17,8 @@ from tests.support.postgres import free_port
 from tests.support.warm import WarmPopen
 
 REPO = Path(__file__).resolve().parents[2]
+STDERR_LOG = "stderr.log"  # in a run's workdir: what its processes wrote on stderr
 # Dropout draws from each rank's generator every step: an exact resume needs the generators restored.
-STDERR_LOG = "stderr.log"
 TINY_EP_ZERO3 = ["--preset", "tiny", "--parallel.ep", "2", "--parallel.zero", "3", "--model.dropout", "0.1"]
 
 
